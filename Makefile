@@ -1,0 +1,31 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+PY := .venv/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8080
+CONFIG ?= configs/default.toml
+PYTEST_ARGS ?=
+
+.PHONY: install run test models bench check clean-models
+
+install:
+	@bash scripts/bootstrap.sh
+
+run: install
+	$(PY) -m proxy.models default
+	.venv/bin/statecache serve --config $(CONFIG) --host $(HOST) --port $(PORT)
+
+models: install
+	$(PY) -m proxy.models all
+
+test: install models
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+check: install
+	.venv/bin/ruff check statecache proxy tests tools bench
+	.venv/bin/mypy
+
+bench: install models
+	$(PY) -m bench.run
+
+clean-models:
+	rm -rf models/
