@@ -1,0 +1,192 @@
+"""Configuration: one TOML file into frozen dataclasses; defaults < file < overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from statecache.sizes import parse_size
+
+_SIZE = {"size": True}
+_NO_OVERRIDES: Mapping[str, object] = MappingProxyType({})
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message names the key."""
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    path: str = ""  # empty: the bundled Gemma 3 270M
+    draft_path: str = ""
+    n_ctx: int = 8192
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_gpu_layers: int = -1
+    n_rs_seq: int = 0
+    chat_template: str = ""  # a .jinja file overriding the GGUF's template
+    threads: int = 0  # 0: auto
+
+
+@dataclass(slots=True, frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    lanes: int = 2
+    queue_size: int = 16
+    request_timeout: float = 600.0
+    max_tokens_default: int = 512
+
+
+@dataclass(slots=True, frozen=True)
+class CacheConfig:
+    enabled: bool = True
+    page_size: int = 32
+    ram_budget: int = field(default=2 << 30, metadata=_SIZE)
+    disk_path: str = "~/.cache/statecache/checkpoints"
+    disk_budget: int = field(default=16 << 30, metadata=_SIZE)
+    disk_enabled: bool = True
+    periodic_pages: int = 64
+    splice_generated: bool = False
+    tenant: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class LogConfig:
+    level: str = "info"
+    llama_verbose: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "model": ModelConfig,
+    "server": ServerConfig,
+    "cache": CacheConfig,
+    "log": LogConfig,
+}
+# (key, lowest, highest) checked after conversion
+_RANGES: tuple[tuple[str, float, float | None], ...] = (
+    ("model.n_ctx", 1, None),
+    ("model.n_batch", 1, None),
+    ("model.n_ubatch", 1, None),
+    ("model.n_gpu_layers", -1, None),
+    ("model.n_rs_seq", 0, None),
+    ("model.threads", 0, None),
+    ("server.port", 0, 65535),
+    ("server.lanes", 1, None),
+    ("server.queue_size", 1, None),
+    ("server.request_timeout", 0.001, None),
+    ("server.max_tokens_default", 1, None),
+    ("cache.page_size", 1, None),
+    ("cache.periodic_pages", 0, None),
+)
+_PATHS = ("model.path", "model.draft_path", "model.chat_template", "cache.disk_path")
+
+
+def _convert(key: str, f: dataclasses.Field[Any], value: object) -> object:
+    if f.metadata.get("size"):
+        try:
+            return parse_size(value)
+        except ValueError:
+            raise ConfigError(f'{key}: expected a size like "8GiB", got {value!r}') from None
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    ok = {
+        "str": isinstance(value, str),
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, int | float) and not isinstance(value, bool),
+    }[kind]
+    if not ok:
+        raise ConfigError(f"{key}: expected {kind}, got {value!r}")
+    return float(value) if kind == "float" else value  # type: ignore[arg-type]
+
+
+def _merge(raw: dict[str, dict[str, object]], data: Mapping[str, object], source: str) -> None:
+    for section, table in data.items():
+        if section not in _SECTIONS:
+            raise ConfigError(
+                f"{source}: unknown section [{section}]; valid sections: {', '.join(_SECTIONS)}"
+            )
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{source}: [{section}] must be a table, got {table!r}")
+        valid = [f.name for f in dataclasses.fields(_SECTIONS[section])]
+        for key, value in table.items():
+            if key not in valid:
+                raise ConfigError(
+                    f"{source}: unknown key {section}.{key}; valid keys: {', '.join(valid)}"
+                )
+            raw[section][key] = value
+
+
+def _split_overrides(overrides: Mapping[str, object]) -> dict[str, dict[str, object]]:
+    out: dict[str, dict[str, object]] = {}
+    for dotted, value in overrides.items():
+        section, sep, key = dotted.partition(".")
+        if not sep or not key:
+            raise ConfigError(f"override {dotted!r}: expected section.key")
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def load_config(
+    path: str | Path | None = None, overrides: Mapping[str, object] = _NO_OVERRIDES
+) -> Config:
+    """Defaults < the TOML file at ``path`` < ``overrides`` ({"server.port": 9000})."""
+    raw: dict[str, dict[str, object]] = {name: {} for name in _SECTIONS}
+    if path is not None:
+        p = Path(path).expanduser()
+        try:
+            with p.open("rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {p}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+        _merge(raw, data, str(p))
+    _merge(raw, _split_overrides(overrides), "overrides")
+    sections: dict[str, Any] = {}
+    for name, cls in _SECTIONS.items():
+        values: dict[str, object] = {}
+        for f in dataclasses.fields(cls):
+            key = f"{name}.{f.name}"
+            if f.name in raw[name]:
+                values[f.name] = _convert(key, f, raw[name][f.name])
+            if key in _PATHS:
+                v = values.get(f.name, f.default)
+                if isinstance(v, str) and v:
+                    values[f.name] = str(Path(v).expanduser())
+        sections[name] = cls(**values)
+    cfg = Config(**sections)
+    _validate(cfg)
+    return cfg
+
+
+def get_value(cfg: Config, key: str) -> object:
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _validate(cfg: Config) -> None:
+    for key, lo, hi in _RANGES:
+        v = get_value(cfg, key)
+        assert isinstance(v, int | float)
+        if v < lo or (hi is not None and v > hi):
+            span = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+            raise ConfigError(f"{key}: must be {span}, got {v}")
+    if cfg.log.level.lower() not in LOG_LEVELS:
+        raise ConfigError(
+            f"log.level: expected one of {', '.join(LOG_LEVELS)}, got {cfg.log.level!r}"
+        )

@@ -1,0 +1,263 @@
+"""The checkpoint file format, as free functions (no model, no pool needed).
+
+Layout: header | msgpack metadata | raw state bytes | xxh3-128 of everything before.
+Header: magic b"SCKP", format version u16, flags u16, header/meta/data lengths.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import xxhash
+
+from statecache.records import CheckpointRecord, Kind, Owner, Role, new_record
+
+MAGIC = b"SCKP"
+FORMAT_VERSION = 1
+SUFFIX = ".ckpt"
+HEADER = struct.Struct("<4sHHIIQ")  # magic, version, flags, header_len, meta_len, data_len
+DIGEST_BYTES = 16
+MAX_META_BYTES = 16 << 20  # 4M tokens of context at most
+MAX_DATA_BYTES = 1 << 40
+_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+_CHUNK = 8 << 20
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "id": (str,),
+    "kind": (str,),
+    "owner": (str,),
+    "lane": (int, type(None)),
+    "n": (int,),
+    "tokens": (bytes,),
+    "fingerprint": (str,),
+    "tenant": (str,),
+    "state_format": (int,),
+    "nbytes": (int,),
+    "created": (float, int),
+    "role": (str,),
+    "preview": (str,),
+}
+
+
+class BadFile(Exception):
+    """A checkpoint file that must never be served; the message says why."""
+
+
+@dataclass(slots=True, frozen=True)
+class FileMeta:
+    """What a file's header and metadata say, before its digest is checked."""
+
+    path: Path
+    meta: dict[str, Any]
+    file_size: int
+    data_len: int
+    mtime: float
+
+    @property
+    def id(self) -> str:
+        return str(self.meta["id"])
+
+
+def valid_id(entry_id: str) -> bool:
+    return _ID_RE.match(entry_id) is not None
+
+
+def file_name(entry_id: str) -> str:
+    if not valid_id(entry_id):
+        raise ValueError(f"not a checkpoint id: {entry_id!r}")
+    return entry_id + SUFFIX
+
+
+def encode_meta(rec: CheckpointRecord) -> bytes:
+    meta = {
+        "id": rec.id,
+        "kind": rec.kind.value,
+        "owner": rec.owner.value,
+        "lane": rec.lane,
+        "n": rec.n,
+        "tokens": rec.tokens,
+        "fingerprint": rec.fingerprint,
+        "tenant": rec.tenant,
+        "state_format": rec.state_format,
+        "nbytes": rec.nbytes,
+        "created": float(rec.created),
+        "role": rec.role.value,
+        "preview": rec.preview,
+    }
+    return bytes(msgpack.packb(meta, use_bin_type=True))
+
+
+def decode_meta(raw: bytes) -> dict[str, Any]:
+    try:
+        meta = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=MAX_META_BYTES,
+            max_str_len=1 << 16,
+            max_array_len=0,
+            max_map_len=len(_META_TYPES),
+            max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises many types for malformed input
+        raise BadFile(f"unparseable metadata ({type(e).__name__})") from None
+    if not isinstance(meta, dict) or set(meta) != set(_META_TYPES):
+        raise BadFile("metadata has the wrong set of keys")
+    for key, types in _META_TYPES.items():
+        value = meta[key]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise BadFile(f"metadata {key}: wrong type {type(value).__name__}")
+    if len(meta["tokens"]) != 4 * meta["n"]:
+        raise BadFile("metadata n disagrees with its tokens")
+    return meta
+
+
+def record_from_meta(meta: dict[str, Any], page_size: int) -> CheckpointRecord:
+    """Rebuild the record; its id is recomputed, so a renamed or edited file is rejected."""
+    try:
+        rec = new_record(
+            kind=Kind(meta["kind"]),
+            owner=Owner(meta["owner"]),
+            lane=meta["lane"],
+            tokens=np.frombuffer(meta["tokens"], dtype="<i4"),
+            fingerprint=meta["fingerprint"],
+            tenant=meta["tenant"],
+            state_format=meta["state_format"],
+            nbytes=meta["nbytes"],
+            role=Role(meta["role"]),
+            created=float(meta["created"]),
+            page_size=page_size,
+            preview=meta["preview"],
+        )
+    except ValueError as e:
+        raise BadFile(f"metadata does not describe a checkpoint: {e}") from None
+    if rec.id != meta["id"]:
+        raise BadFile("metadata id does not match its content")
+    return rec
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = os.read(fd, min(n - len(out), _CHUNK))
+        if not chunk:
+            raise BadFile("truncated")
+        out += chunk
+    return bytes(out)
+
+
+def _open_regular(path: Path) -> tuple[int, os.stat_result]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno in (getattr(os, "ELOOP", -1), 40):
+            raise BadFile("symlink") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise BadFile("not a regular file")
+    return fd, st
+
+
+def _read_head(fd: int, st: os.stat_result, path: Path) -> tuple[FileMeta, bytes, bytes]:
+    if st.st_size < HEADER.size + DIGEST_BYTES:
+        raise BadFile("truncated" if st.st_size else "zero length")
+    head = _read_exact(fd, HEADER.size)
+    magic, version, _flags, header_len, meta_len, data_len = HEADER.unpack(head)
+    if magic != MAGIC:
+        raise BadFile("wrong magic")
+    if version != FORMAT_VERSION:
+        raise BadFile(f"format version {version}, expected {FORMAT_VERSION}")
+    if header_len != HEADER.size or meta_len > MAX_META_BYTES or data_len > MAX_DATA_BYTES:
+        raise BadFile("length field out of range")
+    if header_len + meta_len + data_len + DIGEST_BYTES != st.st_size:
+        raise BadFile(f"lengths disagree with the file size {st.st_size}")
+    raw_meta = _read_exact(fd, meta_len)
+    meta = decode_meta(raw_meta)
+    if meta["nbytes"] != data_len:
+        raise BadFile("metadata nbytes disagrees with the data length")
+    return FileMeta(path, meta, st.st_size, data_len, st.st_mtime), head, raw_meta
+
+
+def read_meta(path: Path) -> FileMeta:
+    """Header and metadata only (digest not checked); raises BadFile."""
+    fd, st = _open_regular(path)
+    try:
+        return _read_head(fd, st, path)[0]
+    finally:
+        os.close(fd)
+
+
+def read_checkpoint(path: Path) -> tuple[FileMeta, bytearray]:
+    """Header, metadata and state bytes, digest verified; raises BadFile."""
+    fd, st = _open_regular(path)
+    try:
+        fm, head, raw_meta = _read_head(fd, st, path)
+        digest = xxhash.xxh3_128(head)
+        digest.update(raw_meta)
+        data = bytearray(fm.data_len)
+        view = memoryview(data)
+        got = 0
+        while got < fm.data_len:
+            k = os.readv(fd, [view[got : got + _CHUNK]])
+            if k == 0:
+                raise BadFile("truncated")
+            got += k
+        digest.update(data)
+        if _read_exact(fd, DIGEST_BYTES) != digest.digest():
+            raise BadFile("digest mismatch")
+        return fm, data
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, buf: bytes | bytearray | memoryview) -> None:
+    view = memoryview(buf).cast("B")
+    while view:
+        k = os.write(fd, view[:_CHUNK])
+        view = view[k:]
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(
+    directory: Path, rec: CheckpointRecord, data: bytes | bytearray | memoryview
+) -> int:
+    """Write atomically (temp file, fsync, rename, fsync dir); returns the file size."""
+    if len(data) != rec.nbytes:
+        raise ValueError(f"{rec.id}: {len(data)} state bytes, record says {rec.nbytes}")
+    raw_meta = encode_meta(rec)
+    head = HEADER.pack(MAGIC, FORMAT_VERSION, 0, HEADER.size, len(raw_meta), len(data))
+    digest = xxhash.xxh3_128(head)
+    digest.update(raw_meta)
+    digest.update(data)
+    final = directory / file_name(rec.id)
+    tmp = directory / f".tmp-{rec.id}-{os.getpid()}-{os.urandom(4).hex()}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, 0o600)
+    try:
+        for part in (head, raw_meta, data, digest.digest()):
+            _write_all(fd, part)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, final)
+    fsync_dir(directory)
+    return len(head) + len(raw_meta) + len(data) + DIGEST_BYTES

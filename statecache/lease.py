@@ -1,0 +1,59 @@
+"""Lease: a looked-up checkpoint whose bytes stay valid until it is closed."""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Protocol
+
+from statecache.ram import Pin
+from statecache.records import CheckpointRecord
+
+Buffer = bytes | bytearray | memoryview
+
+
+class _Releaser(Protocol):
+    def _release(self, pin: Pin | None) -> None: ...
+
+
+class Lease:
+    """A looked-up checkpoint, pinned in RAM until closed (use as a context manager)."""
+
+    __slots__ = ("record", "tier", "_data", "_pool", "_pin", "_closed")
+
+    def __init__(
+        self,
+        pool: _Releaser,
+        record: CheckpointRecord,
+        tier: str,
+        data: Buffer,
+        pin: Pin | None,
+    ) -> None:
+        self.record = record
+        self.tier = tier  # "ram" or "disk": where the hit came from
+        self._data = memoryview(data).toreadonly()
+        self._pool = pool
+        self._pin = pin
+        self._closed = False
+
+    @property
+    def data(self) -> memoryview:
+        if self._closed:
+            raise RuntimeError("lease is closed")
+        return self._data
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._data.release()
+            self._pool._release(self._pin)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Lease({self.record.id[:12]}, n={self.record.n}, tier={self.tier})"
