@@ -1,0 +1,312 @@
+"""The `statecache` command: serve, inspect, verify, purge.
+
+Imports stay light at module level so `statecache --help` answers at once; numpy,
+msgpack and the proxy load only inside the subcommands that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="statecache", description="OpenAI-compatible llama.cpp proxy that reuses model state"
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the proxy")
+    s.add_argument("--config", metavar="FILE", help="TOML config file")
+    s.add_argument("--model", metavar="PATH", help="GGUF model (overrides model.path)")
+    s.add_argument("--host", help="overrides server.host")
+    s.add_argument("--port", type=int, help="overrides server.port")
+    s.add_argument("--lanes", type=int, help="overrides server.lanes")
+    s.add_argument("--no-cache", action="store_true", help="disable checkpoints")
+    s.add_argument("--verbose", action="store_true", help="log at debug level")
+
+    i = sub.add_parser("inspect", help="list checkpoints (proxy RAM and disk)")
+    i.add_argument("id", nargs="?", help="show one checkpoint (a unique id prefix is enough)")
+    i.add_argument("--url", default=DEFAULT_URL, help=f"running proxy (default {DEFAULT_URL})")
+    _disk_args(i)
+
+    v = sub.add_parser("verify", help="check the digest of every disk checkpoint")
+    _disk_args(v)
+
+    g = sub.add_parser("purge", help="remove disk checkpoints")
+    g.add_argument("--all", action="store_true", help="every checkpoint file")
+    g.add_argument("--older-than", metavar="AGE", help='created before AGE ago ("2h", "3d")')
+    g.add_argument("--role", choices=["end-of-reply", "periodic", "branch", "replay"])
+    g.add_argument("--tenant", metavar="T")
+    g.add_argument("--yes", action="store_true", help="really delete (default: dry run)")
+    _disk_args(g, json_flag=False)
+    return p
+
+
+def _disk_args(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config (for cache.disk_path)")
+    p.add_argument("--disk-path", metavar="DIR", help="checkpoint directory")
+    if json_flag:
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # argparse's own --help / usage errors
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    from statecache.config import ConfigError
+
+    try:
+        handler = {"serve": _serve, "inspect": _inspect, "verify": _verify, "purge": _purge}
+        return handler[args.command](args)
+    except (ConfigError, ValueError) as e:
+        print(f"statecache: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+# -- serve -------------------------------------------------------------------------------
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from statecache.config import load_config
+
+    flags: dict[str, object] = {
+        "model.path": args.model,
+        "server.host": args.host,
+        "server.port": args.port,
+        "server.lanes": args.lanes,
+        "cache.enabled": False if args.no_cache else None,
+        "log.level": "debug" if args.verbose else None,
+    }
+    config = load_config(args.config, {k: v for k, v in flags.items() if v is not None})
+    try:
+        from proxy.server import serve  # type: ignore[import-not-found, unused-ignore]
+    except ImportError as e:
+        print(f"statecache: error: the proxy is not available ({e})", file=sys.stderr)
+        return EXIT_PROBLEMS
+    return int(serve(config))
+
+
+# -- disk helpers ------------------------------------------------------------------------
+
+
+def _disk_dir(args: argparse.Namespace) -> Path:
+    if args.disk_path:
+        return Path(args.disk_path).expanduser()
+    from statecache.config import load_config
+
+    return Path(load_config(args.config).cache.disk_path).expanduser()
+
+
+def _ckpt_files(d: Path) -> Iterator[Path]:
+    from statecache.diskfmt import SUFFIX
+
+    if not d.is_dir():
+        return
+    for entry in sorted(os.scandir(d), key=lambda e: e.name):
+        if entry.name.endswith(SUFFIX) and not entry.name.startswith(".tmp-"):
+            yield Path(entry.path)
+
+
+def _disk_rows(d: Path) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Rows for valid-looking files (header + metadata only) and the unreadable ones."""
+    from statecache.diskfmt import BadFile, read_meta
+
+    rows: list[dict[str, Any]] = []
+    bad: list[dict[str, str]] = []
+    for path in _ckpt_files(d):
+        try:
+            fm = read_meta(path)
+        except (BadFile, OSError) as e:
+            bad.append({"file": path.name, "reason": str(e)})
+            continue
+        m = fm.meta
+        rows.append(
+            {
+                "id": m["id"],
+                "kind": m["kind"],
+                "owner": m["owner"],
+                "lane": m["lane"],
+                "role": m["role"],
+                "n": m["n"],
+                "nbytes": m["nbytes"],
+                "file_bytes": fm.file_size,
+                "created": m["created"],
+                "last_used": fm.mtime,
+                "hits": None,
+                "tiers": ["disk"],
+                "preview": m["preview"],
+                "fingerprint": m["fingerprint"],
+                "tenant": m["tenant"],
+                "state_format": m["state_format"],
+                "file": str(path),
+            }
+        )
+    return rows, bad
+
+
+# -- inspect -----------------------------------------------------------------------------
+
+
+def _fetch(url: str) -> Any:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as resp:
+            return json.load(resp)
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise OSError(f"HTTP {e.code}") from None
+    except (urllib.error.URLError, TimeoutError, ValueError) as e:
+        raise OSError(str(e)) from None
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    url = args.url.rstrip("/")
+    notes: list[str] = []
+    try:
+        proxy_rows: list[dict[str, Any]] = (_fetch(f"{url}/admin/checkpoints") or {}).get(
+            "checkpoints", []
+        )
+    except OSError:
+        proxy_rows = []
+        notes.append(f"proxy not reachable at {url}; showing disk only")
+    d = _disk_dir(args)
+    disk_rows, bad = _disk_rows(d)
+    merged: dict[str, dict[str, Any]] = {r["id"]: dict(r) for r in disk_rows}
+    for r in proxy_rows:
+        if not isinstance(r, dict) or not isinstance(r.get("id"), str):
+            continue
+        row = merged.setdefault(r["id"], {})
+        tiers = sorted(set(row.get("tiers", [])) | set(r.get("tiers", ["ram"])), reverse=True)
+        row.update(r, tiers=tiers)
+    if bad:
+        notes.append(f"{len(bad)} unreadable file(s) in {d}; run `statecache verify`")
+    out = sys.stdout
+    if args.id:
+        matches = [i for i in merged if i.startswith(args.id.lower())]
+        if len(matches) != 1:
+            what = "no checkpoint" if not matches else f"{len(matches)} checkpoints"
+            print(f"statecache: error: {what} match {args.id!r}", file=sys.stderr)
+            return EXIT_PROBLEMS
+        row = merged[matches[0]]
+        if args.json:
+            json.dump(row, out, indent=2)
+            out.write("\n")
+        else:
+            for k, v in row.items():
+                print(f"{k:>13}: {v}", file=out)
+        return EXIT_OK
+    rows = sorted(merged.values(), key=lambda r: r.get("last_used") or 0, reverse=True)
+    if args.json:
+        json.dump({"checkpoints": rows, "bad": bad, "notes": notes}, out, indent=2)
+        out.write("\n")
+    else:
+        for note in notes:
+            print(note, file=out)
+        _table(rows, out)
+    return EXIT_OK
+
+
+def _table(rows: list[dict[str, Any]], out: TextIO) -> None:
+    from statecache.sizes import format_age, format_size
+
+    now = time.time()
+    head = ("ID", "KIND", "ROLE", "N", "SIZE", "AGE", "HITS", "TIER", "PREVIEW")
+    lines = [head]
+    for r in rows:
+        hits = r.get("hits")
+        lines.append(
+            (
+                str(r.get("id", ""))[:12],
+                str(r.get("kind", "")),
+                str(r.get("role", "")),
+                str(r.get("n", "")),
+                format_size(int(r.get("nbytes") or 0)),
+                format_age(now - float(r.get("created") or now)),
+                "-" if hits is None else str(hits),
+                "+".join(r.get("tiers", [])),
+                repr(str(r.get("preview", ""))[-40:]),
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    for line in lines:
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip(), file=out)
+    print(f"{len(rows)} checkpoint(s)", file=out)
+
+
+# -- verify / purge ----------------------------------------------------------------------
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from statecache.diskfmt import BadFile, read_checkpoint, valid_id
+
+    d = _disk_dir(args)
+    ok: list[str] = []
+    bad: list[dict[str, str]] = []
+    for path in _ckpt_files(d):
+        try:
+            if path.is_symlink():
+                raise BadFile("symlink")
+            fm, _ = read_checkpoint(path)
+            if not valid_id(path.name[: -len(".ckpt")]) or fm.id != path.name[: -len(".ckpt")]:
+                raise BadFile("file name does not match its id")
+            ok.append(fm.id)
+        except (BadFile, OSError) as e:
+            bad.append({"file": path.name, "reason": str(e)})
+    if args.json:
+        json.dump({"dir": str(d), "ok": ok, "bad": bad}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        for b in bad:
+            print(f"BAD  {b['file']}: {b['reason']}")
+        print(f"{len(ok)} ok, {len(bad)} bad in {d}")
+    return EXIT_PROBLEMS if bad else EXIT_OK
+
+
+def _purge(args: argparse.Namespace) -> int:
+    from statecache.sizes import format_size, parse_duration
+
+    if not (args.all or args.older_than or args.role or args.tenant is not None):
+        print(
+            "statecache: error: purge needs --all, --older-than, --role or --tenant",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    cutoff = time.time() - parse_duration(args.older_than) if args.older_than else None
+    d = _disk_dir(args)
+    rows, bad = _disk_rows(d)
+    chosen = [
+        r
+        for r in rows
+        if (cutoff is None or r["created"] < cutoff)
+        and (args.role is None or r["role"] == args.role)
+        and (args.tenant is None or r["tenant"] == args.tenant)
+    ]
+    paths = [(Path(r["file"]), r["id"], r["file_bytes"]) for r in chosen]
+    if args.all:
+        paths += [(d / b["file"], b["file"], 0) for b in bad]
+    verb = "removed" if args.yes else "would remove"
+    total = 0
+    for path, name, size in paths:
+        if args.yes:
+            path.unlink(missing_ok=True)
+        total += size
+        print(f"{verb} {name}")
+    print(
+        f"{verb} {len(paths)} file(s), {format_size(total)}"
+        + ("" if args.yes else " (dry run; pass --yes to delete)")
+    )
+    return EXIT_OK
