@@ -1,0 +1,491 @@
+"""Typed access to llama.cpp through llama-cpp-python's low-level API.
+
+This is the only module of the project that imports ``llama_cpp``. Everything
+above it talks in Python ints, numpy arrays and memoryviews.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as _ll
+import numpy as np
+
+log = logging.getLogger(__name__)
+llama_log = logging.getLogger("proxy.llama")
+
+FLAGS_FULL = 0
+FLAGS_PARTIAL = int(_ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+LLAMA_CPP_VERSION = str(_ll.__version__)
+
+# ggml.h in this version: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (llama-cpp-python's
+# own _logger still assumes the older order, so we install our own callback).
+_LEVELS = {0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING,
+           4: logging.ERROR}
+
+
+class _LogBridge:
+    """Routes llama.cpp's log lines to Python logging, joining partial lines."""
+
+    def __init__(self) -> None:
+        self._buf: list[str] = []
+        self._level = logging.DEBUG
+        self.callback = _ll.llama_log_callback(self._on_log)
+
+    def _on_log(self, level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+        if level != 5:
+            self._level = _LEVELS.get(level, logging.DEBUG)
+        if not llama_log.isEnabledFor(self._level):
+            return
+        self._buf.append(text.decode("utf-8", "replace"))
+        if self._buf[-1].endswith("\n"):
+            llama_log.log(self._level, "%s", "".join(self._buf).rstrip("\n"))
+            self._buf.clear()
+
+
+_bridge: _LogBridge | None = None
+_init_lock = threading.Lock()
+
+
+def init_backend(verbose: bool = False) -> None:
+    """Initialise llama.cpp once and send its log output to ``proxy.llama``.
+
+    Quiet by default (warnings and errors only); ``verbose`` passes everything.
+    """
+    global _bridge
+    with _init_lock:
+        llama_log.setLevel(logging.DEBUG if verbose else logging.WARNING)
+        if _bridge is None:
+            _bridge = _LogBridge()
+            _ll.llama_log_set(_bridge.callback, ctypes.c_void_p(0))
+            _ll.llama_backend_init()
+
+
+class MemoryKind(enum.Enum):
+    ATTENTION = "attention"  # plain KV cache: seq_rm rolls back anywhere
+    SWA = "swa"  # sliding-window attention beside full attention (Gemma 3)
+    RECURRENT = "recurrent"  # only recurrent state (Mamba)
+    HYBRID = "hybrid"  # recurrent layers beside attention (Qwen3.5, LFM2)
+
+
+@dataclass(slots=True, frozen=True)
+class MemoryInfo:
+    kind: MemoryKind
+    n_swa: int  # the SWA window, 0 if none
+    seq_rm_rollback: bool  # can a live lane be truncated anywhere with seq_rm
+    rs_rollback: bool  # does the architecture support n_rs_seq snapshots
+    n_rs_seq: int  # snapshots kept per lane in this context (0 = none)
+    bytes_per_token: int  # full-state bytes added per consumed token
+    bytes_per_lane: int  # full-state bytes independent of length (recurrent part)
+    partial_bytes_per_token: int
+    partial_bytes_per_lane: int
+
+    @property
+    def needs_partial(self) -> bool:
+        """Whether in-lane rollback needs a saved partial state (recurrent or SWA)."""
+        return not self.seq_rm_rollback
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "kind": self.kind.value, "n_swa": self.n_swa, "seq_rm_rollback": self.seq_rm_rollback,
+            "rs_rollback": self.rs_rollback, "n_rs_seq": self.n_rs_seq,
+            "bytes_per_token": self.bytes_per_token, "bytes_per_lane": self.bytes_per_lane,
+            "partial_bytes_per_token": self.partial_bytes_per_token,
+            "partial_bytes_per_lane": self.partial_bytes_per_lane,
+        }
+
+
+class LlamaError(RuntimeError):
+    """llama.cpp refused an operation (load, context creation, decode)."""
+
+
+_FP_HEAD = 32 << 20
+_FP_SAMPLES = 256
+_FP_SAMPLE = 4096
+
+
+def fingerprint_file(path: str | Path) -> str:
+    """A 128-bit hex fingerprint of a GGUF's content, cheap for multi-GB files.
+
+    Hashes the size, the first 32 MiB (header, metadata with the tokenizer,
+    tensor table, first weights) and 256 evenly spaced 4 KiB samples of the
+    rest, so a fine-tune or a different quantisation changes it.
+    """
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    size = os.path.getsize(path)
+    h.update(size.to_bytes(8, "little"))
+    with open(path, "rb") as f:
+        h.update(f.read(_FP_HEAD))
+        rest = size - _FP_HEAD
+        if rest > 0:
+            step = max(rest // _FP_SAMPLES, _FP_SAMPLE)
+            for off in range(_FP_HEAD, size, step):
+                f.seek(off)
+                h.update(f.read(_FP_SAMPLE))
+            f.seek(max(size - _FP_SAMPLE, 0))
+            h.update(f.read(_FP_SAMPLE))
+    return h.hexdigest()
+
+
+class Model:
+    """A loaded GGUF: weights, vocabulary, metadata."""
+
+    def __init__(self, path: str | Path, *, n_gpu_layers: int = -1, verbose: bool = False) -> None:
+        init_backend(verbose)
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"model file not found: {self.path}")
+        params = _ll.llama_model_default_params()
+        params.n_gpu_layers = 2**31 - 1 if n_gpu_layers < 0 else n_gpu_layers
+        ptr = _ll.llama_model_load_from_file(str(self.path).encode(), params)
+        if not ptr:
+            raise LlamaError(f"llama.cpp could not load {self.path}")
+        self._ptr = ptr
+        self._vocab = _ll.llama_model_get_vocab(ptr)
+        self.n_vocab = int(_ll.llama_vocab_n_tokens(self._vocab))
+        self.n_ctx_train = int(_ll.llama_model_n_ctx_train(ptr))
+        self.n_swa = int(_ll.llama_model_n_swa(ptr))
+        self.is_recurrent = bool(_ll.llama_model_is_recurrent(ptr))
+        self.is_hybrid = bool(_ll.llama_model_is_hybrid(ptr))
+        self.metadata = self._read_metadata()
+        self.architecture = self.metadata.get("general.architecture", "")
+        self.name = self.metadata.get("general.name") or self.path.stem
+        self.fingerprint = fingerprint_file(self.path)
+        self.eos = int(_ll.llama_vocab_eos(self._vocab))
+        self.add_bos = bool(_ll.llama_vocab_get_add_bos(self._vocab))
+        self.bos = int(_ll.llama_vocab_bos(self._vocab))
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    @property
+    def ptr(self) -> object:
+        return self._ptr
+
+    def _read_metadata(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        buf = ctypes.create_string_buffer(1 << 16)
+        for i in range(int(_ll.llama_model_meta_count(self._ptr))):
+            n = _ll.llama_model_meta_key_by_index(self._ptr, i, buf, len(buf))
+            if n < 0:
+                continue
+            key = buf.value.decode("utf-8", "replace")
+            n = _ll.llama_model_meta_val_str_by_index(self._ptr, i, buf, len(buf))
+            if n >= len(buf):  # long values (chat templates) need a bigger buffer
+                big = ctypes.create_string_buffer(n + 1)
+                _ll.llama_model_meta_val_str_by_index(self._ptr, i, big, len(big))
+                out[key] = big.value.decode("utf-8", "replace")
+            elif n >= 0:
+                out[key] = buf.value.decode("utf-8", "replace")
+        return out
+
+    def chat_template(self) -> str | None:
+        return self.metadata.get("tokenizer.chat_template") or None
+
+    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        arr = (_ll.llama_token * cap)()
+        n = _ll.llama_tokenize(self._vocab, data, len(data), arr, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            arr = (_ll.llama_token * cap)()
+            n = _ll.llama_tokenize(self._vocab, data, len(data), arr, cap, add_special,
+                                   parse_special)
+        if n < 0:
+            raise LlamaError("tokenization failed")
+        return list(arr[:n])
+
+    def token_bytes(self, token: int, *, special: bool = True) -> bytes:
+        """The raw bytes of one token; a piece may be part of a UTF-8 character."""
+        n = _ll.llama_token_to_piece(self._vocab, token, self._piece_buf, len(self._piece_buf), 0,
+                                     special)
+        if n < 0:
+            big = ctypes.create_string_buffer(-n)
+            n = _ll.llama_token_to_piece(self._vocab, token, big, len(big), 0, special)
+            return big.raw[:n]
+        return self._piece_buf.raw[:n]
+
+    def detokenize(self, tokens: Iterable[int], *, special: bool = True) -> str:
+        return b"".join(self.token_bytes(t, special=special) for t in tokens).decode(
+            "utf-8", "replace")
+
+    def token_text(self, token: int) -> str:
+        raw = _ll.llama_vocab_get_text(self._vocab, token)
+        return raw.decode("utf-8", "replace") if raw else ""
+
+    def is_eog(self, token: int) -> bool:
+        return bool(_ll.llama_vocab_is_eog(self._vocab, token))
+
+    def is_control(self, token: int) -> bool:
+        return bool(_ll.llama_vocab_is_control(self._vocab, token))
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            _ll.llama_model_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Batch:
+    """A preallocated llama_batch spanning any of the context's lanes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._b = _ll.llama_batch_init(capacity, 0, 1)
+        self.n = 0
+        self._tok = np.ctypeslib.as_array(self._b.token, shape=(capacity,))
+        self._pos = np.ctypeslib.as_array(self._b.pos, shape=(capacity,))
+        self._nseq = np.ctypeslib.as_array(self._b.n_seq_id, shape=(capacity,))
+        self._logits = np.ctypeslib.as_array(self._b.logits, shape=(capacity,))
+        self._nseq[:] = 1
+
+    def clear(self) -> None:
+        self.n = 0
+
+    def add(self, lane: int, tokens: Sequence[int], pos0: int, *, logits_last: bool) -> int:
+        """Append tokens of one lane at positions pos0...; returns the row of the last one."""
+        k = len(tokens)
+        if self.n + k > self.capacity:
+            raise ValueError(f"batch overflow: {self.n}+{k} > {self.capacity}")
+        s = slice(self.n, self.n + k)
+        self._tok[s] = tokens
+        self._pos[s] = np.arange(pos0, pos0 + k, dtype=np.int32)
+        self._logits[s] = 0
+        seq = self._b.seq_id
+        for i in range(self.n, self.n + k):
+            seq[i][0] = lane
+        if logits_last and k:
+            self._logits[self.n + k - 1] = 1
+        self.n += k
+        return self.n - 1
+
+    @property
+    def raw(self) -> object:
+        self._b.n_tokens = self.n
+        return self._b
+
+    def free(self) -> None:
+        if self._b is not None:
+            _ll.llama_batch_free(self._b)
+            self._b = None  # type: ignore[assignment]
+
+
+class StateBuffer:
+    """A reusable, growing byte buffer for saving lane states without extra copies."""
+
+    def __init__(self, size: int = 1 << 20) -> None:
+        self._arr = (ctypes.c_uint8 * size)()
+
+    def reserve(self, size: int) -> None:
+        if size > len(self._arr):
+            self._arr = (ctypes.c_uint8 * max(size, 2 * len(self._arr)))()
+
+    @property
+    def array(self) -> ctypes.Array[ctypes.c_uint8]:
+        return self._arr
+
+
+@dataclass(slots=True, frozen=True)
+class ContextParams:
+    n_ctx: int = 8192
+    n_seq_max: int = 1
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_rs_seq: int = 0
+    threads: int = 0  # 0 = all cores
+    swa_full: bool = True  # keep every SWA cell so a live lane can be truncated anywhere
+
+
+class Context:
+    """A llama context with ``n_seq_max`` lanes. Not thread-safe: one thread owns it."""
+
+    def __init__(self, model: Model, params: ContextParams) -> None:
+        self.model = model
+        p = _ll.llama_context_default_params()
+        p.n_ctx = params.n_ctx
+        p.n_batch = params.n_batch
+        p.n_ubatch = params.n_ubatch
+        p.n_seq_max = params.n_seq_max
+        p.n_rs_seq = params.n_rs_seq
+        threads = params.threads or os.cpu_count() or 1
+        p.n_threads = threads
+        p.n_threads_batch = threads
+        p.no_perf = True
+        p.swa_full = params.swa_full
+        # one KV buffer per lane, so a lane holds n_ctx tokens whatever the others do
+        p.kv_unified = False
+        ptr = _ll.llama_init_from_model(model.ptr, p)
+        if not ptr:
+            raise LlamaError(f"llama.cpp could not create a context ({params})")
+        self._ptr = ptr
+        self.params = params
+        self.n_ctx = int(_ll.llama_n_ctx(ptr))
+        self.n_ctx_seq = int(_ll.llama_n_ctx_seq(ptr))
+        self.n_lanes = int(_ll.llama_n_seq_max(ptr))
+        self.n_batch = params.n_batch
+        self.n_rs_seq = int(_ll.llama_n_rs_seq(ptr))
+        self._mem = _ll.llama_get_memory(ptr)
+        self._n_vocab = model.n_vocab
+        self._buf = StateBuffer()
+        self.batch = Batch(params.n_batch)
+
+    # -- decoding ---------------------------------------------------------
+
+    def decode(self, batch: Batch | None = None) -> None:
+        b = batch or self.batch
+        if b.n == 0:
+            return
+        rc = _ll.llama_decode(self._ptr, b.raw)
+        if rc != 0:
+            raise LlamaError(f"llama_decode failed with {rc}")
+
+    def logits(self, row: int) -> np.ndarray:
+        """A copy of the logits of one output row of the last decode (-1 = last)."""
+        ptr = _ll.llama_get_logits_ith(self._ptr, row)
+        if not ptr:
+            raise LlamaError(f"no logits for row {row}")
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
+
+    def prefill(self, lane: int, tokens: Sequence[int], pos0: int, *,
+                logits_last: bool = True) -> np.ndarray | None:
+        """Decode tokens into one lane in n_batch chunks; return the last row's logits."""
+        out: np.ndarray | None = None
+        for i in range(0, len(tokens), self.n_batch):
+            chunk = tokens[i:i + self.n_batch]
+            last = i + self.n_batch >= len(tokens)
+            self.batch.clear()
+            row = self.batch.add(lane, chunk, pos0 + i, logits_last=last and logits_last)
+            self.decode()
+            if last and logits_last:
+                out = self.logits(row)
+        return out
+
+    # -- memory -------------------------------------------------------------
+
+    def seq_rm(self, lane: int, p0: int, p1: int = -1) -> bool:
+        return bool(_ll.llama_memory_seq_rm(self._mem, lane, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        _ll.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def clear_lane(self, lane: int) -> None:
+        if not _ll.llama_memory_seq_rm(self._mem, lane, -1, -1):
+            raise LlamaError(f"could not clear lane {lane}")
+
+    def clear_all(self) -> None:
+        _ll.llama_memory_clear(self._mem, True)
+
+    def pos_max(self, lane: int) -> int:
+        return int(_ll.llama_memory_seq_pos_max(self._mem, lane))
+
+    def pos_min(self, lane: int) -> int:
+        return int(_ll.llama_memory_seq_pos_min(self._mem, lane))
+
+    # -- state ----------------------------------------------------------------
+
+    def state_size(self, lane: int, flags: int = FLAGS_FULL) -> int:
+        return int(_ll.llama_state_seq_get_size_ext(self._ptr, lane, flags))
+
+    def save(self, lane: int, flags: int = FLAGS_FULL, buf: StateBuffer | None = None) -> memoryview:
+        """Serialise one lane into a reusable buffer; the view is valid until the next save."""
+        b = buf or self._buf
+        size = self.state_size(lane, flags)
+        b.reserve(size)
+        n = _ll.llama_state_seq_get_data_ext(self._ptr, b.array, size, lane, flags)
+        if n == 0 and size != 0:
+            raise LlamaError(f"saving lane {lane} failed")
+        return memoryview(b.array).cast("B")[:n]
+
+    def restore(self, lane: int, data: bytes | bytearray | memoryview, flags: int = FLAGS_FULL) -> bool:
+        """Load a saved state into a lane. On failure the lane is left cleared."""
+        arr = np.frombuffer(data, dtype=np.uint8)
+        ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        n = _ll.llama_state_seq_set_data_ext(self._ptr, ptr, arr.size, lane, flags)
+        if n != arr.size:
+            log.warning("restore into lane %d failed (%d of %d bytes read)", lane, n, arr.size)
+            if flags == FLAGS_FULL:
+                self.clear_lane(lane)
+            return False
+        return True
+
+    def describe_memory(self, probe_lane: int = 0) -> MemoryInfo:
+        """Classify the memory and measure state sizes by probing one (empty) lane."""
+        m = self.model
+        if m.is_hybrid:
+            kind = MemoryKind.HYBRID
+        elif m.is_recurrent:
+            kind = MemoryKind.RECURRENT
+        elif m.n_swa > 0:
+            kind = MemoryKind.SWA
+        else:
+            kind = MemoryKind.ATTENTION
+        if self.pos_max(probe_lane) >= 0:
+            raise RuntimeError("describe_memory needs an empty lane")
+        tok = m.bos if m.bos >= 0 else 0
+        self.prefill(probe_lane, [tok], 0, logits_last=False)
+        one = (self.state_size(probe_lane, FLAGS_FULL), self.state_size(probe_lane, FLAGS_PARTIAL))
+        self.prefill(probe_lane, [tok] * 32, 1, logits_last=False)
+        many = (self.state_size(probe_lane, FLAGS_FULL),
+                self.state_size(probe_lane, FLAGS_PARTIAL))
+        self.clear_lane(probe_lane)
+        per_tok = (many[0] - one[0]) // 32
+        pper_tok = (many[1] - one[1]) // 32
+        return MemoryInfo(
+            kind=kind,
+            n_swa=m.n_swa,
+            seq_rm_rollback=kind is MemoryKind.ATTENTION,
+            rs_rollback=self._probe_rs_rollback(),
+            n_rs_seq=self.n_rs_seq,
+            bytes_per_token=per_tok,
+            bytes_per_lane=one[0] - per_tok,
+            partial_bytes_per_token=pper_tok,
+            partial_bytes_per_lane=one[1] - pper_tok,
+        )
+
+    def _probe_rs_rollback(self) -> bool:
+        if self.n_rs_seq > 0:
+            return True
+        if not (self.model.is_recurrent or self.model.is_hybrid):
+            return False
+        return supports_rs_rollback(self.model)
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            self.batch.free()
+            _ll.llama_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def supports_rs_rollback(model: Model) -> bool:
+    """Ask llama.cpp: it clamps n_rs_seq to 0 for architectures without snapshots."""
+    p = _ll.llama_context_default_params()
+    p.n_ctx = 256
+    p.n_batch = p.n_ubatch = 32
+    p.n_seq_max = 1
+    p.n_rs_seq = 1
+    ptr = _ll.llama_init_from_model(model.ptr, p)
+    if not ptr:
+        return False
+    try:
+        return int(_ll.llama_n_rs_seq(ptr)) > 0
+    finally:
+        _ll.llama_free(ptr)

@@ -1,0 +1,86 @@
+"""Requests and events passed between the HTTP layer and the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 512
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True, frozen=True)
+class GenerationRequest:
+    """One generation: the prompt already rendered and tokenized."""
+
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    sampling: SamplingParams
+    tenant: str = ""
+    use_cache: bool = True
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass(slots=True, frozen=True)
+class TokenEvent:
+    """Text decoded since the last event (never splits a UTF-8 character)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class RequestStats:
+    lane: int = -1
+    source: str = "cold"  # cold | lane | ram | disk
+    role: str = ""  # role of the checkpoint used, if any
+    prefilled: int = 0
+    ttft_s: float = 0.0
+    restore_s: float = 0.0
+    queue_s: float = 0.0
+    checkpoints_added: int = 0
+    checkpoint_bytes: int = 0
+    decode_tps: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class FinishEvent:
+    reason: str  # "stop" | "length" | "cancelled"
+    usage: Usage
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+Event = TokenEvent | FinishEvent
+
+
+class QueueFull(Exception):
+    """Every lane is busy and the wait queue is full (HTTP 503 with Retry-After)."""
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__("server busy: all lanes and the wait queue are full")
+        self.retry_after = retry_after

@@ -1,0 +1,38 @@
+"""Shared fixtures: real model files (bundled Gemma 3 270M, synthetic GGUFs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "models"
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    from proxy.models import default_model_path
+
+    return default_model_path()
+
+
+def _synth(name: str) -> Path:
+    from tools.synth_gguf import ensure
+
+    return ensure(name, MODELS)
+
+
+@pytest.fixture(scope="session")
+def hybrid_path() -> Path:
+    return _synth("hybrid")
+
+
+@pytest.fixture(scope="session")
+def norollback_path() -> Path:
+    return _synth("norollback")
+
+
+@pytest.fixture(scope="session")
+def draft_path() -> Path:
+    return _synth("draft")
