@@ -218,7 +218,7 @@ class CheckpointPool:
         with self._lock:
             entry = self._entries.get(rec.id)
             if entry is not None:
-                return self._refresh(entry, rec, data, now)
+                return self._refresh(entry, rec, now)
             blob = bytes(data)
             entry = _Entry(rec, EntryStats(last_used=now))
             if not self._ram.put(rec.id, blob, rec.nbytes + rec.token_bytes, entry.cls):
@@ -228,9 +228,7 @@ class CheckpointPool:
             self._counts["inserts"] += 1
             return rec
 
-    def _refresh(
-        self, entry: _Entry, rec: CheckpointRecord, data: Buffer, now: float
-    ) -> CheckpointRecord:
+    def _refresh(self, entry: _Entry, rec: CheckpointRecord, now: float) -> CheckpointRecord:
         old = entry.record
         if ROLE_STRENGTH[rec.role] > ROLE_STRENGTH[old.role]:
             entry.record = dataclasses.replace(old, role=rec.role, preview=rec.preview)
@@ -238,8 +236,7 @@ class CheckpointPool:
         entry.stats.last_used = now
         if old.id in self._ram:
             self._ram.touch(old.id, entry.cls)
-        elif self._ram.put(old.id, bytes(data), old.nbytes + old.token_bytes, entry.cls):
-            self._counts["promotions"] += 1
+        # A copy only on disk stays there: its bytes are the same state.
         self._counts["refreshes"] += 1
         return entry.record
 

@@ -1,0 +1,72 @@
+"""Helpers for the storage tests: real components at tiny sizes (page size 4)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from statecache.config import CacheConfig
+from statecache.pool import CheckpointPool
+from statecache.records import CheckpointRecord, Kind, Owner, Role
+
+FP = "test-model:0123"
+
+
+class Clock:
+    """Deterministic time: each reading is one second after the previous one."""
+
+    def __init__(self, start: float = 1_000_000.0) -> None:
+        self.t = start
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+PoolFactory = Callable[..., CheckpointPool]
+
+
+@pytest.fixture
+def make_pool(tmp_path: Path) -> Iterator[PoolFactory]:
+    pools: list[CheckpointPool] = []
+
+    def make(
+        ram: int = 10_000,
+        disk: int | None = 100_000,
+        fingerprint: str = FP,
+        path: Path | None = None,
+        **kw: object,
+    ) -> CheckpointPool:
+        cfg = CacheConfig(
+            page_size=4,
+            ram_budget=ram,
+            disk_path=str(path or tmp_path / "ckpt"),
+            disk_budget=disk or 0,
+            disk_enabled=disk is not None,
+            **kw,  # type: ignore[arg-type]
+        )
+        pool = CheckpointPool(cfg, fingerprint, clock=Clock())
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.sanity_check()
+
+
+def put(
+    pool: CheckpointPool,
+    tokens: list[int],
+    data: bytes,
+    role: Role = Role.REPLAY,
+    kind: Kind = Kind.FULL,
+    lane: int | None = None,
+) -> CheckpointRecord:
+    rec = pool.insert(
+        kind=kind, owner=Owner.TARGET, lane=lane, tokens=tokens, role=role, data=data
+    )
+    assert rec is not None
+    pool.sanity_check()
+    return rec
