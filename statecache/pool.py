@@ -357,10 +357,10 @@ class CheckpointPool:
                 "ram_bytes": self._ram.used,
                 "ram_budget": self._ram.budget,
                 "ram_pinned_bytes": self._ram.pinned,
-                "disk_entries": len(disk) if disk else 0,
-                "disk_bytes": disk.used if disk else 0,
-                "disk_budget": disk.budget if disk else 0,
-                "quarantined": disk.quarantined if disk else 0,
+                "disk_entries": len(disk) if disk is not None else 0,
+                "disk_bytes": disk.used if disk is not None else 0,
+                "disk_budget": disk.budget if disk is not None else 0,
+                "quarantined": disk.quarantined if disk is not None else 0,
             }
             for key in (
                 "inserts",
