@@ -64,9 +64,7 @@ def put(
     kind: Kind = Kind.FULL,
     lane: int | None = None,
 ) -> CheckpointRecord:
-    rec = pool.insert(
-        kind=kind, owner=Owner.TARGET, lane=lane, tokens=tokens, role=role, data=data
-    )
+    rec = pool.insert(kind=kind, owner=Owner.TARGET, lane=lane, tokens=tokens, role=role, data=data)
     assert rec is not None
     pool.sanity_check()
     return rec

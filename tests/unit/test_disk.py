@@ -111,9 +111,7 @@ def test_renamed_file_symlink_and_bad_names(make_pool: PoolFactory, tmp_path: Pa
     pool = make_pool()
     assert [e["id"] for e in pool.describe()] == [entry_id]
     quarantined = sorted(p.name.rsplit(".", 1)[0] for p in (d / "quarantine").iterdir())
-    assert quarantined == sorted(
-        ["..ckpt", "NOT-HEX.ckpt", f"{other_id}.ckpt", f"{'1' * 32}.ckpt"]
-    )
+    assert quarantined == sorted(["..ckpt", "NOT-HEX.ckpt", f"{other_id}.ckpt", f"{'1' * 32}.ckpt"])
     assert target.exists() and (d / "notes.pkl").exists()
     assert pool.stats()["quarantined"] == 4
     with pool.lookup(T, pool.chain(T)) as lease:  # type: ignore[union-attr]
@@ -135,7 +133,9 @@ def test_disk_budget_evicts_least_recently_used(make_pool: PoolFactory, tmp_path
     assert pool.flush() == 3
     # The oldest written file went first; its RAM copy still serves.
     assert [e["tiers"] for e in sorted(pool.describe(), key=lambda e: e["created"])] == [
-        ["ram"], ["ram", "disk"], ["ram", "disk"]
+        ["ram"],
+        ["ram", "disk"],
+        ["ram", "disk"],
     ]
     assert pool.stats()["disk_evictions"] == 1
     assert not (tmp_path / "ckpt" / f"{recs[0].id}.ckpt").exists()
@@ -143,7 +143,8 @@ def test_disk_budget_evicts_least_recently_used(make_pool: PoolFactory, tmp_path
 
 def test_partial_kind_is_never_written(make_pool: PoolFactory, tmp_path: Path) -> None:
     pool = make_pool()
-    pool.insert(kind=Kind.PARTIAL, owner=Owner.DRAFT, lane=1, tokens=T, role=Role.BRANCH,
-                data=b"p" * 10)
+    pool.insert(
+        kind=Kind.PARTIAL, owner=Owner.DRAFT, lane=1, tokens=T, role=Role.BRANCH, data=b"p" * 10
+    )
     assert pool.flush() == 0
     assert not list((tmp_path / "ckpt").glob("*.ckpt"))

@@ -11,8 +11,17 @@ NS = namespace_hash("m", "")
 
 def rec(tokens: list[int], kind: Kind = Kind.FULL, lane: int | None = None) -> CheckpointRecord:
     return new_record(
-        kind=kind, owner=Owner.TARGET, lane=lane, tokens=tokens, fingerprint="m", tenant="",
-        state_format=1, nbytes=10, role=Role.PERIODIC, created=0.0, page_size=4,
+        kind=kind,
+        owner=Owner.TARGET,
+        lane=lane,
+        tokens=tokens,
+        fingerprint="m",
+        tenant="",
+        state_format=1,
+        nbytes=10,
+        role=Role.PERIODIC,
+        created=0.0,
+        page_size=4,
     )
 
 

@@ -100,11 +100,13 @@ def test_partial_entries_never_reach_disk_and_drop_with_their_lane(
 def test_caller_mistakes_are_value_errors(make_pool: PoolFactory) -> None:
     pool = make_pool(disk=None)
     with pytest.raises(ValueError):
-        pool.insert(kind=Kind.PARTIAL, owner=Owner.TARGET, lane=None, tokens=T, role=Role.BRANCH,
-                    data=b"x")
+        pool.insert(
+            kind=Kind.PARTIAL, owner=Owner.TARGET, lane=None, tokens=T, role=Role.BRANCH, data=b"x"
+        )
     with pytest.raises(ValueError):
-        pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=1, tokens=T, role=Role.BRANCH,
-                    data=b"x")
+        pool.insert(
+            kind=Kind.FULL, owner=Owner.TARGET, lane=1, tokens=T, role=Role.BRANCH, data=b"x"
+        )
     with pytest.raises(ValueError):
         pool.lookup(T, pool.chain(T[:5]))
     with pytest.raises(ValueError):
@@ -114,8 +116,17 @@ def test_caller_mistakes_are_value_errors(make_pool: PoolFactory) -> None:
 
 def test_too_big_is_refused(make_pool: PoolFactory) -> None:
     pool = make_pool(ram=100, disk=None)
-    assert pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=T, role=Role.BRANCH,
-                       data=b"x" * 100) is None
+    assert (
+        pool.insert(
+            kind=Kind.FULL,
+            owner=Owner.TARGET,
+            lane=None,
+            tokens=T,
+            role=Role.BRANCH,
+            data=b"x" * 100,
+        )
+        is None
+    )
     assert pool.stats()["refused"] == 1 and pool.stats()["entries"] == 0
 
 
@@ -136,8 +147,15 @@ def test_restart_serves_hits_from_disk(make_pool: PoolFactory) -> None:
 
 def test_tenants_do_not_see_each_other(make_pool: PoolFactory) -> None:
     pool = make_pool(disk=None)
-    pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=T[:8], role=Role.BRANCH,
-                data=b"x", tenant="alice")
+    pool.insert(
+        kind=Kind.FULL,
+        owner=Owner.TARGET,
+        lane=None,
+        tokens=T[:8],
+        role=Role.BRANCH,
+        data=b"x",
+        tenant="alice",
+    )
     assert pool.lookup(T, pool.chain(T, tenant="bob"), tenant="bob") is None
     lease = pool.lookup(T, pool.chain(T, tenant="alice"), tenant="alice")
     assert lease is not None
@@ -159,9 +177,14 @@ def test_random_workload_never_exceeds_ram_budget(make_pool: PoolFactory) -> Non
             data = bytes([step % 256]) * rnd.randrange(1, 400)
             kind = rnd.choice([Kind.FULL, Kind.PARTIAL])
             before = pool.stats()["inserts"]
-            rec = pool.insert(kind=kind, owner=Owner.TARGET,
-                              lane=rnd.randrange(2) if kind is Kind.PARTIAL else None,
-                              tokens=toks, role=rnd.choice(list(Role)), data=data)
+            rec = pool.insert(
+                kind=kind,
+                owner=Owner.TARGET,
+                lane=rnd.randrange(2) if kind is Kind.PARTIAL else None,
+                tokens=toks,
+                role=rnd.choice(list(Role)),
+                data=data,
+            )
             if rec is not None and pool.stats()["inserts"] > before:
                 stored[rec.id] = data  # new entry (a refresh keeps the old bytes)
         else:

@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from statecache.cli import main
+from statecache.records import Role
+from tests.unit.conftest import PoolFactory, put
+
+T = list(range(1, 21))
+
+
+@pytest.fixture
+def disk(make_pool: PoolFactory, tmp_path: Path) -> tuple[Path, list[str]]:
+    """A checkpoint directory with three entries of different roles, written by a pool."""
+    pool = make_pool()
+    ids = [
+        put(pool, T[:13], b"a" * 40, role=Role.END_OF_REPLY).id,
+        put(pool, T[:8], b"b" * 40, role=Role.PERIODIC).id,
+        put(pool, [7] + T[:8], b"c" * 40, role=Role.BRANCH).id,
+    ]
+    pool.close()
+    return tmp_path / "ckpt", ids
+
+
+NO_PROXY = "http://127.0.0.1:9"  # discard port: nothing listens
+
+
+def test_inspect_table_and_json(
+    disk: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    d, ids = disk
+    assert main(["inspect", "--url", NO_PROXY, "--disk-path", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert f"proxy not reachable at {NO_PROXY}; showing disk only" in out
+    assert "3 checkpoint(s)" in out and ids[0][:12] in out and "end-of-reply" in out
+    assert main(["inspect", "--url", NO_PROXY, "--disk-path", str(d), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert sorted(r["id"] for r in data["checkpoints"]) == sorted(ids)
+    assert all(r["tiers"] == ["disk"] for r in data["checkpoints"])
+    # One entry by unique prefix.
+    assert main(["inspect", ids[1][:8], "--url", NO_PROXY, "--disk-path", str(d), "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["id"] == ids[1] and one["n"] == 8 and one["role"] == "periodic"
+    assert main(["inspect", "zzzz", "--url", NO_PROXY, "--disk-path", str(d)]) == 1
+    assert "no checkpoint match" in capsys.readouterr().err
+
+
+def test_verify_reports_bad_files(
+    disk: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    d, ids = disk
+    assert main(["verify", "--disk-path", str(d)]) == 0
+    assert "3 ok, 0 bad" in capsys.readouterr().out
+    f = d / f"{ids[2]}.ckpt"
+    raw = bytearray(f.read_bytes())
+    raw[-20] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    assert main(["verify", "--disk-path", str(d), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["ok"]) == 2 and report["bad"] == [
+        {"file": f.name, "reason": "digest mismatch"}
+    ]
+
+
+def test_purge(disk: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]) -> None:
+    d, ids = disk
+    assert main(["purge", "--disk-path", str(d)]) == 2  # no filter: usage error
+    # Without --yes nothing is deleted.
+    assert main(["purge", "--role", "end-of-reply", "--disk-path", str(d)]) == 0
+    assert "would remove 1 file(s)" in capsys.readouterr().out
+    assert len(list(d.glob("*.ckpt"))) == 3
+    assert main(["purge", "--role", "end-of-reply", "--disk-path", str(d), "--yes"]) == 0
+    assert f"removed {ids[0]}" in capsys.readouterr().out
+    assert sorted(p.stem for p in d.glob("*.ckpt")) == sorted(ids[1:])
+    # The test clock dates the entries to 1970: none is older than 100,000 days...
+    assert main(["purge", "--older-than", "100000d", "--disk-path", str(d), "--yes"]) == 0
+    assert len(list(d.glob("*.ckpt"))) == 2
+    # ...and both are older than an hour.
+    assert main(["purge", "--older-than", "1h", "--disk-path", str(d), "--yes"]) == 0
+    assert not list(d.glob("*.ckpt"))
+    # --all also removes files that cannot be read.
+    (d / ("f" * 32 + ".ckpt")).write_bytes(b"junk")
+    assert main(["purge", "--all", "--disk-path", str(d), "--yes"]) == 0
+    assert not list(d.glob("*.ckpt"))
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert main(["inspect", "--bogus"]) == 2
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "server.port" in capsys.readouterr().err
+    assert main(["purge", "--older-than", "soon", "--disk-path", "/nonexistent"]) == 2
+
+
+def test_cli_import_is_light_and_module_runs() -> None:
+    # No timing: check that the heavy modules stay unloaded, in a fresh interpreter.
+    code = (
+        "import sys, statecache.cli; "
+        "print([m for m in ('numpy', 'llama_cpp', 'aiohttp', 'msgpack', 'proxy') "
+        "if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    res = subprocess.run(
+        [sys.executable, "-m", "statecache", "--help"], capture_output=True, text=True
+    )
+    assert res.returncode == 0 and "inspect" in res.stdout
