@@ -1,0 +1,99 @@
+"""Micro-benchmark of the pool: `python -m statecache.bench_pool`."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from statecache.config import CacheConfig
+from statecache.diskfmt import read_checkpoint, write_checkpoint
+from statecache.pool import CheckpointPool
+from statecache.records import Kind, Owner, Role, new_record
+
+PAGE = 32
+PAGES = 64
+ENTRIES = 1000
+STATE = 4096
+
+
+def bench_pool() -> None:
+    rng = np.random.default_rng(0)
+    cfg = CacheConfig(page_size=PAGE, ram_budget=1 << 30, disk_enabled=False)
+    pool = CheckpointPool(cfg, "bench-model")
+    # 1,000 conversations sharing a 16-page system prompt, 64 pages each.
+    system = rng.integers(0, 50_000, 16 * PAGE).tolist()
+    convs = [system + rng.integers(0, 50_000, (PAGES - 16) * PAGE).tolist() for _ in range(ENTRIES)]
+    blob = bytes(STATE)
+    t0 = time.perf_counter()
+    for toks in convs:
+        pool.insert(
+            kind=Kind.FULL,
+            owner=Owner.TARGET,
+            lane=None,
+            tokens=toks,
+            role=Role.END_OF_REPLY,
+            data=blob,
+        )
+    t_insert = (time.perf_counter() - t0) / ENTRIES
+    queries = [c + [1, 2, 3] for c in convs[:200]]
+    t0 = time.perf_counter()
+    chains = [pool.chain(q) for q in queries]
+    t_chain = (time.perf_counter() - t0) / len(queries)
+    t0 = time.perf_counter()
+    for q, ch in zip(queries, chains, strict=True):
+        lease = pool.lookup(q, ch, max_n=len(q) - 1)
+        assert lease is not None and lease.record.n == len(q) - 3
+        lease.close()
+    t_lookup = (time.perf_counter() - t0) / len(queries)
+    miss = system + [7] * (PAGES * PAGE - len(system))
+    mch = pool.chain(miss)
+    t0 = time.perf_counter()
+    for _ in range(200):
+        assert pool.lookup(miss, mch) is None
+    t_miss = (time.perf_counter() - t0) / 200
+    pool.sanity_check()
+    print(f"pool: {ENTRIES} entries x {PAGES} pages of {PAGE} tokens, {STATE} B states")
+    print(f"  insert          {t_insert * 1e6:9.1f} us/op  (hashes {PAGES} pages)")
+    print(f"  chain (hash)    {t_chain * 1e6:9.1f} us/op  ({PAGES * PAGE + 3} tokens)")
+    print(f"  lookup (hit)    {t_lookup * 1e6:9.1f} us/op")
+    print(f"  lookup (miss)   {t_miss * 1e6:9.1f} us/op")
+
+
+def bench_disk(size: int = 16 << 20, rounds: int = 4) -> None:
+    data = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8).tobytes()
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        w = r = 0.0
+        for i in range(rounds):
+            rec = new_record(
+                kind=Kind.FULL,
+                owner=Owner.TARGET,
+                lane=None,
+                tokens=list(range(i, i + 2048)),
+                fingerprint="bench",
+                tenant="",
+                state_format=1,
+                nbytes=size,
+                role=Role.BRANCH,
+                created=0.0,
+                page_size=PAGE,
+            )
+            t0 = time.perf_counter()
+            write_checkpoint(d, rec, data)
+            w += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            _, back = read_checkpoint(d / f"{rec.id}.ckpt")
+            r += time.perf_counter() - t0
+            assert len(back) == size
+        mb = size * rounds / 1e6
+        print(f"disk: {rounds} x {size >> 20} MiB states in {tmp}")
+        print(f"  write (fsync)   {mb / w:9.0f} MB/s")
+        print(f"  read (+digest)  {mb / r:9.0f} MB/s  (page cache warm)")
+
+
+if __name__ == "__main__":
+    bench_pool()
+    bench_disk()
