@@ -1,0 +1,326 @@
+"""The aiohttp app: OpenAI-compatible endpoints over an engine.
+
+A chat request is parsed (``openai_api``), rendered (``chat``), tokenized by the
+engine, checked against the context, generated, and its text split into
+reasoning, content and tool calls (``parse``), as one JSON reply or as SSE.
+
+Choices:
+- ``max_tokens`` absent: ``min(n_ctx - prompt_tokens, DEFAULT_MAX_TOKENS)``, so a
+  reply never runs past the context and a forgotten limit does not run for minutes.
+- The tenant (cache namespace) is the ``X-Statecache-Tenant`` header, else the
+  request's ``user`` field, else "".
+- ``/v1/completions`` prepends the engine's ``bos_token`` to the prompt unless it
+  already starts with it (the engine's tokenize adds none).
+- Errors are OpenAI JSON always; a failure after an SSE stream started is sent as
+  a ``data: {"error": …}`` event. A client that goes away closes the engine's
+  generator, which stops generation.
+- ``GET /health`` answers 503 when the engine's health has ``"ok": false``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import secrets
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from proxy.chat import ChatTemplate, load_chat_template, render_chat
+from proxy.metrics import CONTENT_TYPE, format_metrics
+from proxy.openai_api import ApiError, Sampling, parse_chat_request, parse_completion_request
+from proxy.openai_responses import ChatChunks, Chunks, CompletionChunks, error_body
+from proxy.parse import StreamParser, parse_reply, starts_in_reasoning
+from proxy.types import Event, FinishEvent, GenerationRequest, QueueFull
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 32 * 1024 * 1024
+DEFAULT_MAX_TOKENS = 2048
+TENANT_HEADER = "X-Statecache-Tenant"
+
+
+class EngineLike(Protocol):
+    model_name: str
+    n_ctx: int
+    chat_template: str | None
+    bos_token: str
+    eos_token: str
+
+    def tokenize(self, text: str) -> list[int]: ...
+    def generate(self, req: GenerationRequest) -> AsyncIterator[Event]: ...
+    def describe_checkpoints(self) -> list[dict[str, Any]]: ...
+    def get_checkpoint(self, id: str) -> dict[str, Any] | None: ...
+    def metrics(self) -> dict[str, Any]: ...
+    def health(self) -> dict[str, Any]: ...
+
+
+ENGINE = web.AppKey("engine", EngineLike)
+TEMPLATE = web.AppKey("template", ChatTemplate)
+HTTP_COUNTS = web.AppKey("http_counts", Counter)
+STARTED = web.AppKey("started", int)
+
+
+def error_response(status: int, message: str, *, param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None
+                   ) -> web.Response:
+    return web.json_response(error_body(status, message, param=param, code=code),
+                             status=status, headers=headers)
+
+
+def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
+    headers: dict[str, str] = {}
+    if isinstance(e, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(e.allowed_methods))
+        headers["Allow"] = allowed
+        msg = f"method {request.method} is not allowed on {request.path}; use {allowed}"
+    elif isinstance(e, web.HTTPNotFound):
+        msg = f"no such endpoint: {request.method} {request.path}"
+    elif isinstance(e, web.HTTPRequestEntityTooLarge):
+        msg = f"request body too large (the limit is {MAX_BODY // (1024 * 1024)} MiB)"
+    else:
+        msg = e.text or e.reason
+    return error_response(e.status, msg, headers=headers)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure becomes OpenAI's error JSON; never a traceback to the client."""
+    try:
+        resp = await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        resp = _http_error(request, e)
+    except ApiError as e:
+        resp = error_response(400, str(e), param=e.param, code=e.code)
+    except ValueError as e:
+        resp = error_response(400, str(e))
+    except QueueFull as e:
+        resp = error_response(503, str(e),
+                              headers={"Retry-After": str(max(1, math.ceil(e.retry_after)))})
+    except TimeoutError:
+        resp = error_response(504, "timed out waiting for the engine")
+    except ConnectionResetError:
+        log.info("%s %s: client went away", request.method, request.path)
+        resp = web.Response(status=499)  # nginx's "client closed request"; nobody reads it
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        resp = error_response(500, "internal error (see the server log)")
+    route = request.match_info.route.resource
+    name = route.canonical if route is not None else "unmatched"
+    request.app[HTTP_COUNTS][(name, resp.status)] += 1
+    return resp
+
+
+async def _json_body(request: web.Request) -> object:
+    raw = await request.read()  # HTTPRequestEntityTooLarge past client_max_size
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise ApiError(f"the request body is not valid JSON: {e}") from None
+
+
+def _tenant(request: web.Request, user: str | None) -> str:
+    return request.headers.get(TENANT_HEADER) or user or ""
+
+
+def _max_tokens(n_ctx: int, n_prompt: int, asked: int | None, param: str) -> int:
+    if asked is not None:
+        if n_prompt + asked > n_ctx:
+            raise ApiError(f"this model's context is {n_ctx} tokens; the prompt has {n_prompt} "
+                           f"and max_tokens is {asked}", param, "context_length_exceeded")
+        return asked
+    if n_prompt >= n_ctx:
+        raise ApiError(f"this model's context is {n_ctx} tokens; the prompt has {n_prompt}, "
+                       "which leaves no room for a reply", param, "context_length_exceeded")
+    return min(n_ctx - n_prompt, DEFAULT_MAX_TOKENS)
+
+
+async def _prepare(request: web.Request, prompt: str, sampling: Sampling, user: str | None,
+                   prefix: str, param: str) -> GenerationRequest:
+    engine = request.app[ENGINE]
+    # Tokenizing a long conversation takes a while; llama.cpp's tokenizer only reads the vocab.
+    tokens = await asyncio.to_thread(engine.tokenize, prompt)
+    max_tokens = _max_tokens(engine.n_ctx, len(tokens), sampling.max_tokens, param)
+    return GenerationRequest(request_id=f"{prefix}-{secrets.token_hex(12)}",
+                             prompt_tokens=tuple(tokens), sampling=sampling.to_params(max_tokens),
+                             tenant=_tenant(request, user))
+
+
+@asynccontextmanager
+async def _closing(events: AsyncIterator[Event]) -> AsyncIterator[AsyncIterator[Event]]:
+    """Close the engine's generator however we leave: that is what stops generation."""
+    try:
+        yield events
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def _gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
+
+
+def _log_finish(gen: GenerationRequest, fin: FinishEvent) -> None:
+    u, s = fin.usage, fin.stats
+    log.info("%s prompt=%d cached=%d completion=%d finish=%s source=%s role=%s prefilled=%d "
+             "ttft=%.3fs tenant=%r", gen.request_id, u.prompt_tokens, u.cached_tokens,
+             u.completion_tokens, fin.reason, s.source, s.role or "-", s.prefilled, s.ttft_s,
+             gen.tenant)
+
+
+async def _collect(request: web.Request, gen: GenerationRequest) -> tuple[str, FinishEvent]:
+    parts: list[str] = []
+    async with _closing(request.app[ENGINE].generate(gen)) as events:
+        async for ev in events:
+            if isinstance(ev, FinishEvent):
+                _log_finish(gen, ev)
+                return "".join(parts), ev
+            parts.append(ev.text)
+            if _gone(request):
+                raise ConnectionResetError("client went away")
+    raise RuntimeError("the engine's event stream ended without a FinishEvent")
+
+
+async def _send(resp: web.StreamResponse, obj: object) -> None:
+    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    await resp.write(f"data: {data}\n\n".encode())
+
+
+async def _stream(request: web.Request, gen: GenerationRequest, chunks: Chunks
+                  ) -> web.StreamResponse:
+    async with _closing(request.app[ENGINE].generate(gen)) as events:
+        # Wait for the first event before sending headers, so that QueueFull and
+        # ValueError still become a 503 / 400 status.
+        ev: Event | None = await anext(events, None)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        try:
+            for obj in chunks.start():
+                await _send(resp, obj)
+            while ev is not None:
+                if isinstance(ev, FinishEvent):
+                    _log_finish(gen, ev)
+                    for obj in chunks.finish(ev):
+                        await _send(resp, obj)
+                    await resp.write(b"data: [DONE]\n\n")
+                    return resp
+                for obj in chunks.text(ev.text):
+                    await _send(resp, obj)
+                if _gone(request):
+                    raise ConnectionResetError("client went away")
+                ev = await anext(events, None)
+            raise RuntimeError("the engine's event stream ended without a FinishEvent")
+        except ConnectionResetError:
+            log.info("%s: client went away; generation stopped", gen.request_id)
+            return resp
+        except Exception as e:
+            # Headers are sent: the error travels as an event, as OpenAI's API does.
+            status = 400 if isinstance(e, ValueError) else 500
+            if status == 500:
+                log.exception("%s failed while streaming", gen.request_id)
+            msg = str(e) if status == 400 else "internal error (see the server log)"
+            await _send(resp, error_body(status, msg))
+            return resp
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    req = parse_chat_request(await _json_body(request))
+    prompt = await asyncio.to_thread(render_chat, request.app[TEMPLATE], req)
+    gen = await _prepare(request, prompt, req.sampling, req.user, "chatcmpl", "messages")
+    model = request.app[ENGINE].model_name
+    in_reasoning = starts_in_reasoning(prompt)
+    if req.stream:
+        parser = StreamParser(starts_in_reasoning=in_reasoning, parse_tools=req.parse_tools)
+        return await _stream(request, gen, ChatChunks(gen.request_id, model, parser,
+                                                      req.include_usage))
+    text, fin = await _collect(request, gen)
+    reply = parse_reply(text, starts_in_reasoning=in_reasoning, parse_tools=req.parse_tools)
+    return web.json_response(ChatChunks.completion(gen.request_id, model, reply, fin))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    req = parse_completion_request(await _json_body(request))
+    engine = request.app[ENGINE]
+    bos = engine.bos_token
+    prompt = req.prompt if not bos or req.prompt.startswith(bos) else bos + req.prompt
+    gen = await _prepare(request, prompt, req.sampling, req.user, "cmpl", "prompt")
+    chunks = CompletionChunks(gen.request_id, engine.model_name, req.include_usage)
+    if req.stream:
+        return await _stream(request, gen, chunks)
+    text, fin = await _collect(request, gen)
+    return web.json_response(chunks.completion(text, fin))
+
+
+def _model_card(request: web.Request) -> dict[str, object]:
+    return {"id": request.app[ENGINE].model_name, "object": "model",
+            "created": request.app[STARTED], "owned_by": "statecache"}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request)]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    if request.match_info["model"] != request.app[ENGINE].model_name:
+        return error_response(404, f"no such model: {request.match_info['model']}",
+                              param="model", code="model_not_found")
+    return web.json_response(_model_card(request))
+
+
+async def health(request: web.Request) -> web.Response:
+    body = request.app[ENGINE].health()
+    return web.json_response(body, status=503 if body.get("ok") is False else 200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    text = format_metrics(request.app[ENGINE].metrics(), request.app[HTTP_COUNTS])
+    return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def list_checkpoints(request: web.Request) -> web.Response:
+    return web.json_response({"checkpoints": request.app[ENGINE].describe_checkpoints()})
+
+
+async def get_checkpoint(request: web.Request) -> web.Response:
+    cid = request.match_info["id"]
+    found = request.app[ENGINE].get_checkpoint(cid)
+    if found is None:
+        return error_response(404, f"no such checkpoint: {cid}", param="id")
+    return web.json_response(found)
+
+
+def create_app(engine: EngineLike, *, admin: bool = True,
+               template_path: str | Path | None = None) -> web.Application:
+    """The app over a started engine; ``template_path`` overrides the chat template."""
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[_errors])
+    app[ENGINE] = engine
+    app[TEMPLATE] = load_chat_template(engine.chat_template, bos_token=engine.bos_token,
+                                       eos_token=engine.eos_token, override=template_path)
+    app[HTTP_COUNTS] = Counter()
+    app[STARTED] = int(time.time())
+    log.info("chat template: %s", app[TEMPLATE].origin)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    if admin:
+        app.router.add_get("/admin/checkpoints", list_checkpoints)
+        app.router.add_get("/admin/checkpoints/{id}", get_checkpoint)
+    return app

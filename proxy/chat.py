@@ -1,0 +1,153 @@
+"""Render chat messages to a prompt with the model's own Jinja template.
+
+The template comes from, in order: a configured override file, the GGUF's
+``tokenizer.chat_template``, or the vendored Gemma 3 fallback (the bundled model
+is a base model without one). Rendering follows Hugging Face's conventions, as
+llama-cpp-python's ``Jinja2ChatFormatter`` does: an immutable sandbox,
+``trim_blocks``/``lstrip_blocks``, ``tojson`` with ``ensure_ascii=False``,
+``raise_exception`` and ``strftime_now`` globals, ``{% generation %}`` ignored.
+
+Messages reach the template the way HF templates read them: content as one
+string, ``reasoning_content`` as a field, tool-call arguments parsed to a dict
+when they are a JSON object (Qwen3 reads ``tool_call.function.arguments``,
+others a top-level ``arguments``; both are set).
+
+Rendering is deterministic for templates that do not call ``strftime_now``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from proxy.openai_api import RESERVED_TEMPLATE_VARS, ChatMessage, ChatRequest, ToolCall
+
+VENDOR_TEMPLATES = Path(__file__).resolve().parents[1] / "vendor" / "templates"
+FALLBACK_TEMPLATE = VENDOR_TEMPLATES / "gemma3.jinja"
+
+
+class _IgnoreGeneration(jinja2.ext.Extension):
+    """HF's ``{% generation %}…{% endgeneration %}`` marks training spans: render the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        parser.stream.skip(1)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Same signature and defaults as transformers' chat-template tojson.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise ValueError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class ChatTemplate:
+    """A compiled chat template; ``origin`` says where its text came from."""
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "",
+                 origin: str = "inline") -> None:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True,
+            extensions=[_IgnoreGeneration, jinja2.ext.loopcontrols],
+        )
+        env.filters["tojson"] = _tojson
+        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"chat template from {origin} does not compile: {e}") from e
+        self.source = source
+        self.origin = origin
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *,
+               tools: Sequence[Mapping[str, Any]] | None = None,
+               template_kwargs: Mapping[str, Any] | None = None,
+               add_generation_prompt: bool = True) -> str:
+        """The prompt text; any failure of the template is a ValueError (a 400)."""
+        extra = dict(template_kwargs or {})
+        clash = RESERVED_TEMPLATE_VARS & extra.keys()
+        if clash:
+            raise ValueError(f"template kwargs may not set {', '.join(sorted(clash))}")
+        try:
+            return self._template.render(
+                messages=[dict(m) for m in messages],
+                tools=[dict(t) for t in tools] if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **extra,
+            )
+        except ValueError:
+            raise  # raise_exception: the template's own message
+        except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError) as e:
+            # A template tripping over an unexpected message shape is the request's problem.
+            raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from e
+
+
+def load_chat_template(gguf_template: str | None, *, bos_token: str, eos_token: str,
+                       override: str | Path | None = None) -> ChatTemplate:
+    """The override file if given, else the GGUF's template, else the Gemma 3 fallback."""
+    if override:
+        path = Path(override).expanduser()
+        return ChatTemplate(path.read_text(encoding="utf-8"), bos_token=bos_token,
+                            eos_token=eos_token, origin=f"file {path}")
+    if gguf_template:
+        return ChatTemplate(gguf_template, bos_token=bos_token, eos_token=eos_token,
+                            origin="the GGUF metadata")
+    return ChatTemplate(FALLBACK_TEMPLATE.read_text(encoding="utf-8"), bos_token=bos_token,
+                        eos_token=eos_token, origin=f"fallback {FALLBACK_TEMPLATE.name}")
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def _tool_call_json(c: ToolCall) -> dict[str, Any]:
+    args = _arguments(c.arguments)
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": args},
+            "arguments": args}
+
+
+def template_message(m: ChatMessage) -> dict[str, Any]:
+    """One message in the form HF chat templates read."""
+    # Templates concatenate content with strings: an assistant turn with only
+    # tool calls gets "" rather than None.
+    out: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.reasoning_content is not None:
+        out["reasoning_content"] = m.reasoning_content
+    if m.tool_calls:
+        out["tool_calls"] = [_tool_call_json(c) for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def render_chat(template: ChatTemplate, req: ChatRequest) -> str:
+    """The prompt for a chat request, generation prompt included."""
+    return template.render([template_message(m) for m in req.messages], tools=req.tools,
+                           template_kwargs=req.template_kwargs)

@@ -1,0 +1,109 @@
+"""OpenAI response bodies: chat.completion(.chunk), text_completion, errors."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from proxy.parse import Delta, StreamParser
+from proxy.types import FinishEvent
+
+JSON = dict[str, Any]
+
+
+def error_body(status: int, message: str, *, param: str | None = None,
+               code: str | None = None) -> JSON:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class Chunks(Protocol):
+    """What one streaming endpoint sends: at the start, per text delta, at the end."""
+
+    def start(self) -> list[JSON]: ...
+    def text(self, text: str) -> list[JSON]: ...
+    def finish(self, fin: FinishEvent) -> list[JSON]: ...
+
+
+class ChatChunks:
+    """``chat.completion.chunk`` events, the text split by a ``StreamParser``."""
+
+    def __init__(self, request_id: str, model: str, parser: StreamParser,
+                 include_usage: bool) -> None:
+        self._head = {"id": request_id, "object": "chat.completion.chunk",
+                      "created": int(time.time()), "model": model}
+        self._parser = parser
+        self._usage = include_usage
+        self._n_calls = 0
+
+    def _chunk(self, delta: JSON, finish_reason: str | None = None) -> JSON:
+        return {**self._head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                           "finish_reason": finish_reason}]}
+
+    def _deltas(self, d: Delta) -> list[JSON]:
+        out = []
+        if d.reasoning:
+            out.append(self._chunk({"reasoning_content": d.reasoning}))
+        if d.content:
+            out.append(self._chunk({"content": d.content}))
+        for call in d.tool_calls:
+            out.append(self._chunk({"tool_calls": [{"index": self._n_calls, **call.to_json()}]}))
+            self._n_calls += 1
+        return out
+
+    def start(self) -> list[JSON]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def text(self, text: str) -> list[JSON]:
+        return self._deltas(self._parser.feed(text))
+
+    def finish(self, fin: FinishEvent) -> list[JSON]:
+        out = self._deltas(self._parser.finish())
+        out.append(self._chunk({}, "tool_calls" if self._n_calls else fin.reason))
+        if self._usage:
+            out.append({**self._head, "choices": [], "usage": fin.usage.to_json()})
+        return out
+
+    @staticmethod
+    def completion(request_id: str, model: str, reply: Delta, fin: FinishEvent) -> JSON:
+        """The non-streaming ``chat.completion`` body."""
+        message: JSON = {"role": "assistant",
+                         "content": reply.content or (None if reply.tool_calls else "")}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
+        if reply.tool_calls:
+            message["tool_calls"] = [c.to_json() for c in reply.tool_calls]
+        reason = "tool_calls" if reply.tool_calls else fin.reason
+        return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": model,
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": reason}],
+                "usage": fin.usage.to_json()}
+
+
+class CompletionChunks:
+    """``text_completion`` bodies and stream events."""
+
+    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+        self._head = {"id": request_id, "object": "text_completion",
+                      "created": int(time.time()), "model": model}
+        self._usage = include_usage
+
+    def _chunk(self, text: str, finish_reason: str | None = None) -> JSON:
+        return {**self._head, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                           "finish_reason": finish_reason}]}
+
+    def start(self) -> list[JSON]:
+        return []
+
+    def text(self, text: str) -> list[JSON]:
+        return [self._chunk(text)] if text else []
+
+    def finish(self, fin: FinishEvent) -> list[JSON]:
+        out = [self._chunk("", fin.reason)]
+        if self._usage:
+            out.append({**self._head, "choices": [], "usage": fin.usage.to_json()})
+        return out
+
+    def completion(self, text: str, fin: FinishEvent) -> JSON:
+        return {**self._chunk(text, fin.reason), "usage": fin.usage.to_json()}
