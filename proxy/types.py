@@ -29,6 +29,9 @@ class GenerationRequest:
     sampling: SamplingParams
     tenant: str = ""
     use_cache: bool = True
+    # Tokens of the conversation before the generation prompt (rendered without it);
+    # the replay checkpoint goes at the last whole page at or before this point.
+    history_tokens: int | None = None
 
 
 @dataclass(slots=True)

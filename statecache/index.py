@@ -69,6 +69,19 @@ class Index:
             node = node.parent
         return rec
 
+    def depth(self, chain: PageChain) -> int:
+        """How many leading pages of ``chain`` some indexed record also has (hashes only)."""
+        node = self._roots.get(chain.namespace)
+        depth = 0
+        if node is None:
+            return 0
+        for h in chain.hashes:
+            child = node.children.get(h)
+            if child is None:
+                break
+            node, depth = child, depth + 1
+        return depth
+
     def candidates(
         self,
         chain: PageChain,

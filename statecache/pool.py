@@ -240,13 +240,25 @@ class CheckpointPool:
         self._counts["refreshes"] += 1
         return entry.record
 
-    def drop_lane(self, lane: int) -> int:
-        """Forget the partial checkpoints of ``lane`` (its KV changed)."""
+    def drop_lane(self, lane: int, above: int = -1) -> int:
+        """Forget the partial checkpoints of ``lane`` past position ``above`` (its KV changed).
+
+        After the lane is cut back to ``above`` tokens, partial states at or below it
+        still match its KV; ``above=-1`` forgets them all.
+        """
         with self._lock:
-            ids = list(self._by_lane.get(lane, ()))
+            ids = [i for i in self._by_lane.get(lane, ()) if self._entries[i].record.n > above]
             for entry_id in ids:
                 self._remove(entry_id)
             return len(ids)
+
+    def match_depth(self, chain: PageChain) -> int:
+        """Tokens of ``chain`` (whole pages) that some cached checkpoint also starts with.
+
+        Hashes only: a hint for where a branch point goes, never a proof of a match.
+        """
+        with self._lock:
+            return self._index.depth(chain) * chain.page_size
 
     def remove(self, entry_id: str) -> bool:
         with self._lock:
