@@ -14,8 +14,10 @@ run: install
 	$(PY) -m proxy.models default
 	.venv/bin/statecache serve --config $(CONFIG) --host $(HOST) --port $(PORT)
 
+# Synthetic GGUFs (deterministic) into models/, and the bundled Gemma 3 270M.
 models: install
-	$(PY) -m proxy.models all
+	$(PY) -m tools.synth_gguf all --out models
+	$(PY) -m proxy.models default
 
 test: install models
 	$(PY) -m pytest $(PYTEST_ARGS)
