@@ -35,7 +35,13 @@ from aiohttp import web
 
 from proxy.chat import ChatTemplate, load_chat_template, render_chat
 from proxy.metrics import CONTENT_TYPE, format_metrics
-from proxy.openai_api import ApiError, Sampling, parse_chat_request, parse_completion_request
+from proxy.openai_api import (
+    ApiError,
+    ChatRequest,
+    Sampling,
+    parse_chat_request,
+    parse_completion_request,
+)
 from proxy.openai_responses import ChatChunks, Chunks, CompletionChunks, error_body
 from proxy.parse import StreamParser, parse_reply, starts_in_reasoning
 from proxy.types import Event, FinishEvent, GenerationRequest, QueueFull
@@ -55,6 +61,8 @@ class EngineLike(Protocol):
     eos_token: str
 
     def tokenize(self, text: str) -> list[int]: ...
+    # Like tokenize, but may splice in the ids of the tenant's recent replies.
+    def tokenize_prompt(self, text: str, tenant: str = "") -> list[int]: ...
     def generate(self, req: GenerationRequest) -> AsyncIterator[Event]: ...
     def describe_checkpoints(self) -> list[dict[str, Any]]: ...
     def get_checkpoint(self, id: str) -> dict[str, Any] | None: ...
@@ -147,15 +155,30 @@ def _max_tokens(n_ctx: int, n_prompt: int, asked: int | None, param: str) -> int
     return min(n_ctx - n_prompt, DEFAULT_MAX_TOKENS)
 
 
-async def _prepare(request: web.Request, prompt: str, sampling: Sampling, user: str | None,
-                   prefix: str, param: str) -> GenerationRequest:
-    engine = request.app[ENGINE]
-    # Tokenizing a long conversation takes a while; llama.cpp's tokenizer only reads the vocab.
-    tokens = await asyncio.to_thread(engine.tokenize, prompt)
-    max_tokens = _max_tokens(engine.n_ctx, len(tokens), sampling.max_tokens, param)
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _tokenize_chat(engine: EngineLike, template: ChatTemplate, req: ChatRequest,
+                   tenant: str) -> tuple[str, list[int], int | None]:
+    """(prompt, its tokens, tokens of the history before the generation prompt)."""
+    prompt = render_chat(template, req)
+    tokens = engine.tokenize_prompt(prompt, tenant)
+    # The engine keeps a replay checkpoint where the history ends: the next turn
+    # renders this reply its own way, but the history before it the same.
+    history = render_chat(template, req, add_generation_prompt=False)
+    if not prompt.startswith(history):
+        return prompt, tokens, None
+    return prompt, tokens, _common_prefix(engine.tokenize_prompt(history, tenant), tokens)
+
+
+def _generation(request: web.Request, tokens: list[int], sampling: Sampling, prefix: str,
+                param: str, tenant: str, history: int | None = None) -> GenerationRequest:
+    max_tokens = _max_tokens(request.app[ENGINE].n_ctx, len(tokens), sampling.max_tokens, param)
     return GenerationRequest(request_id=f"{prefix}-{secrets.token_hex(12)}",
                              prompt_tokens=tuple(tokens), sampling=sampling.to_params(max_tokens),
-                             tenant=_tenant(request, user))
+                             tenant=tenant, history_tokens=history)
 
 
 @asynccontextmanager
@@ -174,8 +197,9 @@ def _gone(request: web.Request) -> bool:
 
 
 def _log_finish(gen: GenerationRequest, fin: FinishEvent) -> None:
+    # Debug only: the engine writes the one info line per request.
     u, s = fin.usage, fin.stats
-    log.info("%s prompt=%d cached=%d completion=%d finish=%s source=%s role=%s prefilled=%d "
+    log.debug("%s prompt=%d cached=%d completion=%d finish=%s source=%s role=%s prefilled=%d "
              "ttft=%.3fs tenant=%r", gen.request_id, u.prompt_tokens, u.cached_tokens,
              u.completion_tokens, fin.reason, s.source, s.role or "-", s.prefilled, s.ttft_s,
              gen.tenant)
@@ -240,25 +264,28 @@ async def _stream(request: web.Request, gen: GenerationRequest, chunks: Chunks
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat_request(await _json_body(request))
-    prompt = await asyncio.to_thread(render_chat, request.app[TEMPLATE], req)
-    gen = await _prepare(request, prompt, req.sampling, req.user, "chatcmpl", "messages")
-    model = request.app[ENGINE].model_name
+    engine, tenant = request.app[ENGINE], _tenant(request, req.user)
+    # Rendering and tokenizing a long conversation takes a while: off the event loop.
+    prompt, tokens, history = await asyncio.to_thread(
+        _tokenize_chat, engine, request.app[TEMPLATE], req, tenant)
+    gen = _generation(request, tokens, req.sampling, "chatcmpl", "messages", tenant, history)
     in_reasoning = starts_in_reasoning(prompt)
     if req.stream:
         parser = StreamParser(starts_in_reasoning=in_reasoning, parse_tools=req.parse_tools)
-        return await _stream(request, gen, ChatChunks(gen.request_id, model, parser,
+        return await _stream(request, gen, ChatChunks(gen.request_id, engine.model_name, parser,
                                                       req.include_usage))
     text, fin = await _collect(request, gen)
     reply = parse_reply(text, starts_in_reasoning=in_reasoning, parse_tools=req.parse_tools)
-    return web.json_response(ChatChunks.completion(gen.request_id, model, reply, fin))
+    return web.json_response(ChatChunks.completion(gen.request_id, engine.model_name, reply, fin))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     req = parse_completion_request(await _json_body(request))
-    engine = request.app[ENGINE]
+    engine, tenant = request.app[ENGINE], _tenant(request, req.user)
     bos = engine.bos_token
     prompt = req.prompt if not bos or req.prompt.startswith(bos) else bos + req.prompt
-    gen = await _prepare(request, prompt, req.sampling, req.user, "cmpl", "prompt")
+    tokens = await asyncio.to_thread(engine.tokenize_prompt, prompt, tenant)
+    gen = _generation(request, tokens, req.sampling, "cmpl", "prompt", tenant)
     chunks = CompletionChunks(gen.request_id, engine.model_name, req.include_usage)
     if req.stream:
         return await _stream(request, gen, chunks)

@@ -147,7 +147,9 @@ def template_message(m: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def render_chat(template: ChatTemplate, req: ChatRequest) -> str:
-    """The prompt for a chat request, generation prompt included."""
+def render_chat(template: ChatTemplate, req: ChatRequest, *,
+                add_generation_prompt: bool = True) -> str:
+    """The prompt for a chat request, by default with the generation prompt."""
     return template.render([template_message(m) for m in req.messages], tools=req.tools,
-                           template_kwargs=req.template_kwargs)
+                           template_kwargs=req.template_kwargs,
+                           add_generation_prompt=add_generation_prompt)

@@ -1,10 +1,11 @@
 """Prometheus text exposition (format 0.0.4) of the engine's counters.
 
-``engine.metrics()`` returns a dict of numbers and nested dicts of numbers; a
-nested dict's keys become label values, one level per label. The keys known
-below get their Prometheus name, type, help and label names; any other key is
-still exported, as ``statecache_<key>`` (a counter if it ends in ``_total``,
-else a gauge) with labels named ``key``, ``key2``, … for its nesting.
+``engine.metrics()`` returns numbers and nested dicts of numbers. They are
+flattened to dotted paths (``pool.ram_bytes``) and matched against ``RULES``:
+a rule names the family, its type and help, and its regex's named groups (plus
+fixed labels) become labels, so ``pool.ram_bytes`` and ``pool.disk_bytes`` are
+one family ``statecache_checkpoint_bytes{tier=…}``. A path no rule knows is still
+exported, as an ``untyped`` ``statecache_<path>``.
 """
 
 from __future__ import annotations
@@ -12,62 +13,98 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @dataclass(slots=True, frozen=True)
-class MetricSpec:
+class Family:
     name: str
-    kind: str  # counter | gauge
+    kind: str  # counter | gauge | untyped
     help: str
-    labels: tuple[str, ...] = ()
 
 
-ENGINE_METRICS: dict[str, MetricSpec] = {
-    "requests": MetricSpec("statecache_requests_total", "counter",
-                           "Generation requests finished, by finish reason.", ("reason",)),
-    "hits": MetricSpec("statecache_cache_hits_total", "counter",
-                       "Requests by where their starting state came from (cold, lane, ram, "
-                       "disk) and the role of the checkpoint used.", ("source", "role")),
-    "tokens_prefilled": MetricSpec("statecache_prefilled_tokens_total", "counter",
-                                   "Prompt tokens run through the model."),
-    "tokens_reused": MetricSpec("statecache_reused_tokens_total", "counter",
-                                "Prompt tokens served from a kept or restored state."),
-    "tokens_generated": MetricSpec("statecache_generated_tokens_total", "counter",
-                                   "Tokens generated."),
-    "bytes": MetricSpec("statecache_checkpoint_bytes", "gauge",
-                        "Bytes of checkpoints held, per tier.", ("tier",)),
-    "checkpoints": MetricSpec("statecache_checkpoints", "gauge",
-                              "Checkpoints held, per tier.", ("tier",)),
-    "evictions": MetricSpec("statecache_evictions_total", "counter",
-                            "Checkpoints evicted, per tier.", ("tier",)),
-    "queue_depth": MetricSpec("statecache_queue_depth", "gauge",
-                              "Requests waiting for a lane."),
-    "lanes_busy": MetricSpec("statecache_lanes_busy", "gauge", "Lanes generating now."),
-}
-HTTP_SPEC = MetricSpec("statecache_http_requests_total", "counter",
-                       "HTTP requests answered, by route and status code.", ("route", "code"))
+@dataclass(slots=True, frozen=True)
+class Rule:
+    pattern: str  # full match on the dotted path; named groups are labels
+    family: Family
+    labels: tuple[tuple[str, str], ...] = ()  # fixed labels
+    regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "regex", re.compile(self.pattern))
+
+
+_REQUESTS = Family("statecache_requests_total", "counter", "Generation requests finished.")
+_SOURCE = Family("statecache_requests_by_source_total", "counter",
+                 "Requests by where their starting state came from (cold, lane, ram, disk).")
+_HITS = Family("statecache_cache_hits_total", "counter",
+               "Requests that reused state, by source and role of the checkpoint used.")
+_POOL_HITS = Family("statecache_pool_hits_total", "counter", "Checkpoint pool hits, per tier.")
+_ROLE_HITS = Family("statecache_pool_hits_by_role_total", "counter",
+                    "Checkpoint pool hits, by checkpoint role.")
+_BYTES = Family("statecache_checkpoint_bytes", "gauge", "Bytes of checkpoints held, per tier.")
+_BUDGET = Family("statecache_checkpoint_budget_bytes", "gauge", "Checkpoint budget, per tier.")
+_ENTRIES = Family("statecache_checkpoints", "gauge", "Checkpoints held, per tier.")
+_EVICTIONS = Family("statecache_evictions_total", "counter", "Checkpoints evicted, per tier.")
+_TIER = r"(?:pool\.)?(?P<tier>ram|disk)"
+
+RULES: tuple[Rule, ...] = (
+    Rule(r"requests", _REQUESTS),
+    Rule(r"requests\.(?P<reason>[^.]+)", _REQUESTS),
+    Rule(r"plan_(?P<source>[^.]+)", _SOURCE),
+    Rule(r"hits\.(?P<source>[^.]+)\.(?P<role>[^.]*)", _HITS),
+    Rule(r"pool\.hits_role_(?P<role>[^.]+)", _ROLE_HITS),
+    Rule(r"pool\.hits_(?P<tier>ram|disk)", _POOL_HITS),
+    Rule(_TIER + r"_bytes", _BYTES),
+    Rule(r"bytes\.(?P<tier>[^.]+)", _BYTES),
+    Rule(_TIER + r"_budget", _BUDGET),
+    Rule(_TIER + r"_entries", _ENTRIES),
+    Rule(r"pool\.evictions", _EVICTIONS, (("tier", "ram"),)),
+    Rule(r"pool\.disk_evictions", _EVICTIONS, (("tier", "disk"),)),
+    Rule(r"evictions\.(?P<tier>[^.]+)", _EVICTIONS),
+    Rule(r"tokens_prefilled", Family("statecache_prefilled_tokens_total", "counter",
+                                     "Prompt tokens run through the model.")),
+    Rule(r"tokens_reused", Family("statecache_reused_tokens_total", "counter",
+                                  "Prompt tokens served from a kept or restored state.")),
+    Rule(r"tokens_generated", Family("statecache_generated_tokens_total", "counter",
+                                     "Tokens generated.")),
+    Rule(r"queue_depth", Family("statecache_queue_depth", "gauge", "Requests waiting for a lane.")),
+    Rule(r"active_requests", Family("statecache_active_requests", "gauge",
+                                    "Requests holding a lane now.")),
+    Rule(r"lanes", Family("statecache_lanes", "gauge", "Lanes (llama.cpp sequences).")),
+    *(Rule(k, Family(f"statecache_{k}_total", "counter", help_))
+      for k, help_ in (("rejected_busy", "Requests refused with 503: lanes and queue full."),
+                       ("checkpoints_saved", "Checkpoints published."),
+                       ("checkpoint_bytes_saved", "Bytes of checkpoints published."),
+                       ("restore_failures", "Checkpoint restores that failed (fell back cold)."),
+                       ("handoffs", "Lane states handed to the pool to free a lane."),
+                       ("replies_spliced", "Replies whose generated ids were spliced in."))),
+)
+HTTP_FAMILY = Family("statecache_http_requests_total", "counter",
+                     "HTTP requests answered, by route and status code.")
 _NAME_BAD = re.compile(r"[^a-zA-Z0-9_]")
 
-
-def _spec_for(key: str) -> MetricSpec:
-    if key in ENGINE_METRICS:
-        return ENGINE_METRICS[key]
-    name = "statecache_" + _NAME_BAD.sub("_", key)
-    kind = "counter" if name.endswith("_total") else "gauge"
-    return MetricSpec(name, kind, f"Engine metric {key!r}.")
+Sample = tuple[tuple[tuple[str, str], ...], float]
 
 
-def _leaves(value: object, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], float]]:
+def _leaves(value: object, path: str = "") -> Iterator[tuple[str, float]]:
     if isinstance(value, Mapping):
         for k in sorted(value, key=str):
-            yield from _leaves(value[k], (*path, str(k)))
+            yield from _leaves(value[k], f"{path}.{k}" if path else str(k))
     elif isinstance(value, int | float):
-        yield path, float(value) if isinstance(value, float) else int(value)
+        yield path, value
     # strings and other values are not samples: skipped
+
+
+def _classify(path: str) -> tuple[Family, tuple[tuple[str, str], ...]]:
+    for rule in RULES:
+        m = rule.regex.fullmatch(path)
+        if m:
+            return rule.family, rule.labels + tuple(m.groupdict().items())
+    name = "statecache_" + _NAME_BAD.sub("_", path)
+    return Family(name, "untyped", f"Engine metric {path!r}."), ()
 
 
 def _escape(v: str) -> str:
@@ -76,7 +113,7 @@ def _escape(v: str) -> str:
 
 def _number(v: float) -> str:
     if isinstance(v, int):
-        return str(v)
+        return str(int(v))  # bools too: 0 / 1
     if math.isnan(v):
         return "NaN"
     if math.isinf(v):
@@ -84,34 +121,25 @@ def _number(v: float) -> str:
     return repr(v)
 
 
-def _label_names(spec: MetricSpec, depth: int) -> tuple[str, ...]:
-    extra = tuple("key" if i == 0 else f"key{i + 1}" for i in range(depth - len(spec.labels)))
-    return (spec.labels + extra)[:depth]
-
-
-def format_family(spec: MetricSpec, value: object) -> list[str]:
-    """The ``# HELP``/``# TYPE`` lines and samples of one metric."""
-    samples = list(_leaves(value))
-    if not samples:
-        return []
-    lines = [f"# HELP {spec.name} {spec.help}", f"# TYPE {spec.name} {spec.kind}"]
-    for path, v in samples:
-        names = _label_names(spec, len(path))
-        labels = ",".join(f'{n}="{_escape(x)}"' for n, x in zip(names, path, strict=True))
-        lines.append(f"{spec.name}{{{labels}}} {_number(v)}" if labels
-                     else f"{spec.name} {_number(v)}")
+def _render(families: dict[str, tuple[Family, list[Sample]]]) -> list[str]:
+    lines: list[str] = []
+    for name in sorted(families):
+        fam, samples = families[name]
+        lines += [f"# HELP {name} {fam.help}", f"# TYPE {name} {fam.kind}"]
+        for labels, v in sorted(samples, key=lambda s: s[0]):
+            body = ",".join(f'{k}="{_escape(x)}"' for k, x in labels)
+            lines.append(f"{name}{{{body}}} {_number(v)}" if body else f"{name} {_number(v)}")
     return lines
 
 
 def format_metrics(engine_metrics: Mapping[str, object],
                    http_counts: Mapping[tuple[str, int], int] | None = None) -> str:
     """The whole /metrics page."""
-    lines: list[str] = []
-    for key in sorted(engine_metrics):
-        lines += format_family(_spec_for(key), engine_metrics[key])
-    if http_counts:
-        nested: dict[str, dict[str, int]] = {}
-        for (route, code), n in http_counts.items():
-            nested.setdefault(route, {})[str(code)] = n
-        lines += format_family(HTTP_SPEC, nested)
-    return "\n".join(lines) + "\n"
+    families: dict[str, tuple[Family, list[Sample]]] = {}
+    for path, v in _leaves(engine_metrics):
+        fam, labels = _classify(path)
+        families.setdefault(fam.name, (fam, []))[1].append((labels, v))
+    for (route, code), n in (http_counts or {}).items():
+        families.setdefault(HTTP_FAMILY.name, (HTTP_FAMILY, []))[1].append(
+            ((("route", route), ("code", str(code))), n))
+    return "\n".join(_render(families)) + "\n"
