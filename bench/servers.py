@@ -1,0 +1,155 @@
+"""The systems under test, each a subprocess on a free 127.0.0.1 port.
+
+Every system gets the same model, context per lane, batch sizes, thread count
+and number of lanes (slots); caching options stay at each system's defaults
+except where named. ``running()`` kills the process on the way out, also on
+error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import urllib.error
+import urllib.request
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_SERVER = ROOT / "build" / "llama-server" / "cmake" / "bin" / "llama-server"
+GEMMA_TEMPLATE = ROOT / "vendor" / "templates" / "gemma3.jinja"
+THREADS = os.cpu_count() or 1
+N_BATCH = 512
+
+SYSTEMS = ("statecache", "no-cache", "llama_cpp.server", "llama-server")
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSpec:
+    label: str
+    path: Path
+    is_gemma: bool  # no template in the GGUF: give each system a Gemma 3 template
+
+
+@dataclass(slots=True)
+class Server:
+    system: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def peak_rss_kb(self) -> int | None:
+        """VmHWM of the server process (its lifetime peak resident set)."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+        except OSError:
+            return None
+        return None
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _command(system: str, model: ModelSpec, port: int, n_ctx: int, lanes: int,
+             scratch: Path) -> list[str]:
+    py = sys.executable
+    if system in ("statecache", "no-cache"):
+        cfg = scratch / "statecache.toml"
+        cfg.write_text(
+            f'[model]\npath = "{model.path}"\nn_ctx = {n_ctx}\nn_batch = {N_BATCH}\n'
+            f'n_ubatch = {N_BATCH}\nthreads = {THREADS}\n'
+            f'[server]\nlanes = {lanes}\n'
+            # a fresh disk tier per start: no run may hit another run's checkpoints
+            f'[cache]\ndisk_path = "{scratch / "checkpoints"}"\n')
+        cmd = [str(Path(py).parent / "statecache"), "serve", "--config", str(cfg),
+               "--host", "127.0.0.1", "--port", str(port)]
+        return cmd + (["--no-cache"] if system == "no-cache" else [])
+    if system == "llama_cpp.server":
+        if lanes != 1:
+            raise ValueError("llama_cpp.server has one slot")
+        cmd = [py, "-m", "llama_cpp.server", "--model", str(model.path), "--host", "127.0.0.1",
+               "--port", str(port), "--n_ctx", str(n_ctx), "--n_batch", str(N_BATCH),
+               "--n_ubatch", str(N_BATCH), "--n_threads", str(THREADS),
+               "--n_threads_batch", str(THREADS), "--cache", "true", "--verbose", "false",
+               "--chat_template_kwargs", '{"preserve_thinking": true}']
+        return cmd + (["--chat_format", "gemma"] if model.is_gemma else [])
+    if system == "llama-server":
+        # -c is the total over slots; prompt cache, cache RAM and context
+        # checkpoints stay at their defaults
+        cmd = [str(LLAMA_SERVER), "-m", str(model.path), "--host", "127.0.0.1",
+               "--port", str(port), "-c", str(n_ctx * lanes), "-np", str(lanes),
+               "-b", str(N_BATCH), "-ub", str(N_BATCH), "-t", str(THREADS),
+               "-tb", str(THREADS), "--jinja", "--no-webui"]
+        return cmd + (["--chat-template-file", str(GEMMA_TEMPLATE)] if model.is_gemma else [])
+    raise ValueError(f"unknown system {system!r}")
+
+
+def _health_path(system: str) -> str:
+    return "/v1/models" if system == "llama_cpp.server" else "/health"
+
+
+@contextlib.contextmanager
+def running(system: str, model: ModelSpec, *, n_ctx: int, lanes: int, log_dir: Path,
+            timeout: float = 300.0) -> Iterator[Server]:
+    """Start ``system``, wait until it answers, yield it, always kill it."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"bench-{system}-"))
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{system}-{model.label}-{lanes}lane-{port}.log"
+    cmd = _command(system, model, port, n_ctx, lanes, scratch)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
+    server = Server(system, f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        _wait_healthy(server, _health_path(system), timeout)
+        yield server
+    finally:
+        _kill(proc)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _wait_healthy(server: Server, path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            tail = server.log_text()[-2000:]
+            raise RuntimeError(f"{server.system} exited with {server.proc.returncode}:\n{tail}")
+        try:
+            with urllib.request.urlopen(server.url + path, timeout=2.0) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{server.system} did not become healthy in {timeout:.0f} s")
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=15)
