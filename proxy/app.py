@@ -44,7 +44,7 @@ from proxy.openai_api import (
 )
 from proxy.openai_responses import ChatChunks, Chunks, CompletionChunks, error_body
 from proxy.parse import StreamParser, parse_reply, starts_in_reasoning
-from proxy.types import Event, FinishEvent, GenerationRequest, QueueFull
+from proxy.types import Event, FinishEvent, GenerationRequest, QueueFull, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -205,14 +205,18 @@ def _log_finish(gen: GenerationRequest, fin: FinishEvent) -> None:
              gen.tenant)
 
 
-async def _collect(request: web.Request, gen: GenerationRequest) -> tuple[str, FinishEvent]:
+async def _collect(request: web.Request, gen: GenerationRequest
+                   ) -> tuple[str, FinishEvent, list[TokenLogprob] | None]:
     parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     async with _closing(request.app[ENGINE].generate(gen)) as events:
         async for ev in events:
             if isinstance(ev, FinishEvent):
                 _log_finish(gen, ev)
-                return "".join(parts), ev
+                return "".join(parts), ev, (logprobs if gen.sampling.logprobs is not None
+                                            else None)
             parts.append(ev.text)
+            logprobs.extend(ev.logprobs)
             if _gone(request):
                 raise ConnectionResetError("client went away")
     raise RuntimeError("the engine's event stream ended without a FinishEvent")
@@ -274,9 +278,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         parser = StreamParser(starts_in_reasoning=in_reasoning, parse_tools=req.parse_tools)
         return await _stream(request, gen, ChatChunks(gen.request_id, engine.model_name, parser,
                                                       req.include_usage))
-    text, fin = await _collect(request, gen)
+    text, fin, logprobs = await _collect(request, gen)
     reply = parse_reply(text, starts_in_reasoning=in_reasoning, parse_tools=req.parse_tools)
-    return web.json_response(ChatChunks.completion(gen.request_id, engine.model_name, reply, fin))
+    return web.json_response(ChatChunks.completion(gen.request_id, engine.model_name, reply, fin,
+                                                   logprobs))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -289,8 +294,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     chunks = CompletionChunks(gen.request_id, engine.model_name, req.include_usage)
     if req.stream:
         return await _stream(request, gen, chunks)
-    text, fin = await _collect(request, gen)
-    return web.json_response(chunks.completion(text, fin))
+    text, fin, logprobs = await _collect(request, gen)
+    return web.json_response(chunks.completion(text, fin, logprobs))
 
 
 def _model_card(request: web.Request) -> dict[str, object]:

@@ -21,6 +21,7 @@ import xxhash
 
 from proxy.binding import LLAMA_CPP_VERSION, Context, ContextParams, Model
 from proxy.executor import Executor, Job
+from proxy.splice import ReplyMemory, aligned_replies, tokenize_spliced
 from proxy.types import (
     Event,
     FinishEvent,
@@ -61,6 +62,7 @@ class Engine:
                                        state_format=state_format(self.params))
         self.counters: collections.Counter[str] = collections.Counter()
         self.exec = Executor(self.ctx, self.memory, self.pool, cfg, self.counters)
+        self.replies = ReplyMemory(size=8 * lanes) if cfg.cache.splice_generated else None
         self.model_name = model_path.name
         self.chat_template = self.model.chat_template()
         self.bos_token = self.model.token_text(self.model.bos) if self.model.bos >= 0 else ""
@@ -79,6 +81,16 @@ class Engine:
 
     def tokenize(self, text: str) -> list[int]:
         return self.model.tokenize(text, add_special=False, parse_special=True)
+
+    def tokenize_prompt(self, text: str, tenant: str = "") -> list[int]:
+        """Tokenize a rendered prompt; with ``cache.splice_generated``, the ids of recent
+        replies stand in for their re-tokenized text (see proxy/splice.py)."""
+        if self.replies is None:
+            return self.tokenize(text)
+        ids, n = tokenize_spliced(text, self.tokenize, self.replies.recent(tenant))
+        if n:
+            self.counters["replies_spliced"] += n
+        return ids
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Event]:
         n = len(req.prompt_tokens)
@@ -202,8 +214,13 @@ class Engine:
             if job.cancelled:
                 job.finish_reason = "cancelled"
             else:
-                for text, ids in self.exec.step(job):
-                    box.put(TokenEvent(text, ids))
+                deltas = self.exec.step(job)
+                if job.logprobs and not deltas:
+                    deltas = [("", ())]
+                for i, (text, ids) in enumerate(deltas):
+                    lps = tuple(job.logprobs) if i == 0 else ()
+                    box.put(TokenEvent(text, ids, lps))
+                job.logprobs.clear()
         except Exception as exc:
             log.exception("request %s failed", job.req.request_id)
             job.finish_reason = "error"
@@ -216,7 +233,17 @@ class Engine:
             log.exception("finishing request %s failed", job.req.request_id)
         with self._cv:
             self._active.remove((job, box))
+        if self.replies is not None and job.finish_reason in ("stop", "length"):
+            self._remember_reply(job)
         self._account(job, box)
+
+    def _remember_reply(self, job: Job) -> None:
+        assert self.replies is not None
+        m = self.model
+        ids = [t for t in job.generated if not m.is_eog(t)]
+        pieces = [m.token_bytes(t) for t in ids]
+        special = [not m.token_bytes(t, special=False) and bool(p) for t, p in zip(ids, pieces)]
+        self.replies.remember(job.req.tenant, aligned_replies(ids, pieces, special))
 
     def _account(self, job: Job, box: _Outbox) -> None:
         s = job.stats

@@ -29,7 +29,7 @@ from proxy.detok import TextStream
 from proxy.lanes import Lane, LaneSet
 from proxy.planner import Plan, Source, make_plan, publish_points
 from proxy.sampling import Sampler
-from proxy.types import GenerationRequest, RequestStats
+from proxy.types import GenerationRequest, RequestStats, TokenLogprob
 from statecache.config import Config
 from statecache.pool import CheckpointPool
 from statecache.records import Kind, Owner, Role
@@ -59,6 +59,7 @@ class Job:
     stats: RequestStats = field(default_factory=RequestStats)
     t_first: float = 0.0
     cancelled: bool = False
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet sent
 
 
 class Executor:
@@ -110,6 +111,10 @@ class Executor:
             if self._publish_kind() is Kind.FULL:
                 # full states grow with the prompt: only the points a later turn needs
                 job.publish = [(n, r) for n, r in job.publish if r is not Role.PERIODIC]
+            elif limit > job.reuse and (not job.publish or job.publish[-1][0] < limit):
+                # a lane that cannot roll back keeps the state one token short of the
+                # prompt too, so a repeated or regenerated request reuses all of it
+                job.publish.append((limit, Role.REPLAY))
         job.sampler = Sampler(job.req.sampling)
         job.stream = TextStream(job.req.sampling.stop)
         self.counters[f"plan_{job.stats.source}"] += 1
@@ -264,6 +269,8 @@ class Executor:
         """Sample the next token and decide whether the request is done."""
         assert job.sampler is not None and job.stream is not None
         tok = job.sampler(logits)
+        if job.req.sampling.logprobs is not None:
+            job.logprobs.append(self._logprob(logits, tok, job.req.sampling.logprobs))
         job.generated.append(tok)
         job.pending = tok
         if self.model.is_eog(tok):
@@ -280,6 +287,16 @@ class Executor:
             if tail:
                 out.append((tail, ()))
         return out
+
+    def _logprob(self, logits: np.ndarray, tok: int, k: int) -> TokenLogprob:
+        x = logits.astype(np.float64)
+        lse = float(np.logaddexp.reduce(x))
+        top: tuple[tuple[str, float], ...] = ()
+        if k > 0:
+            idx = np.argpartition(-x, k - 1)[:k]
+            idx = idx[np.argsort(-x[idx], kind="stable")]
+            top = tuple((self.model.detokenize([int(i)]), float(x[i] - lse)) for i in idx)
+        return TokenLogprob(self.model.detokenize([tok]), float(x[tok] - lse), top)
 
     def finish(self, job: Job) -> None:
         """Publish the end-of-reply state and free the lane."""

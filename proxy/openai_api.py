@@ -18,6 +18,7 @@ Choices where OpenAI leaves room:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -73,11 +74,12 @@ class Sampling:
     seed: int | None = None
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
 
     def to_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               min_p=self.min_p, seed=self.seed, max_tokens=max_tokens,
-                              stop=self.stop)
+                              stop=self.stop, logprobs=self.logprobs)
 
 
 @dataclass(slots=True, frozen=True)
@@ -179,6 +181,28 @@ def parse_sampling(body: Mapping[str, Any]) -> Sampling:
         max_tokens=max_completion if max_completion is not None else max_tokens,
         stop=_stop(body),
     )
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat: ``logprobs`` (bool) turns them on, ``top_logprobs`` (0-20) adds alternatives."""
+    on = _opt_bool(body, "logprobs")
+    top = _opt_int(body, "top_logprobs", lo=0)
+    if top is not None and top > MAX_TOP_LOGPROBS:
+        raise ApiError(f"'top_logprobs' must be at most {MAX_TOP_LOGPROBS}", "top_logprobs")
+    if top is not None and not on:
+        raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if on else None
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Completions: ``logprobs`` is the number of alternatives (0-5)."""
+    n = _opt_int(body, "logprobs", lo=0)
+    if n is not None and n > 5:
+        raise ApiError("'logprobs' must be at most 5", "logprobs")
+    return n
 
 
 def _pick(v: float | None, default: float) -> float:
@@ -319,7 +343,7 @@ def parse_chat_request(body: object) -> ChatRequest:
         tools=_tools(body.get("tools")),
         tool_choice=_tool_choice(body.get("tool_choice")),
         template_kwargs=_template_kwargs(body),
-        sampling=parse_sampling(body),
+        sampling=dataclasses.replace(parse_sampling(body), logprobs=_chat_logprobs(body)),
         stream=stream,
         include_usage=usage,
         user=body.get("user"),
@@ -334,5 +358,7 @@ def parse_completion_request(body: object) -> CompletionRequest:
     if not isinstance(prompt, str):
         raise ApiError("'prompt' must be a string (or a list of exactly one string)", "prompt")
     return CompletionRequest(model=body.get("model") or "", prompt=prompt,
-                             sampling=parse_sampling(body), stream=stream,
+                             sampling=dataclasses.replace(
+                                 parse_sampling(body), logprobs=_completion_logprobs(body)),
+                             stream=stream,
                              include_usage=usage, user=body.get("user"))

@@ -6,7 +6,7 @@ import time
 from typing import Any, Protocol
 
 from proxy.parse import Delta, StreamParser
-from proxy.types import FinishEvent
+from proxy.types import FinishEvent, TokenLogprob
 
 JSON = dict[str, Any]
 
@@ -65,7 +65,8 @@ class ChatChunks:
         return out
 
     @staticmethod
-    def completion(request_id: str, model: str, reply: Delta, fin: FinishEvent) -> JSON:
+    def completion(request_id: str, model: str, reply: Delta, fin: FinishEvent,
+                   logprobs: list[TokenLogprob] | None = None) -> JSON:
         """The non-streaming ``chat.completion`` body."""
         message: JSON = {"role": "assistant",
                          "content": reply.content or (None if reply.tool_calls else "")}
@@ -76,7 +77,9 @@ class ChatChunks:
         reason = "tool_calls" if reply.tool_calls else fin.reason
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": model,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
+                "choices": [{"index": 0, "message": message,
+                             "logprobs": None if logprobs is None else
+                             {"content": [lp.to_json() for lp in logprobs]},
                              "finish_reason": reason}],
                 "usage": fin.usage.to_json()}
 
@@ -105,5 +108,19 @@ class CompletionChunks:
             out.append({**self._head, "choices": [], "usage": fin.usage.to_json()})
         return out
 
-    def completion(self, text: str, fin: FinishEvent) -> JSON:
-        return {**self._chunk(text, fin.reason), "usage": fin.usage.to_json()}
+    def completion(self, text: str, fin: FinishEvent,
+                   logprobs: list[TokenLogprob] | None = None) -> JSON:
+        body = {**self._chunk(text, fin.reason), "usage": fin.usage.to_json()}
+        if logprobs is not None:
+            # the legacy completions form: parallel lists
+            offsets, at = [], 0
+            for lp in logprobs:
+                offsets.append(at)
+                at += len(lp.token)
+            body["choices"][0]["logprobs"] = {
+                "tokens": [lp.token for lp in logprobs],
+                "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [dict(lp.top) for lp in logprobs],
+                "text_offset": offsets,
+            }
+        return body

@@ -14,6 +14,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 512
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: off; k: the chosen token's and k alternatives'
 
     @property
     def greedy(self) -> bool:
@@ -50,11 +51,26 @@ class Usage:
 
 
 @dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """One sampled token, its log-probability and the top alternatives (OpenAI form)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+    def to_json(self) -> dict[str, object]:
+        def entry(text: str, lp: float) -> dict[str, object]:
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {**entry(self.token, self.logprob), "top_logprobs": [entry(t, lp) for t, lp in self.top]}
+
+
+@dataclass(slots=True, frozen=True)
 class TokenEvent:
     """Text decoded since the last event (never splits a UTF-8 character)."""
 
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(slots=True)

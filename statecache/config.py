@@ -87,7 +87,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("model.threads", 0, None),
     ("server.port", 0, 65535),
     ("server.lanes", 1, None),
-    ("server.queue_size", 1, None),
+    ("server.queue_size", 0, None),
     ("server.request_timeout", 0.001, None),
     ("server.max_tokens_default", 1, None),
     ("cache.page_size", 1, None),

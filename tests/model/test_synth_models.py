@@ -273,19 +273,21 @@ def _render(env: ImmutableSandboxedEnvironment, messages: list[dict], **kw: obje
 def test_template_renders_tools_calls_reasoning_results(options: dict[str, bool]) -> None:
     env = _env(**options)
     plain = _render(env, CONVERSATION, tools=TOOLS, add_generation_prompt=True)
-    assert plain == (HEADER + "<|im_start|>assistant\n" + FIRST_CALL + MIDDLE
-                     + "<|im_start|>assistant\nSunny, 18°C.<|im_end|>\n" + TAIL)
+    base = (HEADER + "<|im_start|>assistant\n" + FIRST_CALL + MIDDLE
+            + "<|im_start|>assistant\nSunny, 18°C.<|im_end|>\n" + TAIL)
+    # a thinking model: the generation prompt opens the think block
+    assert plain == base + "<think>\n"
 
     kept = _render(env, CONVERSATION, tools=TOOLS, add_generation_prompt=True,
                    preserve_thinking=True)
     assert kept == (HEADER + "<|im_start|>assistant\n<think>\nUse the tool.\n</think>\n\n"
                     + FIRST_CALL + MIDDLE
                     + "<|im_start|>assistant\n<think>\nDone.\n</think>\n\nSunny, 18°C.<|im_end|>\n"
-                    + TAIL)
+                    + TAIL + "<think>\n")
 
     no_think = _render(env, CONVERSATION, tools=TOOLS, add_generation_prompt=True,
                        enable_thinking=False)
-    assert no_think == plain + "<think>\n\n</think>\n\n"
+    assert no_think == base + "<think>\n\n</think>\n\n"
 
 
 def test_template_plain_chat_and_think_in_content() -> None:

@@ -1,0 +1,85 @@
+"""A real statecache server on 127.0.0.1 and the real ``openai`` client."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from openai import AsyncOpenAI
+
+from proxy.server import build_app
+from statecache.config import load_config
+
+DONE = re.compile(r"Done · input ([\d,]+) · cached ([\d,]+) · prefilled ([\d,]+)")
+
+
+def _int(s: str) -> int:
+    return int(s.replace(",", ""))
+
+
+@dataclass
+class Server:
+    app: web.Application
+    server: TestServer
+    client: AsyncOpenAI
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.port}"
+
+
+@asynccontextmanager
+async def serve(model: Path, ckpt_dir: Path, **overrides: Any) -> AsyncIterator[Server]:
+    """Start the proxy in this process on a free port; closing it shuts it down cleanly."""
+    settings: dict[str, Any] = {
+        "model.path": str(model), "model.n_ctx": 4096, "server.lanes": 2,
+        "cache.disk_path": str(ckpt_dir), "cache.page_size": 32,
+    }
+    settings.update({k.replace("__", "."): v for k, v in overrides.items()})
+    app = build_app(load_config(None, settings))
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused",
+                         max_retries=0, timeout=120)
+    try:
+        yield Server(app, server, client)
+    finally:
+        await client.close()
+        await server.close()
+
+
+class DoneLines(logging.Handler):
+    """Collects (input, cached, prefilled) from the engine's ``Done`` log lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.rows: list[tuple[int, int, int]] = []
+        self.events: list[str] = []  # "Started ..." and "Done ..." lines in order
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.startswith(("Started", "Done")):
+            self.events.append(msg)
+        m = DONE.search(msg)
+        if m:
+            self.rows.append((_int(m[1]), _int(m[2]), _int(m[3])))
+
+
+@pytest.fixture
+def done_lines() -> AsyncIterator[DoneLines] | Any:
+    handler = DoneLines()
+    logger = logging.getLogger("statecache")
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(old)

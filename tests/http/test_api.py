@@ -1,0 +1,172 @@
+"""The HTTP surface with the real openai client: endpoints, errors, disconnects, busy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from statecache.cli import main as cli_main
+from tests.http.conftest import DoneLines, serve
+
+pytestmark = pytest.mark.http
+
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+async def test_models_health_metrics(hybrid_path: Path, tmp_path: Path) -> None:
+    async with serve(hybrid_path, tmp_path / "ckpt") as srv:
+        models = await srv.client.models.list()
+        assert [m.id for m in models.data] == [hybrid_path.name]
+        await srv.client.chat.completions.create(model="x", messages=HELLO,  # type: ignore[arg-type]
+                                                 max_tokens=4, temperature=0)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(srv.url + "/health") as r:
+                health = await r.json()
+                assert r.status == 200 and health["model"] == hybrid_path.name
+                assert health["memory"]["kind"] == "hybrid"
+            async with http.get(srv.url + "/metrics") as r:
+                text = await r.text()
+    assert r.content_type.startswith("text/plain")
+    assert "statecache_requests_total 1" in text.replace("{}", "")
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ({"messages": HELLO, "temperature": "hot"}, 400, "temperature"),
+    ({"messages": HELLO, "n": 2}, 400, "n"),
+    ({"messages": HELLO, "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": HELLO, "max_tokens": 10_000_000}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages"),
+])
+async def test_bad_requests_get_openai_errors(
+    hybrid_path: Path, tmp_path: Path, body: dict[str, object], status: int, param: str
+) -> None:
+    async with serve(hybrid_path, tmp_path / "ckpt") as srv:
+        with pytest.raises(openai.APIStatusError) as err:
+            await srv.client.chat.completions.create(model="x", **body)  # type: ignore[call-overload]
+        assert err.value.status_code == status
+        error = err.value.body
+        assert isinstance(error, dict) and error.get("type") == "invalid_request_error"
+        assert (error.get("param") or "").startswith(param), error
+        # the server is still fine afterwards
+        ok = await srv.client.chat.completions.create(model="x", messages=HELLO,  # type: ignore[arg-type]
+                                                      max_tokens=2, temperature=0)
+        assert ok.choices[0].finish_reason == "length"
+
+
+async def test_invalid_json_and_unknown_route(hybrid_path: Path, tmp_path: Path) -> None:
+    async with serve(hybrid_path, tmp_path / "ckpt") as srv, aiohttp.ClientSession() as http:
+        async with http.post(srv.url + "/v1/chat/completions", data=b"{not json") as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["type"] == "invalid_request_error"
+        async with http.get(srv.url + "/v1/nothing") as r:
+            assert r.status == 404
+            assert "error" in await r.json()
+        async with http.get(srv.url + "/v1/chat/completions") as r:
+            assert r.status == 405
+
+
+async def test_completions_streaming_and_not(hybrid_path: Path, tmp_path: Path) -> None:
+    async with serve(hybrid_path, tmp_path / "ckpt") as srv:
+        full = await srv.client.completions.create(model="x", prompt="Once upon a time",
+                                                   max_tokens=12, temperature=0)
+        parts = []
+        stream = await srv.client.completions.create(model="x", prompt="Once upon a time",
+                                                     max_tokens=12, temperature=0, stream=True)
+        async for chunk in stream:
+            parts.append(chunk.choices[0].text if chunk.choices else "")
+    assert full.choices[0].text == "".join(parts) != ""
+    assert full.usage is not None and full.usage.completion_tokens == 12
+
+
+async def test_chat_stream_equals_non_stream_and_reports_usage(
+    hybrid_path: Path, tmp_path: Path
+) -> None:
+    async with serve(hybrid_path, tmp_path / "ckpt") as srv:
+        full = await srv.client.chat.completions.create(
+            model="x", messages=HELLO, max_tokens=16, temperature=0)  # type: ignore[arg-type]
+        stream = await srv.client.chat.completions.create(
+            model="x", messages=HELLO, max_tokens=16, temperature=0, stream=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True})
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                d = chunk.choices[0].delta
+                text += (d.content or "") + ((d.model_extra or {}).get("reasoning_content") or "")
+            if chunk.usage:
+                usage = chunk.usage
+    m = full.choices[0].message
+    assert text == (m.content or "") + ((m.model_extra or {}).get("reasoning_content") or "")
+    assert usage is not None and usage.completion_tokens == 16
+    # the second identical request reused the first one's state
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+
+
+async def test_client_disconnect_stops_generation(
+    hybrid_path: Path, tmp_path: Path, done_lines: DoneLines
+) -> None:
+    async with serve(hybrid_path, tmp_path / "ckpt", server__lanes=1) as srv:
+        stream = await srv.client.chat.completions.create(
+            model="x", messages=HELLO, max_tokens=3000, temperature=0, stream=True)  # type: ignore[arg-type]
+        got = 0
+        async for _ in stream:
+            got += 1
+            if got == 5:
+                break
+        await stream.close()
+        # the lane comes free quickly: the next request is served
+        nxt = await asyncio.wait_for(srv.client.chat.completions.create(
+            model="x", messages=HELLO, max_tokens=2, temperature=0), timeout=30)  # type: ignore[arg-type]
+        assert nxt.choices[0].finish_reason == "length"
+    first = done_lines.events[1]
+    assert first.startswith("Done") and "cancelled" in first, done_lines.events
+    out = int(first.split("output ")[1].split(" ")[0].replace(",", ""))
+    assert out < 3000
+
+
+async def test_busy_server_answers_503_with_retry_after(hybrid_path: Path, tmp_path: Path) -> None:
+    async with serve(hybrid_path, tmp_path / "ckpt", server__lanes=1,
+                     server__queue_size=0) as srv:
+        stream = await srv.client.chat.completions.create(
+            model="x", messages=HELLO, max_tokens=3000, temperature=0, stream=True)  # type: ignore[arg-type]
+        async for _ in stream:
+            break
+        async with aiohttp.ClientSession() as http:
+            async with http.post(srv.url + "/v1/chat/completions",
+                                 json={"messages": HELLO, "max_tokens": 2}) as r:
+                assert r.status == 503
+                assert float(r.headers["Retry-After"]) > 0
+                assert "error" in await r.json()
+        await stream.close()
+
+
+async def test_admin_endpoint_and_inspect(
+    hybrid_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with serve(hybrid_path, tmp_path / "ckpt") as srv:
+        await srv.client.chat.completions.create(
+            model="x", messages=[{"role": "system", "content": "S" * 200}, *HELLO],  # type: ignore[list-item]
+            max_tokens=8, temperature=0)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(srv.url + "/admin/checkpoints") as r:
+                listed = (await r.json())["checkpoints"]
+            assert listed, "a request publishes checkpoints"
+            async with http.get(srv.url + f"/admin/checkpoints/{listed[0]['id']}") as r:
+                assert r.status == 200 and (await r.json())["id"] == listed[0]["id"]
+            async with http.get(srv.url + "/admin/checkpoints/" + "0" * 32) as r:
+                assert r.status == 404
+        # statecache inspect reads the running proxy (run in a thread: it blocks)
+        rc = await asyncio.to_thread(cli_main, ["inspect", "--url", srv.url, "--disk-path",
+                                                str(tmp_path / "ckpt"), "--json"])
+        assert rc == 0
+    shown = json.loads(capsys.readouterr().out)["checkpoints"]
+    ram = [c for c in shown if "ram" in str(c.get("tier", c.get("tiers")))]
+    assert {c["id"] for c in listed} <= {c["id"] for c in ram}, shown
