@@ -189,7 +189,8 @@ class Model:
     def chat_template(self) -> str | None:
         return self.metadata.get("tokenizer.chat_template") or None
 
-    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool = False,
+                 parse_special: bool = True) -> list[int]:
         data = text.encode("utf-8")
         cap = len(data) + 8
         arr = (_ll.llama_token * cap)()
@@ -255,7 +256,8 @@ class Batch:
     def clear(self) -> None:
         self.n = 0
 
-    def add(self, lane: int, tokens: Sequence[int], pos0: int, *, logits_last: bool) -> int:
+    def add(self, lane: int, tokens: Sequence[int] | np.ndarray, pos0: int, *,
+            logits_last: bool) -> int:
         """Append tokens of one lane at positions pos0...; returns the row of the last one."""
         k = len(tokens)
         if self.n + k > self.capacity:
@@ -280,7 +282,7 @@ class Batch:
     def free(self) -> None:
         if self._b is not None:
             _ll.llama_batch_free(self._b)
-            self._b = None  # type: ignore[assignment]
+            self._b = None
 
 
 class StateBuffer:
@@ -359,7 +361,7 @@ class Context:
             raise LlamaError(f"no logits for row {row}")
         return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
 
-    def prefill(self, lane: int, tokens: Sequence[int], pos0: int, *,
+    def prefill(self, lane: int, tokens: Sequence[int] | np.ndarray, pos0: int, *,
                 logits_last: bool = True) -> np.ndarray | None:
         """Decode tokens into one lane in n_batch chunks; return the last row's logits."""
         out: np.ndarray | None = None
@@ -399,7 +401,8 @@ class Context:
     def state_size(self, lane: int, flags: int = FLAGS_FULL) -> int:
         return int(_ll.llama_state_seq_get_size_ext(self._ptr, lane, flags))
 
-    def save(self, lane: int, flags: int = FLAGS_FULL, buf: StateBuffer | None = None) -> memoryview:
+    def save(self, lane: int, flags: int = FLAGS_FULL,
+             buf: StateBuffer | None = None) -> memoryview:
         """Serialise one lane into a reusable buffer; the view is valid until the next save."""
         b = buf or self._buf
         size = self.state_size(lane, flags)
@@ -409,7 +412,8 @@ class Context:
             raise LlamaError(f"saving lane {lane} failed")
         return memoryview(b.array).cast("B")[:n]
 
-    def restore(self, lane: int, data: bytes | bytearray | memoryview, flags: int = FLAGS_FULL) -> bool:
+    def restore(self, lane: int, data: bytes | bytearray | memoryview,
+                flags: int = FLAGS_FULL) -> bool:
         """Load a saved state into a lane. On failure the lane is left cleared."""
         arr = np.frombuffer(data, dtype=np.uint8)
         ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -155,7 +156,7 @@ class Engine:
         """Finish the running requests, keep lane states, write the pool to disk."""
         with self._cv:
             self._stopping = True
-            for job, box in self._waiting:
+            for _job, box in self._waiting:
                 box.put(QueueFull(retry_after=5.0))
             self._waiting.clear()
             for job, _ in self._active:
@@ -176,7 +177,7 @@ class Engine:
                     self._cv.wait()
                 if self._stopping and not self._active:
                     break
-                admitted = []
+                admitted: list[tuple[Job, _Outbox]] = []
                 while self._waiting and len(self._active) + len(admitted) < len(self.exec.lanes):
                     admitted.append(self._waiting.popleft())
             for job, box in admitted:
@@ -242,7 +243,8 @@ class Engine:
         m = self.model
         ids = [t for t in job.generated if not m.is_eog(t)]
         pieces = [m.token_bytes(t) for t in ids]
-        special = [not m.token_bytes(t, special=False) and bool(p) for t, p in zip(ids, pieces)]
+        special = [not m.token_bytes(t, special=False) and bool(p)
+                   for t, p in zip(ids, pieces, strict=True)]
         self.replies.remember(job.req.tenant, aligned_replies(ids, pieces, special))
 
     def _account(self, job: Job, box: _Outbox) -> None:
@@ -282,10 +284,9 @@ class _Outbox:
         self.queue: asyncio.Queue[Event | BaseException] = asyncio.Queue()
 
     def put(self, ev: Event | BaseException) -> None:
-        try:
+        # a closed loop means the client is gone: nobody is listening
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
-        except RuntimeError:
-            pass  # the client's loop is gone; nobody is listening
 
 
 def _human(n: int) -> str:

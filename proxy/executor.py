@@ -125,10 +125,10 @@ class Executor:
         if plan.source is Source.LANE:
             if plan.partial is not None or plan.truncate:
                 self.hand_off(lane, convert_replay=False)
-            if plan.partial is not None:
-                if not self.ctx.restore(lane.id, plan.partial.data, FLAGS_PARTIAL):
-                    self._fall_back_cold(lane, job, "partial restore failed")
-                    return
+            if plan.partial is not None and not self.ctx.restore(
+                    lane.id, plan.partial.data, FLAGS_PARTIAL):
+                self._fall_back_cold(lane, job, "partial restore failed")
+                return
             if plan.partial is not None or plan.truncate:
                 if not self.ctx.seq_rm(lane.id, plan.reuse, -1):
                     self._fall_back_cold(lane, job, "seq_rm refused")
@@ -278,7 +278,7 @@ class Executor:
             tail = job.stream.finish()
             return [(tail, ())] if tail else []
         text = job.stream.feed(self.model.token_bytes(tok))
-        out = [(text, (tok,))] if text else []
+        out: list[tuple[str, tuple[int, ...]]] = [(text, (tok,))] if text else []
         if job.stream.stopped:
             job.finish_reason = "stop"
         elif len(job.generated) >= job.req.sampling.max_tokens:

@@ -61,7 +61,8 @@ class TokenLogprob:
     def to_json(self) -> dict[str, object]:
         def entry(text: str, lp: float) -> dict[str, object]:
             return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-        return {**entry(self.token, self.logprob), "top_logprobs": [entry(t, lp) for t, lp in self.top]}
+        return {**entry(self.token, self.logprob),
+                "top_logprobs": [entry(t, lp) for t, lp in self.top]}
 
 
 @dataclass(slots=True, frozen=True)

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from statecache.disk import DiskTier
 from statecache.diskfmt import valid_id
 from statecache.index import Index
 from statecache.lease import Buffer, Lease
-from statecache.pages import PageChain, PageHash, as_tokens, namespace_hash
+from statecache.pages import PageChain, PageHash, Tokens, as_tokens, namespace_hash
 from statecache.ram import EvictionClass, Pin, RamTier, eviction_class
 from statecache.records import (
     ROLE_STRENGTH,
@@ -95,7 +95,7 @@ class CheckpointPool:
         return ns
 
     def chain(
-        self, tokens: Sequence[int], tenant: str = "", prev: PageChain | None = None
+        self, tokens: Tokens, tenant: str = "", prev: PageChain | None = None
     ) -> PageChain:
         """Page hashes of ``tokens``; with ``prev``, pages shared with it are not rehashed."""
         ns = self.namespace(tenant)
@@ -105,7 +105,7 @@ class CheckpointPool:
 
     def lookup(
         self,
-        tokens: Sequence[int],
+        tokens: Tokens,
         chain: PageChain,
         *,
         kind: Kind = Kind.FULL,
@@ -193,7 +193,7 @@ class CheckpointPool:
         kind: Kind,
         owner: Owner,
         lane: int | None,
-        tokens: Sequence[int],
+        tokens: Tokens,
         role: Role,
         data: Buffer,
         tenant: str = "",

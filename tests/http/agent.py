@@ -31,7 +31,8 @@ PRIOR: list[dict[str, Any]] = [
      "tool_calls": [{"id": "call_1", "type": "function", "function": {
          "name": "read_file", "arguments": "{\"path\": \"tests/test_pool.py\"}"}}]},
     {"role": "tool", "tool_call_id": "call_1",
-     "content": "def test_evict():\n    pool = Pool(budget=4)\n    assert pool.evict() == [1, 2]\n"},
+     "content": "def test_evict():\n    pool = Pool(budget=4)\n"
+                "    assert pool.evict() == [1, 2]\n"},
 ]
 
 

@@ -42,7 +42,8 @@ async def test_models_health_metrics(hybrid_path: Path, tmp_path: Path) -> None:
     ({"messages": HELLO, "n": 2}, 400, "n"),
     ({"messages": HELLO, "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": HELLO, "max_tokens": 10_000_000}, 400, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    ({"messages": [{"role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages"),
 ])
 async def test_bad_requests_get_openai_errors(
@@ -139,12 +140,11 @@ async def test_busy_server_answers_503_with_retry_after(hybrid_path: Path, tmp_p
             model="x", messages=HELLO, max_tokens=3000, temperature=0, stream=True)  # type: ignore[arg-type]
         async for _ in stream:
             break
-        async with aiohttp.ClientSession() as http:
-            async with http.post(srv.url + "/v1/chat/completions",
-                                 json={"messages": HELLO, "max_tokens": 2}) as r:
-                assert r.status == 503
-                assert float(r.headers["Retry-After"]) > 0
-                assert "error" in await r.json()
+        async with aiohttp.ClientSession() as http, http.post(
+                srv.url + "/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2}) as r:
+            assert r.status == 503
+            assert float(r.headers["Retry-After"]) > 0
+            assert "error" in await r.json()
         await stream.close()
 
 
