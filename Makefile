@@ -4,6 +4,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 CONFIG ?= configs/default.toml
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: install run test models bench check clean-models
 
@@ -27,7 +28,7 @@ check: install
 	.venv/bin/mypy
 
 bench: install models
-	$(PY) -m bench.run
+	$(PY) -m bench.run $(BENCH_ARGS)
 
 clean-models:
 	rm -rf models/

@@ -97,8 +97,28 @@ def _command(system: str, model: ModelSpec, port: int, n_ctx: int, lanes: int,
                "--port", str(port), "-c", str(n_ctx * lanes), "-np", str(lanes),
                "-b", str(N_BATCH), "-ub", str(N_BATCH), "-t", str(THREADS),
                "-tb", str(THREADS), "--jinja", "--no-webui"]
-        return cmd + (["--chat-template-file", str(GEMMA_TEMPLATE)] if model.is_gemma else [])
+        if model.is_gemma:
+            cmd += ["--chat-template-file", str(_gemma_template_for_llama_server(scratch))]
+        return cmd
     raise ValueError(f"unknown system {system!r}")
+
+
+_MAP_TOJSON = "(tools | map('tojson') | join('\\n'))"
+
+
+def _gemma_template_for_llama_server(scratch: Path) -> Path:
+    """The vendored Gemma 3 template without ``map('tojson')``, which llama.cpp's
+    Jinja engine rejects ("filter-mapping not implemented"); same output."""
+    text = GEMMA_TEMPLATE.read_text()
+    if _MAP_TOJSON not in text:
+        raise RuntimeError(f"{GEMMA_TEMPLATE} changed: update bench/servers.py")
+    loop = ("{%- set tl = namespace(s='') -%}{%- for t in tools -%}"
+            "{%- set tl.s = tl.s + ('' if loop.first else '\\n') + (t | tojson) -%}"
+            "{%- endfor -%}\n")
+    text = text.replace("{%- if tools -%}\n", "{%- if tools -%}\n" + loop, 1)
+    out = scratch / "gemma3-llama-server.jinja"
+    out.write_text(text.replace(_MAP_TOJSON, "tl.s"))
+    return out
 
 
 def _health_path(system: str) -> str:

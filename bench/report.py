@@ -1,0 +1,238 @@
+"""Tables (``bench.md``), the TTFT figure (``ttft.png``) and the raw records (``bench.json``).
+
+Derived numbers:
+- new tokens of a follow-up: its prompt minus the previous request's prompt and
+  reply (what the server has never seen); taken from the statecache run of the
+  same session where a system reports no prompt tokens.
+- re-prefilled beyond new: prefilled minus new tokens, summed over follow-ups.
+- ideal TTFT: new tokens at the cold prefill rate (no-cache system, prompt
+  tokens / TTFT, median) plus statecache's restore time for that request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bench.harness import Record
+
+if TYPE_CHECKING:
+    from bench.run import Profile, Results
+
+Key = tuple[str, str, str, int, int]  # model, variant, session, repeat, turn
+
+
+def _med(xs: Iterable[float | None]) -> float | None:
+    v = [x for x in xs if x is not None]
+    return statistics.median(v) if v else None
+
+
+def _fmt(x: float | None, spec: str = ".2f", unit: str = "") -> str:
+    return "n/a" if x is None else f"{x:{spec}}{unit}"
+
+
+def _new_tokens(records: list[Record]) -> None:
+    """Fill ``new_tokens`` of follow-ups, repeats and edits."""
+    by_agent: dict[tuple[str, str, str, str, int], list[Record]] = defaultdict(list)
+    for r in records:
+        by_agent[(r.system, r.model, r.variant, r.session, r.repeat)].append(r)
+    known: dict[Key, int] = {}
+    for (system, *_), recs in by_agent.items():
+        prev: Record | None = None
+        for r in recs:
+            if r.kind == "repeat":
+                r.new_tokens = 0
+            elif prev is not None and r.prompt_tokens is not None and prev.prompt_tokens:
+                base = prev.prompt_tokens + (prev.completion_tokens if r.kind == "follow" else 0)
+                r.new_tokens = max(0, r.prompt_tokens - base) if r.kind == "follow" else None
+            if r.kind == "follow" and r.new_tokens is not None and system == "statecache":
+                known[(r.model, r.variant, r.session, r.repeat, r.turn)] = r.new_tokens
+            if r.kind in ("first", "follow"):
+                prev = r
+    for r in records:
+        if r.kind == "follow" and r.new_tokens is None:
+            r.new_tokens = known.get((r.model, r.variant, r.session, r.repeat, r.turn))
+
+
+def _cold_rate(records: list[Record], model: str) -> float | None:
+    for system in ("no-cache", "statecache"):
+        rates = [r.prompt_tokens / r.ttft_s for r in records
+                 if r.model == model and r.system == system and r.prompt_tokens
+                 and (system == "no-cache" or r.kind == "first") and r.ttft_s > 0]
+        if rates:
+            return statistics.median(rates)
+    return None
+
+
+def _ideal(r: Record, rate: float | None, restore: dict[Key, float]) -> float | None:
+    if rate is None or r.new_tokens is None:
+        return None
+    k = (r.model, r.variant, r.session, r.repeat, r.turn)
+    return r.new_tokens / rate + restore.get(k, 0.0) / 1000
+
+
+def _summary(records: list[Record], model: str, systems: tuple[str, ...]) -> list[str]:
+    recs = [r for r in records if r.model == model and r.variant == "base"]
+    follow = [r for r in recs if r.kind == "follow"]
+    rate = _cold_rate(records, model)
+    restore = {(r.model, r.variant, r.session, r.repeat, r.turn): r.restore_ms or 0.0
+               for r in recs if r.system == "statecache"}
+    med: dict[str, float | None] = {}
+    rows = []
+    for s in systems:
+        f = [r for r in follow if r.system == s]
+        if not f:
+            continue
+        per_rep = [statistics.median(r.ttft_s for r in f if r.repeat == k)
+                   for k in sorted({r.repeat for r in f})]
+        med[s] = statistics.median(r.ttft_s for r in f)
+        pre = [r.prefilled for r in f]
+        beyond = (sum(p - (r.new_tokens or 0) for p, r in zip(pre, f, strict=True) if p is not None)
+                  if all(p is not None for p in pre) else None)
+        first = _med(r.ttft_s for r in recs if r.system == s and r.kind == "first")
+        rows.append([s, f"{med[s]:.3f} ({min(per_rep):.3f}–{max(per_rep):.3f})", "",
+                     _fmt(first, ".3f"), _fmt(sum(pre) if beyond is not None else None, ",.0f"),
+                     _fmt(beyond, ",.0f"),
+                     _fmt(_med(r.decode_tps for r in recs if r.system == s), ".1f"),
+                     _fmt(max((r.peak_rss_kb or 0) for r in recs if r.system == s) / 1024,
+                          ",.0f")])
+    sc = med.get("statecache")
+    for row in rows:
+        m = med[row[0]]
+        row[2] = "1.00" if row[0] == "statecache" else (
+            f"{m / sc:.2f}" if sc and m else "n/a")
+    ideal = [_ideal(r, rate, restore) for r in follow if r.system == "statecache"]
+    ideal_med = _med(ideal)
+    new_total = sum(r.new_tokens or 0 for r in follow if r.system == "statecache")
+    rows.append(["*ideal* (new tokens at cold rate + restore)", _fmt(ideal_med, ".3f"),
+                 _fmt(ideal_med / sc if ideal_med and sc else None), "", f"{new_total:,}", "0",
+                 "", ""])
+    head = ["system", "median follow-up TTFT s (min–max of repeats)",
+            "× statecache's (peer ÷ statecache)", "first-turn TTFT s", "prefilled (follow-ups)",
+            "re-prefilled beyond new", "decode tok/s", "peak RSS MiB"]
+    out = _table(head, rows)
+    out.append("")
+    out.append(f"Cold prefill rate (no cache): {_fmt(rate, ',.0f')} tokens/s. "
+               f"statecache is {_fmt(sc / ideal_med if sc and ideal_med else None)}× the ideal.")
+    return out
+
+
+def _variants(records: list[Record], model: str, systems: tuple[str, ...]) -> list[str]:
+    rows = []
+    picks = [("exact repeat of the last request", "base", "repeat"),
+             ("edit in the middle of the history", "base", "edit"),
+             ("client strips reasoning (follow-ups)", "strip", "follow"),
+             ("agent + subagent at once (follow-ups)", "concurrent", "follow")]
+    for label, variant, kind in picks:
+        for s in systems:
+            rs = [r for r in records if r.model == model and r.system == s
+                  and r.variant == variant and r.kind == kind]
+            if not rs:
+                continue
+            t = [r.ttft_s for r in rs]
+            rows.append([label, s, f"{statistics.median(t):.3f} ({min(t):.3f}–{max(t):.3f})",
+                         _fmt(_med(r.prompt_tokens for r in rs), ",.0f"),
+                         _fmt(_med(r.prefilled for r in rs), ",.0f"), str(len(rs))])
+    return _table(["variant", "system", "TTFT s median (min–max)", "prompt tokens",
+                   "prefilled", "requests"], rows)
+
+
+def _micro(m: dict[str, Any]) -> list[str]:
+    def st(d: dict[str, float], spec: str = ".2f") -> str:
+        return f"{d['median']:{spec}} ({d['min']:{spec}}–{d['max']:{spec}})"
+
+    s, d = m["state"], m["disk"]
+    rows = [["checkpoint save (Context.save, full)", st(s["save_GBps"]), "numpy copy",
+             st(s["numpy_copy_GBps"])],
+            ["checkpoint restore (Context.restore)", st(s["restore_GBps"]), "numpy copy",
+             st(s["numpy_copy_GBps"])],
+            ["disk tier write (fsync)", st(d["tier_write_GBps"]), "file write + fsync",
+             st(d["file_write_GBps"])],
+            ["disk tier read (digest checked)", st(d["tier_read_GBps"]), "file read",
+             st(d["file_read_GBps"])]]
+    out = [f"Model {m['model']}; lane state of {s['tokens']:,} tokens = "
+           f"{s['bytes'] / 1e6:.1f} MB; GB/s, median (min–max).", ""]
+    out += _table(["operation", "GB/s", "floor", "GB/s"], rows)
+    di, pr = m["direct"], m["proxy"]
+    out += ["", f"Proxy overhead, cold prompt of {di['prompt_tokens']:,} tokens:", ""]
+    out += _table(["path", "TTFT s", "decode tok/s"],
+                  [["proxy.binding directly (no HTTP)", st(di["ttft_s"], ".3f"),
+                    st(di["decode_tps"], ".1f")],
+                   ["statecache over HTTP (streaming)", st(pr["ttft_s"], ".3f"),
+                    st(pr["decode_tps"], ".1f")]])
+    return out
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def plot(records: list[Record], models: list[str], systems: tuple[str, ...], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        for s in systems:
+            rs = [r for r in records if r.model == model and r.system == s
+                  and r.variant == "base" and r.kind in ("first", "follow")]
+            turns = sorted({r.turn for r in rs})
+            if not turns:
+                continue
+            per = [[r.ttft_s for r in rs if r.turn == t] for t in turns]
+            line = ax.plot(turns, [statistics.median(p) for p in per], marker="o", label=s)
+            ax.fill_between(turns, [min(p) for p in per], [max(p) for p in per],
+                            color=line[0].get_color(), alpha=0.15)
+        ax.set_title(model)
+        ax.set_xlabel("turn (base session; median of repeats, band min–max)")
+        ax.set_ylabel("TTFT (s)")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(out_dir: Path, prof: Profile, systems: tuple[str, ...], res: Results) -> None:
+    _new_tokens(res.records)
+    models = [p.model.label for p in prof.parts]
+    (out_dir / "bench.json").write_text(json.dumps(
+        {"records": [r.to_json() for r in res.records], "notes": res.notes,
+         "timings": res.timings, "micro": res.micro}, indent=1))
+    plot(res.records, models, systems, out_dir / "ttft.png")
+    cpu = next((ln.split(":", 1)[1].strip() for ln in
+                Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")),
+               platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    lines = [f"# statecache benchmark ({prof.name})", "",
+             f"`python -m bench.run{' --quick' if prof.name == 'quick' else ''}` on "
+             f"{os.cpu_count()} cores ({cpu}), {res.timings.get('total', 0) / 60:.1f} min. "
+             f"Base session: {prof.turns} turns × {prof.repeats} repeats (different seeds), "
+             f"replies of {prof.reply_tokens} tokens, greedy, context {prof.n_ctx} per lane, "
+             f"1 lane (2 for the concurrent variant). Scale: "
+             + ", ".join(f"{p.model.label} ×{p.scale}" for p in prof.parts) + ".",
+             "", f"llama-server: {res.llama_server or 'not requested'}.", ""]
+    for model in models:
+        lines += [f"## {model}", "", "### Follow-up turns", ""]
+        lines += _summary(res.records, model, systems)
+        lines += ["", "### Variants", ""]
+        lines += _variants(res.records, model, systems)
+        lines.append("")
+    if res.micro:
+        lines += ["## Micro-benchmarks", ""] + _micro(res.micro) + [""]
+    lines += ["## Wall time per part", ""]
+    lines += _table(["part", "seconds"], [[k, f"{v:.0f}"] for k, v in res.timings.items()])
+    if res.notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in res.notes]
+    lines += ["", "![TTFT per turn](ttft.png)", ""]
+    (out_dir / "bench.md").write_text("\n".join(lines))

@@ -1,0 +1,235 @@
+"""``make bench``: every system on every model on the same agent workload.
+
+    python -m bench.run            # the full run (< 25 min on 2 cores), results/
+    python -m bench.run --quick    # smoke run: tiny hybrid, statecache vs no cache
+
+Writes ``results/bench.md``, ``results/ttft.png``, ``results/bench.json`` (all
+records) and the servers' logs under ``results/logs/``. One server runs at a
+time; each is killed when its part ends, also on error.
+
+Sizes of the full run (chosen to fit 25 minutes on 2 shared cores, where the
+0.8B-class hybrid prefills ~290 tokens/s and Gemma 3 270M about as fast):
+sessions of 10 turns (the low end of the 10-20 of the workload), every size
+scaled by 0.08 on the bench hybrid (system prompt 160-320 tokens, turns 8-160)
+and by 0.4 on Gemma 3 270M (its tokens are ~5-6 characters of this text:
+~150-300 and ~8-140 tokens), replies of 24 tokens;
+the base session three times with different seeds, each followed by an exact
+repeat and a mid-history edit; the other variants once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bench import report
+from bench.harness import Agent, Record, statecache_log_lines
+from bench.servers import LLAMA_SERVER, ROOT, SYSTEMS, ModelSpec, Server, running
+from bench.workload import Sizes, make_session
+
+log = logging.getLogger("bench")
+
+
+@dataclass(slots=True, frozen=True)
+class Part:
+    model: ModelSpec
+    scale: float
+
+
+@dataclass(slots=True, frozen=True)
+class Profile:
+    name: str
+    parts: tuple[Part, ...]
+    systems: tuple[str, ...]
+    turns: int
+    repeats: int  # of the base session (each with its repeat and edit requests)
+    variants: tuple[str, ...]  # besides base: strip, concurrent
+    reply_tokens: int
+    n_ctx: int
+    micro_model: Path
+    micro_args: tuple[str, ...]
+
+
+def _gemma() -> Path:
+    out = subprocess.run([sys.executable, "-m", "proxy.models", "default"], cwd=ROOT,
+                         check=True, capture_output=True, text=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def profiles(quick: bool) -> Profile:
+    models = ROOT / "models"
+    if quick:
+        tiny = ModelSpec("hybrid-tiny", models / "hybrid-tiny.gguf", is_gemma=False)
+        return Profile("quick", (Part(tiny, 0.2),), ("statecache", "no-cache"), turns=4,
+                       repeats=1, variants=("strip", "concurrent"), reply_tokens=16,
+                       n_ctx=8192, micro_model=tiny.path,
+                       micro_args=("--tokens", "1024", "--prompt", "512", "--out-tokens", "32",
+                                   "--repeats", "3"))
+    gemma = _gemma()
+    bench = ModelSpec("hybrid-0.8B", models / "hybrid-bench.gguf", is_gemma=False)
+    return Profile("full", (Part(bench, 0.08), Part(ModelSpec("gemma-3-270m", gemma, True), 0.4)),
+                   SYSTEMS, turns=10, repeats=3, variants=("strip", "concurrent"),
+                   reply_tokens=24, n_ctx=8192, micro_model=gemma,
+                   micro_args=("--tokens", "2048", "--prompt", "1024", "--out-tokens", "64",
+                               "--repeats", "5"))
+
+
+@dataclass(slots=True)
+class Results:
+    records: list[Record] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    micro: dict[str, Any] | None = None
+    llama_server: str = ""
+
+
+def _attach_server_facts(server: Server, agents: list[Agent], sequential: bool) -> None:
+    rss = server.peak_rss_kb()
+    recs = [r for a in agents for r in a.records]
+    if server.system == "statecache" and sequential:
+        # one Done line per request, in order; the last len(recs) are these
+        lines = statecache_log_lines(server.log_text())[-len(recs):]
+        for r, line in zip(recs, lines, strict=False):
+            r.restore_ms = line["restore_ms"]
+    for r in recs:
+        r.peak_rss_kb = rss
+
+
+def _session_part(prof: Profile, part: Part, system: str, res: Results, log_dir: Path) -> None:
+    sizes = Sizes(reply_tokens=prof.reply_tokens)
+    label = part.model.label
+    with running(system, part.model, n_ctx=prof.n_ctx, lanes=1, log_dir=log_dir) as srv:
+        for r in range(prof.repeats):
+            s = make_session(r, scale=part.scale, sizes=sizes, n_turns=prof.turns)
+            a = Agent(srv.url, system, label, "base", s, repeat=r)
+            a.run()
+            a.resend_last()
+            a.edit_and_continue(r)
+            _attach_server_facts(srv, [a], sequential=True)
+            res.records += a.records
+            log.info("%s %s base #%d done", label, system, r)
+        if "strip" in prof.variants:
+            s = make_session(100, scale=part.scale, sizes=sizes, n_turns=max(3, prof.turns // 2))
+            a = Agent(srv.url, system, label, "strip", s, keep_reasoning=False)
+            a.run()
+            _attach_server_facts(srv, [a], sequential=True)
+            res.records += a.records
+    if "concurrent" not in prof.variants:
+        return
+    # an agent and a subagent sharing the system prompt, at once; two lanes where possible
+    lanes = 1 if system == "llama_cpp.server" else 2
+    with running(system, part.model, n_ctx=prof.n_ctx, lanes=lanes, log_dir=log_dir) as srv:
+        main = make_session(200, scale=part.scale, sizes=sizes, n_turns=max(3, prof.turns // 2))
+        sub = make_session(201, scale=part.scale, sizes=sizes, n_turns=max(3, prof.turns // 2),
+                           name="subagent", system_seed=200)
+        agents = [Agent(srv.url, system, label, "concurrent", s) for s in (main, sub)]
+        errors: list[BaseException] = []
+
+        def go(a: Agent) -> None:
+            try:
+                a.run()
+            except BaseException as e:  # re-raised below, in the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=go, args=(a,)) for a in agents]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        _attach_server_facts(srv, agents, sequential=False)
+        for a in agents:
+            res.records += a.records
+
+
+def _build_llama_server(res: Results) -> bool:
+    if LLAMA_SERVER.exists():
+        res.llama_server = "prebuilt (bench/build_llama_server.sh skipped the build)"
+        return True
+    t0 = time.monotonic()
+    log.info("building llama-server (bench/build_llama_server.sh) ...")
+    out = subprocess.run(["bash", str(ROOT / "bench" / "build_llama_server.sh")], cwd=ROOT,
+                         capture_output=True, text=True)
+    dt = time.monotonic() - t0
+    if out.returncode != 0 or not LLAMA_SERVER.exists():
+        tail = (out.stderr or out.stdout)[-600:].strip()
+        res.llama_server = f"build failed after {dt:.0f} s: {tail}"
+        res.notes.append(f"llama-server left out: {res.llama_server}")
+        return False
+    res.llama_server = f"built in {dt:.0f} s"
+    return True
+
+
+def _micro(prof: Profile, res: Results, out_dir: Path) -> None:
+    path = out_dir / "micro.json"
+    cmd = [sys.executable, "-m", "bench.micro", "--model", str(prof.micro_model), "--json",
+           str(path), "--log-dir", str(out_dir / "logs"), *prof.micro_args]
+    t0 = time.monotonic()
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    res.timings["micro"] = time.monotonic() - t0
+    res.micro = json.loads(path.read_text())
+
+
+def run(prof: Profile, out_dir: Path, systems: tuple[str, ...]) -> Results:
+    res = Results()
+    log_dir = out_dir / "logs"
+    if "llama-server" in systems and not _build_llama_server(res):
+        systems = tuple(s for s in systems if s != "llama-server")
+    for part in prof.parts:
+        for system in systems:
+            t0 = time.monotonic()
+            try:
+                _session_part(prof, part, system, res, log_dir)
+            except Exception as e:  # one broken system must not end the benchmark
+                traceback.print_exc()
+                res.notes.append(f"{part.model.label} / {system}: failed: "
+                                 f"{type(e).__name__}: {str(e)[:300]}")
+            res.timings[f"{part.model.label} / {system}"] = time.monotonic() - t0
+            log.info("%s / %s: %.0f s", part.model.label, system, time.monotonic() - t0)
+    try:
+        _micro(prof, res, out_dir)
+    except Exception as e:
+        traceback.print_exc()
+        res.notes.append(f"micro-benchmarks failed: {e}")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.run", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="~3-minute smoke run (tiny hybrid)")
+    p.add_argument("--out", default=str(ROOT / "results"), help="output folder")
+    p.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--repeats", type=int, help="repeats of the base session")
+    p.add_argument("--turns", type=int, help="turns per base session")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s bench: %(message)s",
+                        datefmt="%H:%M:%S")
+    prof = profiles(a.quick)
+    if a.repeats:
+        prof = replace(prof, repeats=a.repeats)
+    if a.turns:
+        prof = replace(prof, turns=a.turns)
+    systems = tuple(a.systems.split(",")) if a.systems else prof.systems
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    res = run(prof, out, systems)
+    res.timings["total"] = time.monotonic() - t0
+    report.write(out, prof, systems, res)
+    log.info("wrote %s and %s in %.0f s", out / "bench.md", out / "ttft.png",
+             res.timings["total"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
