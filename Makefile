@@ -27,7 +27,9 @@ check: install
 	.venv/bin/ruff check statecache proxy tests tools bench
 	.venv/bin/mypy
 
+# The 0.8B-class hybrid is generated once (slow); skipped when present.
 bench: install models
+	$(PY) -m tools.synth_gguf bench --out models
 	$(PY) -m bench.run $(BENCH_ARGS)
 
 clean-models:

@@ -140,14 +140,14 @@ def stream_chat(url: str, body: dict[str, Any]) -> Reply:
 def _counts(system: str, r: Reply) -> tuple[int | None, int | None, int | None, int]:
     """(prompt, cached, prefilled, completion) tokens as the server reports them."""
     u = r.usage or {}
-    prompt = u.get("prompt_tokens")
+    prompt: int | None = u.get("prompt_tokens")
     completion = u.get("completion_tokens") or r.n_deltas
     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
     if r.timings and "prompt_n" in r.timings:  # llama-server
-        prefilled = int(r.timings["prompt_n"])
-        cached = int(r.timings.get("cache_n", 0))
-        prompt = prompt if prompt is not None else prefilled + cached
-        return prompt, cached, prefilled, completion
+        n_pre = int(r.timings["prompt_n"])
+        n_cached = int(r.timings.get("cache_n", 0))
+        prompt = prompt if prompt is not None else n_pre + n_cached
+        return prompt, n_cached, n_pre, completion
     if system == "llama_cpp.server":  # reports no cached tokens: prefill unknown
         return prompt, None, None, completion
     prefilled = prompt - cached if prompt is not None and cached is not None else None

@@ -49,8 +49,9 @@ def _rate(nbytes: int, ts: list[float]) -> Stat:
 
 
 def _prompt_tokens(model: Any, n: int, seed: int) -> list[int]:
-    from bench.workload import _text
     import random
+
+    from bench.workload import _text
 
     toks = model.tokenize(_text(random.Random(seed), n * 6))[:n]
     return ([model.bos] if model.add_bos and model.bos >= 0 else []) + toks[: n - 1]
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         out["state"], data = state_io(ctx, model, a.tokens, a.repeats)
         with tempfile.TemporaryDirectory(dir=Path(a.log_dir).parent) as tmp:
             out["disk"] = disk_io(data, Path(tmp), a.repeats)
-        out["direct"] = direct_generation(ctx, model, a.prompt, a.out_tokens, max(3, a.repeats // 2))
+        out["direct"] = direct_generation(ctx, model, a.prompt, a.out_tokens,
+                                          max(3, a.repeats // 2))
     finally:
         ctx.close()
     out["proxy"] = proxy_generation(Path(a.model), model, n_ctx, a.prompt, a.out_tokens,

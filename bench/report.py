@@ -97,7 +97,8 @@ def _summary(records: list[Record], model: str, systems: tuple[str, ...]) -> lis
                   if all(p is not None for p in pre) else None)
         first = _med(r.ttft_s for r in recs if r.system == s and r.kind == "first")
         rows.append([s, f"{med[s]:.3f} ({min(per_rep):.3f}–{max(per_rep):.3f})", "",
-                     _fmt(first, ".3f"), _fmt(sum(pre) if beyond is not None else None, ",.0f"),
+                     _fmt(first, ".3f"),
+                     _fmt(sum(p or 0 for p in pre) if beyond is not None else None, ",.0f"),
                      _fmt(beyond, ",.0f"),
                      _fmt(_med(r.decode_tps for r in recs if r.system == s), ".1f"),
                      _fmt(max((r.peak_rss_kb or 0) for r in recs if r.system == s) / 1024,

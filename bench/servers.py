@@ -17,12 +17,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import urllib.error
-import urllib.request
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_SERVER = ROOT / "build" / "llama-server" / "cmake" / "bin" / "llama-server"

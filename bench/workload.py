@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-_WORDS = (
+_WORDS = (  # noqa: SIM905 (a paragraph of words reads better)
     "the file function value return error test build module import class config "
     "request response buffer cache state token lane page hash checkpoint restore "
     "prefill decode model context server client thread queue lock index path read "
