@@ -7,14 +7,17 @@ Writes ``results/bench.md``, ``results/ttft.png``, ``results/bench.json`` (all
 records) and the servers' logs under ``results/logs/``. One server runs at a
 time; each is killed when its part ends, also on error.
 
-Sizes of the full run (chosen to fit 25 minutes on 2 shared cores, where the
-0.8B-class hybrid prefills ~290 tokens/s and Gemma 3 270M about as fast):
-sessions of 10 turns (the low end of the 10-20 of the workload), every size
-scaled by 0.08 on the bench hybrid (system prompt 160-320 tokens, turns 8-160)
-and by 0.4 on Gemma 3 270M (its tokens are ~5-6 characters of this text:
-~150-300 and ~8-140 tokens), replies of 24 tokens;
-the base session three times with different seeds, each followed by an exact
-repeat and a mid-history edit; the other variants once.
+Sizes of the full run, chosen to fit 25 minutes on 2 cores that other jobs
+share (the 0.8B-class hybrid prefills ~290 tokens/s on a quiet machine, ~80
+with the other jobs of this machine running; Gemma 3 270M about the same):
+sessions of 6 turns (below the 10-20 of the workload: the peers without a
+usable cache re-prefill the whole history every turn, which is quadratic),
+sizes scaled by 0.05 on the bench hybrid (turns 5-100 tokens; the system prompt
+with the template's tool preamble is ~800 tokens) and by 0.25 on Gemma 3 270M
+(~5-6 characters a token), replies of 16 tokens; the base session three times
+with different seeds, each followed by an exact repeat and a mid-history edit;
+the strip and concurrent variants once, 3 turns each. ``--turns``,
+``--repeats`` and ``--scale`` change them.
 """
 
 from __future__ import annotations
@@ -76,9 +79,9 @@ def profiles(quick: bool) -> Profile:
                                    "--repeats", "3"))
     gemma = _gemma()
     bench = ModelSpec("hybrid-0.8B", models / "hybrid-bench.gguf", is_gemma=False)
-    return Profile("full", (Part(bench, 0.08), Part(ModelSpec("gemma-3-270m", gemma, True), 0.4)),
-                   SYSTEMS, turns=10, repeats=3, variants=("strip", "concurrent"),
-                   reply_tokens=24, n_ctx=8192, micro_model=gemma,
+    return Profile("full", (Part(bench, 0.05), Part(ModelSpec("gemma-3-270m", gemma, True), 0.25)),
+                   SYSTEMS, turns=6, repeats=3, variants=("strip", "concurrent"),
+                   reply_tokens=16, n_ctx=8192, micro_model=gemma,
                    micro_args=("--tokens", "2048", "--prompt", "1024", "--out-tokens", "64",
                                "--repeats", "5"))
 
@@ -118,7 +121,7 @@ def _session_part(prof: Profile, part: Part, system: str, res: Results, log_dir:
             res.records += a.records
             log.info("%s %s base #%d done", label, system, r)
         if "strip" in prof.variants:
-            s = make_session(100, scale=part.scale, sizes=sizes, n_turns=max(3, prof.turns // 2))
+            s = make_session(100, scale=part.scale, sizes=sizes, n_turns=max(2, prof.turns // 2))
             a = Agent(srv.url, system, label, "strip", s, keep_reasoning=False)
             a.run()
             _attach_server_facts(srv, [a], sequential=True)
@@ -128,8 +131,8 @@ def _session_part(prof: Profile, part: Part, system: str, res: Results, log_dir:
     # an agent and a subagent sharing the system prompt, at once; two lanes where possible
     lanes = 1 if system == "llama_cpp.server" else 2
     with running(system, part.model, n_ctx=prof.n_ctx, lanes=lanes, log_dir=log_dir) as srv:
-        main = make_session(200, scale=part.scale, sizes=sizes, n_turns=max(3, prof.turns // 2))
-        sub = make_session(201, scale=part.scale, sizes=sizes, n_turns=max(3, prof.turns // 2),
+        main = make_session(200, scale=part.scale, sizes=sizes, n_turns=max(2, prof.turns // 2))
+        sub = make_session(201, scale=part.scale, sizes=sizes, n_turns=max(2, prof.turns // 2),
                            name="subagent", system_seed=200)
         agents = [Agent(srv.url, system, label, "concurrent", s) for s in (main, sub)]
         errors: list[BaseException] = []
@@ -211,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--repeats", type=int, help="repeats of the base session")
     p.add_argument("--turns", type=int, help="turns per base session")
+    p.add_argument("--scale", type=float, help="size factor for every model")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s bench: %(message)s",
                         datefmt="%H:%M:%S")
@@ -219,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         prof = replace(prof, repeats=a.repeats)
     if a.turns:
         prof = replace(prof, turns=a.turns)
+    if a.scale:
+        prof = replace(prof, parts=tuple(replace(p, scale=a.scale) for p in prof.parts))
     systems = tuple(a.systems.split(",")) if a.systems else prof.systems
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
