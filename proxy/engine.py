@@ -262,9 +262,8 @@ class Engine:
         c["tokens_reused"] += job.reuse
         c["tokens_prefilled"] += s.prefilled
         c["tokens_generated"] += completion
-        c[f"hits_{s.source}"] += 1
-        if s.role:
-            c[f"hits_role_{s.role}"] += 1
+        if s.source != "cold":  # where the reused prefix came from, and its checkpoint's role
+            c[f"hits.{s.source}.{s.role or 'live'}"] += 1
         usage = Usage(len(job.prompt), completion, job.reuse)
         if job.finish_reason != "error":
             box.put(FinishEvent(job.finish_reason, usage, s))
