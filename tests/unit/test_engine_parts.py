@@ -1,0 +1,150 @@
+"""The engine's pure parts at tiny sizes: where checkpoints go, what a lane may do,
+splicing generated ids, text streaming, sampling, and the pool calls the planner uses."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from proxy.binding import MemoryInfo, MemoryKind
+from proxy.detok import TextStream
+from proxy.lanes import Lane
+from proxy.planner import can_truncate, publish_points
+from proxy.sampling import Sampler
+from proxy.splice import aligned_replies, tokenize_spliced
+from proxy.types import SamplingParams
+from statecache.records import Kind, Role
+from tests.unit.conftest import PoolFactory, put
+
+
+def _memory(kind: MemoryKind, n_swa: int = 0) -> MemoryInfo:
+    return MemoryInfo(kind=kind, n_swa=n_swa, seq_rm_rollback=kind is MemoryKind.ATTENTION,
+                      rs_rollback=False, n_rs_seq=0, bytes_per_token=1, bytes_per_lane=0,
+                      partial_bytes_per_token=0, partial_bytes_per_lane=0)
+
+
+# -- publish points -------------------------------------------------------------------
+
+
+def test_publish_points_replay_branch_periodic() -> None:
+    # A 300-token prompt (limit 299), nothing reused, the history ends at 290, a cached
+    # prompt shared the first 100 tokens: replay at 288, branch at 96, periodic at 128, 256.
+    got = publish_points(reuse=0, limit=299, replay_at=290, match_depth=100, page=32,
+                         every_pages=4)
+    assert got == [(96, Role.BRANCH), (128, Role.PERIODIC), (256, Role.PERIODIC),
+                   (288, Role.REPLAY)]
+
+
+def test_publish_points_skip_what_is_already_reused() -> None:
+    # Reusing 200 tokens: only points after it; the branch below is not saved again.
+    got = publish_points(reuse=200, limit=299, replay_at=290, match_depth=100, page=32,
+                         every_pages=4)
+    assert got == [(256, Role.PERIODIC), (288, Role.REPLAY)]
+    # A prompt that fully matches what is cached has no branch point.
+    got = publish_points(reuse=0, limit=299, replay_at=0, match_depth=299, page=32,
+                         every_pages=0)
+    assert got == []
+
+
+# -- truncation rules -----------------------------------------------------------------
+
+
+def test_can_truncate_by_memory_kind() -> None:
+    lane = Lane(0, tokens=np.arange(2000, dtype=np.int32))
+    live = {0: 0}.__getitem__  # pos_min of a live lane with every SWA cell kept
+    assert can_truncate(_memory(MemoryKind.ATTENTION), lane, 10, live)
+    assert not can_truncate(_memory(MemoryKind.HYBRID), lane, 10, live)
+    assert can_truncate(_memory(MemoryKind.HYBRID), lane, 2000, live)  # no cut at all
+    swa = _memory(MemoryKind.SWA, n_swa=512)
+    assert can_truncate(swa, lane, 700, live)
+    # a restored full state at 1502 holds SWA cells from 990 on (fact 8)
+    lane.floor = 1502
+    restored = {0: 990}.__getitem__
+    assert not can_truncate(swa, lane, 1400, restored)
+    assert not can_truncate(swa, lane, 699, restored)
+    assert can_truncate(swa, lane, 1600, restored)
+
+
+# -- splicing -------------------------------------------------------------------------
+
+
+def test_aligned_replies_split_at_special_tokens_and_strip_where_aligned() -> None:
+    ids = [1, 2, 3, 99, 4, 5, 6]
+    pieces = [b"  ab", b"cdefgh", b"ij", b"", b"hello wor", b"ld!", b"\n"]
+    special = [False, False, False, True, False, False, False]
+    got = {r.text: r.ids for r in aligned_replies(ids, pieces, special)}
+    # "  abcdefghij" cannot be stripped: the first token holds the spaces and "ab"
+    assert got == {"  abcdefghij": (1, 2, 3), "hello world!\n": (4, 5, 6),
+                   "hello world!": (4, 5)}
+
+
+def test_tokenize_spliced_uses_generated_ids_only_where_the_text_appears() -> None:
+    ids = [7, 8]
+    pieces = [b"hello ", b"world"]
+    replies = aligned_replies(ids, pieces, [False, False])
+
+    def tok(t: str) -> list[int]:
+        return [ord(c) for c in t]
+
+    spliced, n = tokenize_spliced("<a>hello world</a>", tok, replies)
+    assert n == 1 and spliced == tok("<a>") + [7, 8] + tok("</a>")
+    plain, n = tokenize_spliced("<a>hello there</a>", tok, replies)
+    assert n == 0 and plain == tok("<a>hello there</a>")
+
+
+# -- text streaming and sampling --------------------------------------------------------
+
+
+def test_text_stream_holds_split_characters_and_stop_strings() -> None:
+    s = TextStream(stops=("STOP",))
+    euro = "€".encode()
+    assert s.feed(euro[:1]) == ""  # half a character is held back
+    assert s.feed(euro[1:] + b"ab") == "€ab"
+    assert s.feed(b"cST") == "c"  # "ST" could start the stop string
+    assert s.feed(b"Ox") == "STOx"
+    assert s.feed(b"yySTOPzz") == "yy" and s.stopped
+    assert s.feed(b"more") == "" and s.finish() == ""
+
+
+def test_sampler_greedy_seeded_and_filters() -> None:
+    logits = np.array([0.0, 5.0, 4.9, -3.0], dtype=np.float32)
+    assert Sampler(SamplingParams(temperature=0))(logits) == 1
+    draws = [Sampler(SamplingParams(temperature=1.0, seed=7))(logits) for _ in range(3)]
+    assert len(set(draws)) == 1  # same seed, same draw
+    top1 = Sampler(SamplingParams(temperature=1.0, top_k=1, seed=1))
+    assert {top1(logits) for _ in range(20)} == {1}
+    nucleus = Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=3))
+    assert {nucleus(logits) for _ in range(50)} <= {1, 2}
+    minp = Sampler(SamplingParams(temperature=1.0, min_p=0.5, seed=4))
+    assert {minp(logits) for _ in range(50)} <= {1, 2}
+
+
+# -- pool calls made by the planner and executor ---------------------------------------
+
+
+def test_match_depth_counts_shared_whole_pages(make_pool: PoolFactory) -> None:
+    pool = make_pool(disk=None)
+    put(pool, list(range(1, 14)), b"x")  # 13 tokens: pages 1..3 hashed
+    probe = list(range(1, 11)) + [99, 98, 97, 96]
+    assert pool.match_depth(pool.chain(probe)) == 8  # two whole pages in common
+    assert pool.match_depth(pool.chain([5, 5, 5, 5])) == 0
+
+
+def test_drop_lane_above_keeps_partials_still_valid(make_pool: PoolFactory) -> None:
+    pool = make_pool(disk=None)
+    toks = list(range(1, 30))
+    for n in (8, 16, 24):
+        put(pool, toks[:n], b"p", kind=Kind.PARTIAL, lane=1)
+    put(pool, toks[:12], b"q", kind=Kind.PARTIAL, lane=0)
+    # lane 1 is cut back to 16 tokens: the partial at 24 no longer matches its KV
+    assert pool.drop_lane(1, above=16) == 1
+    left = sorted((d["lane"], d["n"]) for d in pool.describe())
+    assert left == [(0, 12), (1, 8), (1, 16)]
+    assert pool.drop_lane(1) == 2
+    pool.sanity_check()
+
+
+def test_lane_common_prefix_respects_tenant() -> None:
+    lane = Lane(0, tokens=np.array([1, 2, 3], dtype=np.int32), tenant="a")
+    prompt = np.array([1, 2, 9, 4], dtype=np.int32)
+    assert lane.common(prompt, "a") == 2
+    assert lane.common(prompt, "b") == 0  # another tenant never shares a lane's state
