@@ -5,7 +5,7 @@ engine, checked against the context, generated, and its text split into
 reasoning, content and tool calls (``parse``), as one JSON reply or as SSE.
 
 Choices:
-- ``max_tokens`` absent: ``min(n_ctx - prompt_tokens, DEFAULT_MAX_TOKENS)``, so a
+- ``max_tokens`` absent: ``min(n_ctx - prompt_tokens, server.max_tokens_default)``, so a
   reply never runs past the context and a forgotten limit does not run for minutes.
 - The tenant (cache namespace) is the ``X-Statecache-Tenant`` header, else the
   request's ``user`` field, else "".
@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -74,6 +75,15 @@ ENGINE = web.AppKey("engine", EngineLike)
 TEMPLATE = web.AppKey("template", ChatTemplate)
 HTTP_COUNTS = web.AppKey("http_counts", Counter)
 STARTED = web.AppKey("started", int)
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # when a request names none
+    request_timeout: float | None = None  # seconds a reply (or a stream's start) may take
+
+
+LIMITS = web.AppKey("limits", Limits)
 
 
 def error_response(status: int, message: str, *, param: str | None = None,
@@ -143,7 +153,8 @@ def _tenant(request: web.Request, user: str | None) -> str:
     return request.headers.get(TENANT_HEADER) or user or ""
 
 
-def _max_tokens(n_ctx: int, n_prompt: int, asked: int | None, param: str) -> int:
+def _max_tokens(n_ctx: int, n_prompt: int, asked: int | None, param: str,
+                default: int = DEFAULT_MAX_TOKENS) -> int:
     if asked is not None:
         if n_prompt + asked > n_ctx:
             raise ApiError(f"this model's context is {n_ctx} tokens; the prompt has {n_prompt} "
@@ -152,7 +163,7 @@ def _max_tokens(n_ctx: int, n_prompt: int, asked: int | None, param: str) -> int
     if n_prompt >= n_ctx:
         raise ApiError(f"this model's context is {n_ctx} tokens; the prompt has {n_prompt}, "
                        "which leaves no room for a reply", param, "context_length_exceeded")
-    return min(n_ctx - n_prompt, DEFAULT_MAX_TOKENS)
+    return min(n_ctx - n_prompt, default)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -175,7 +186,8 @@ def _tokenize_chat(engine: EngineLike, template: ChatTemplate, req: ChatRequest,
 
 def _generation(request: web.Request, tokens: list[int], sampling: Sampling, prefix: str,
                 param: str, tenant: str, history: int | None = None) -> GenerationRequest:
-    max_tokens = _max_tokens(request.app[ENGINE].n_ctx, len(tokens), sampling.max_tokens, param)
+    max_tokens = _max_tokens(request.app[ENGINE].n_ctx, len(tokens), sampling.max_tokens, param,
+                             request.app[LIMITS].default_max_tokens)
     return GenerationRequest(request_id=f"{prefix}-{secrets.token_hex(12)}",
                              prompt_tokens=tuple(tokens), sampling=sampling.to_params(max_tokens),
                              tenant=tenant, history_tokens=history)
@@ -209,7 +221,8 @@ async def _collect(request: web.Request, gen: GenerationRequest
                    ) -> tuple[str, FinishEvent, list[TokenLogprob] | None]:
     parts: list[str] = []
     logprobs: list[TokenLogprob] = []
-    async with _closing(request.app[ENGINE].generate(gen)) as events:
+    async with asyncio.timeout(request.app[LIMITS].request_timeout), \
+            _closing(request.app[ENGINE].generate(gen)) as events:
         async for ev in events:
             if isinstance(ev, FinishEvent):
                 _log_finish(gen, ev)
@@ -232,7 +245,8 @@ async def _stream(request: web.Request, gen: GenerationRequest, chunks: Chunks
     async with _closing(request.app[ENGINE].generate(gen)) as events:
         # Wait for the first event before sending headers, so that QueueFull and
         # ValueError still become a 503 / 400 status.
-        ev: Event | None = await anext(events, None)
+        async with asyncio.timeout(request.app[LIMITS].request_timeout):
+            ev: Event | None = await anext(events, None)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
@@ -337,10 +351,12 @@ async def get_checkpoint(request: web.Request) -> web.Response:
 
 
 def create_app(engine: EngineLike, *, admin: bool = True,
-               template_path: str | Path | None = None) -> web.Application:
+               template_path: str | Path | None = None,
+               limits: Limits | None = None) -> web.Application:
     """The app over a started engine; ``template_path`` overrides the chat template."""
     app = web.Application(client_max_size=MAX_BODY, middlewares=[_errors])
     app[ENGINE] = engine
+    app[LIMITS] = limits or Limits()
     app[TEMPLATE] = load_chat_template(engine.chat_template, bos_token=engine.bos_token,
                                        eos_token=engine.eos_token, override=template_path)
     app[HTTP_COUNTS] = Counter()

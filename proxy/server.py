@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from proxy.app import create_app
+from proxy.app import Limits, create_app
 from proxy.engine import Engine
 from proxy.models import resolve_model
 from statecache.config import Config
@@ -25,7 +25,9 @@ def setup_logging(level: str) -> None:
 def build_app(cfg: Config) -> web.Application:
     """The app with an engine whose lifetime is the app's (closed on shutdown)."""
     engine = Engine(cfg, resolve_model(cfg.model.path))
-    app = create_app(engine, template_path=cfg.model.chat_template or None)
+    limits = Limits(default_max_tokens=cfg.server.max_tokens_default,
+                    request_timeout=cfg.server.request_timeout or None)
+    app = create_app(engine, template_path=cfg.model.chat_template or None, limits=limits)
 
     async def engine_ctx(_app: web.Application) -> AsyncIterator[None]:
         yield

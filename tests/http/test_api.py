@@ -170,3 +170,22 @@ async def test_admin_endpoint_and_inspect(
     shown = json.loads(capsys.readouterr().out)["checkpoints"]
     ram = [c for c in shown if "ram" in str(c.get("tier", c.get("tiers")))]
     assert {c["id"] for c in listed} <= {c["id"] for c in ram}, shown
+
+
+async def test_request_timeout_is_504_and_default_max_tokens_applies(
+    hybrid_path: Path, tmp_path: Path, done_lines: DoneLines
+) -> None:
+    async with serve(hybrid_path, tmp_path / "ckpt", server__lanes=1,
+                     server__request_timeout=0.5, server__max_tokens_default=5) as srv:
+        short = await srv.client.chat.completions.create(
+            model="x", messages=HELLO)  # type: ignore[arg-type]
+        assert short.usage is not None and short.usage.completion_tokens == 5
+        with pytest.raises(openai.APIStatusError) as err:
+            await srv.client.chat.completions.create(
+                model="x", messages=HELLO, max_tokens=4000)  # type: ignore[arg-type]
+        assert err.value.status_code == 504
+        # the engine stopped that request and serves the next one
+        ok = await srv.client.chat.completions.create(
+            model="x", messages=HELLO, max_tokens=2)  # type: ignore[arg-type]
+        assert ok.choices[0].finish_reason == "length"
+    assert any("cancelled" in e for e in done_lines.events)
