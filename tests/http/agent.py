@@ -66,7 +66,7 @@ class Session:
     system: str = SYSTEM
     messages: list[dict[str, Any]] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=lambda: {"tools": TOOLS})
 
     def __post_init__(self) -> None:
         if not self.messages:
@@ -90,8 +90,9 @@ class Session:
 async def ask(client: AsyncOpenAI, messages: list[dict[str, Any]], max_tokens: int,
               **kwargs: Any) -> dict[str, Any]:
     """One greedy chat completion; the reply as a client would send it back."""
+    kwargs.setdefault("temperature", 0)
     r = await client.chat.completions.create(
-        model="statecache", messages=messages, tools=TOOLS, temperature=0,  # type: ignore[arg-type]
+        model="statecache", messages=messages,  # type: ignore[arg-type]
         max_tokens=max_tokens, extra_body={"chat_template_kwargs": {"preserve_thinking": True}},
         logprobs=True, top_logprobs=5, **kwargs)
     msg = r.choices[0].message

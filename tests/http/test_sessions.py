@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.http.agent import Session, Turn, ask, assert_same_or_near_tie, tool_result, user_message
+from tests.http.agent import (
+    TOOLS,
+    Session,
+    Turn,
+    ask,
+    assert_same_or_near_tie,
+    tool_result,
+    user_message,
+)
 from tests.http.conftest import DoneLines, serve
 
 pytestmark = pytest.mark.http
@@ -25,7 +33,7 @@ async def _same_as_cold(model: Path, tmp: Path, turns: list[Turn], max_tokens: i
     """Each request again, on a server with caching off: the same answer (near-tie rule)."""
     async with serve(model, tmp / "cold", cache__enabled=False, server__lanes=1) as cold:
         for t in turns:
-            reply = await ask(cold.client, t.messages, max_tokens)
+            reply = await ask(cold.client, t.messages, max_tokens, tools=TOOLS)
             assert_same_or_near_tie(t.tokens, reply["tokens"], delta)
 
 
