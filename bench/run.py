@@ -16,8 +16,11 @@ sizes scaled by 0.05 on the bench hybrid (turns 5-100 tokens; the system prompt
 with the template's tool preamble is ~800 tokens) and by 0.25 on Gemma 3 270M
 (~5-6 characters a token), replies of 16 tokens; the base session three times
 with different seeds, each followed by an exact repeat and a mid-history edit;
-the strip and concurrent variants once, 3 turns each. ``--turns``,
-``--repeats`` and ``--scale`` change them.
+the strip and concurrent variants once, 3 turns each. The peers that
+re-prefill the history every turn (no cache; llama_cpp.server, whose cache
+measured ~8 minutes for one 6-turn base session of the hybrid) run the base
+session once, and llama_cpp.server (one slot) skips the strip and concurrent
+variants. ``--turns``, ``--repeats`` and ``--scale`` change the sizes.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ from bench.servers import LLAMA_SERVER, ROOT, SYSTEMS, ModelSpec, Server, runnin
 from bench.workload import Sizes, make_session
 
 log = logging.getLogger("bench")
+# Peers whose cache does not carry a session forward here: every turn costs about a
+# cold prefill of the whole history, so one run of the base session already shows
+# it, and three would not fit the time budget.
+COLD_PEERS = ("no-cache", "llama_cpp.server")
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,6 +62,7 @@ class Profile:
     systems: tuple[str, ...]
     turns: int
     repeats: int  # of the base session (each with its repeat and edit requests)
+    cold_repeats: int  # the same for the peers that re-prefill most of every turn
     variants: tuple[str, ...]  # besides base: strip, concurrent
     reply_tokens: int
     n_ctx: int
@@ -73,14 +81,14 @@ def profiles(quick: bool) -> Profile:
     if quick:
         tiny = ModelSpec("hybrid-tiny", models / "hybrid-tiny.gguf", is_gemma=False)
         return Profile("quick", (Part(tiny, 0.2),), ("statecache", "no-cache"), turns=4,
-                       repeats=1, variants=("strip", "concurrent"), reply_tokens=16,
+                       repeats=1, cold_repeats=1, variants=("strip", "concurrent"), reply_tokens=16,
                        n_ctx=8192, micro_model=tiny.path,
                        micro_args=("--tokens", "1024", "--prompt", "512", "--out-tokens", "32",
                                    "--repeats", "3"))
     gemma = _gemma()
     bench = ModelSpec("hybrid-0.8B", models / "hybrid-bench.gguf", is_gemma=False)
     return Profile("full", (Part(bench, 0.05), Part(ModelSpec("gemma-3-270m", gemma, True), 0.25)),
-                   SYSTEMS, turns=6, repeats=3, variants=("strip", "concurrent"),
+                   SYSTEMS, turns=6, repeats=3, cold_repeats=1, variants=("strip", "concurrent"),
                    reply_tokens=16, n_ctx=8192, micro_model=gemma,
                    micro_args=("--tokens", "2048", "--prompt", "1024", "--out-tokens", "64",
                                "--repeats", "5"))
@@ -111,7 +119,8 @@ def _session_part(prof: Profile, part: Part, system: str, res: Results, log_dir:
     sizes = Sizes(reply_tokens=prof.reply_tokens)
     label = part.model.label
     with running(system, part.model, n_ctx=prof.n_ctx, lanes=1, log_dir=log_dir) as srv:
-        for r in range(prof.repeats):
+        cold = system in COLD_PEERS
+        for r in range(prof.cold_repeats if cold else prof.repeats):
             s = make_session(r, scale=part.scale, sizes=sizes, n_turns=prof.turns)
             a = Agent(srv.url, system, label, "base", s, repeat=r)
             a.run()
@@ -120,14 +129,14 @@ def _session_part(prof: Profile, part: Part, system: str, res: Results, log_dir:
             _attach_server_facts(srv, [a], sequential=True)
             res.records += a.records
             log.info("%s %s base #%d done", label, system, r)
-        if "strip" in prof.variants:
+        if "strip" in prof.variants and system != "llama_cpp.server":
             s = make_session(100, scale=part.scale, sizes=sizes, n_turns=max(2, prof.turns // 2))
             a = Agent(srv.url, system, label, "strip", s, keep_reasoning=False)
             a.run()
             _attach_server_facts(srv, [a], sequential=True)
             res.records += a.records
-    if "concurrent" not in prof.variants:
-        return
+    if "concurrent" not in prof.variants or system == "llama_cpp.server":
+        return  # one slot: it would only serialise the two sessions
     # an agent and a subagent sharing the system prompt, at once; two lanes where possible
     lanes = 1 if system == "llama_cpp.server" else 2
     with running(system, part.model, n_ctx=prof.n_ctx, lanes=lanes, log_dir=log_dir) as srv:
@@ -220,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     prof = profiles(a.quick)
     if a.repeats:
-        prof = replace(prof, repeats=a.repeats)
+        prof = replace(prof, repeats=a.repeats, cold_repeats=min(a.repeats, prof.cold_repeats))
     if a.turns:
         prof = replace(prof, turns=a.turns)
     if a.scale:
