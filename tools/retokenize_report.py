@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="GGUF (default: the bundled Gemma 3 270M)")
     ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    ap.add_argument("--seeds", type=int, default=4, help="replies per prompt")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--seeds", type=int, default=1, help="replies per prompt (sampled)")
     args = ap.parse_args(argv)
     if args.model is None:
         from proxy.models import default_model_path
