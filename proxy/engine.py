@@ -267,10 +267,11 @@ class Engine:
         usage = Usage(len(job.prompt), completion, job.reuse)
         if job.finish_reason != "error":
             box.put(FinishEvent(job.finish_reason, usage, s))
+        handoff = f" · hand-off {round(s.handoff_s * 1000)} ms" if s.handoff_s >= 0.0005 else ""
         log.info("Done · input %s · cached %s · prefilled %s · output %s · TTFT %.2f s · "
-                 "restore %d ms · checkpoints +%d (%s)%s",
+                 "restore %d ms%s · checkpoints +%d (%s)%s",
                  f"{len(job.prompt):,}", f"{job.reuse:,}", f"{s.prefilled:,}", f"{completion:,}",
-                 s.ttft_s, round(s.restore_s * 1000), s.checkpoints_added,
+                 s.ttft_s, round(s.restore_s * 1000), handoff, s.checkpoints_added,
                  _human(s.checkpoint_bytes),
                  "" if job.finish_reason in ("stop", "length") else f" · {job.finish_reason}")
 

@@ -97,7 +97,7 @@ class Executor:
             self._carry_out(plan, job)
         finally:
             plan.release()
-        job.stats.restore_s = time.perf_counter() - t0
+        job.stats.restore_s = time.perf_counter() - t0 - job.stats.handoff_s
         job.stats.lane = lane.id
         job.reuse = job.pos = lane.n
         assert np.array_equal(lane.tokens, job.prompt[: lane.n]), "lane does not hold the prefix"
@@ -124,7 +124,7 @@ class Executor:
         job.stats.source, job.stats.role = plan.source.value, plan.role
         if plan.source is Source.LANE:
             if plan.partial is not None or plan.truncate:
-                self.hand_off(lane, convert_replay=False)
+                self._hand_off_timed(lane, job, convert_replay=False)
             if plan.partial is not None and not self.ctx.restore(
                     lane.id, plan.partial.data, FLAGS_PARTIAL):
                 self._fall_back_cold(lane, job, "partial restore failed")
@@ -137,7 +137,7 @@ class Executor:
                 if self.pool is not None:
                     self.pool.drop_lane(lane.id, above=plan.reuse)
             return
-        self.hand_off(lane)
+        self._hand_off_timed(lane, job)
         self._clear(lane)
         if plan.full is not None:
             if not self.ctx.restore(lane.id, plan.full.data, FLAGS_FULL):
@@ -188,6 +188,11 @@ class Executor:
     def _publish_kind(self) -> Kind:
         return Kind.PARTIAL if self.memory.needs_partial and \
             self.memory.kind is not MemoryKind.SWA else Kind.FULL
+
+    def _hand_off_timed(self, lane: Lane, job: Job, *, convert_replay: bool = True) -> None:
+        t0 = time.perf_counter()
+        self.hand_off(lane, convert_replay=convert_replay)
+        job.stats.handoff_s += time.perf_counter() - t0
 
     def hand_off(self, lane: Lane, *, convert_replay: bool = True) -> None:
         """Before a lane's state is cut back or replaced, keep it as a FULL checkpoint.

@@ -81,7 +81,8 @@ class RequestStats:
     role: str = ""  # role of the checkpoint used, if any
     prefilled: int = 0
     ttft_s: float = 0.0
-    restore_s: float = 0.0
+    restore_s: float = 0.0  # restoring or cutting back the state this request starts from
+    handoff_s: float = 0.0  # saving the lane's previous conversation before reusing the lane
     queue_s: float = 0.0
     checkpoints_added: int = 0
     checkpoint_bytes: int = 0
