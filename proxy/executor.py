@@ -203,7 +203,8 @@ class Executor:
         if self.pool is None or lane.n == 0 or lane.saved_full:
             return
         self.counters["handoffs"] += 1
-        self.save(lane, Role(lane.end_role), Kind.FULL)
+        # a lane ends where its last request's reply ended
+        self.save(lane, Role.END_OF_REPLY, Kind.FULL)
         if not convert_replay or self._publish_kind() is not Kind.PARTIAL:
             return
         chain = self.pool.chain(lane.tokens, lane.tenant)
@@ -307,10 +308,9 @@ class Executor:
         """Publish the end-of-reply state and free the lane."""
         lane = job.lane
         assert lane is not None
-        if job.use_cache and lane.n > job.reuse and job.finish_reason != "cancelled":
-            lane.end_role = Role.END_OF_REPLY.value
-            if self._publish_kind() is Kind.PARTIAL:
-                self._publish(job, Role.END_OF_REPLY)
+        if (job.use_cache and lane.n > job.reuse and job.finish_reason != "cancelled"
+                and self._publish_kind() is Kind.PARTIAL):
+            self._publish(job, Role.END_OF_REPLY)
         elif not job.use_cache:
             # a cold-only request leaves nothing reusable behind
             self._clear(lane)

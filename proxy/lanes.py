@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,8 +24,6 @@ class Lane:
     floor: int = 0
     # Whether the lane's current tokens are already saved as a FULL checkpoint.
     saved_full: bool = False
-    # Role of the state the lane ends in (end-of-reply after a request).
-    end_role: str = "end-of-reply"
 
     @property
     def n(self) -> int:
@@ -62,7 +61,7 @@ class LaneSet:
     def free(self) -> list[Lane]:
         return [lane for lane in self.lanes if not lane.busy]
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Lane]:
         return iter(self.lanes)
 
     def __len__(self) -> int:
