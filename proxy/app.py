@@ -261,7 +261,7 @@ async def _stream(request: web.Request, gen: GenerationRequest, chunks: Chunks
                         await _send(resp, obj)
                     await resp.write(b"data: [DONE]\n\n")
                     return resp
-                for obj in chunks.text(ev.text):
+                for obj in chunks.text(ev.text, ev.logprobs):
                     await _send(resp, obj)
                 if _gone(request):
                     raise ConnectionResetError("client went away")

@@ -21,7 +21,7 @@ class Chunks(Protocol):
     """What one streaming endpoint sends: at the start, per text delta, at the end."""
 
     def start(self) -> list[JSON]: ...
-    def text(self, text: str) -> list[JSON]: ...
+    def text(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> list[JSON]: ...
     def finish(self, fin: FinishEvent) -> list[JSON]: ...
 
 
@@ -54,8 +54,14 @@ class ChatChunks:
     def start(self) -> list[JSON]:
         return [self._chunk({"role": "assistant", "content": ""})]
 
-    def text(self, text: str) -> list[JSON]:
-        return self._deltas(self._parser.feed(text))
+    def text(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> list[JSON]:
+        out = self._deltas(self._parser.feed(text))
+        if logprobs:
+            # the tokens' logprobs ride on this event's first chunk (or an empty delta)
+            if not out:
+                out.append(self._chunk({}))
+            out[0]["choices"][0]["logprobs"] = {"content": [lp.to_json() for lp in logprobs]}
+        return out
 
     def finish(self, fin: FinishEvent) -> list[JSON]:
         out = self._deltas(self._parser.finish())
@@ -99,8 +105,13 @@ class CompletionChunks:
     def start(self) -> list[JSON]:
         return []
 
-    def text(self, text: str) -> list[JSON]:
-        return [self._chunk(text)] if text else []
+    def text(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> list[JSON]:
+        if not text and not logprobs:
+            return []
+        chunk = self._chunk(text)
+        if logprobs:
+            chunk["choices"][0]["logprobs"] = _legacy_logprobs(list(logprobs))
+        return [chunk]
 
     def finish(self, fin: FinishEvent) -> list[JSON]:
         out = [self._chunk("", fin.reason)]
@@ -112,15 +123,17 @@ class CompletionChunks:
                    logprobs: list[TokenLogprob] | None = None) -> JSON:
         body = {**self._chunk(text, fin.reason), "usage": fin.usage.to_json()}
         if logprobs is not None:
-            # the legacy completions form: parallel lists
-            offsets, at = [], 0
-            for lp in logprobs:
-                offsets.append(at)
-                at += len(lp.token)
-            body["choices"][0]["logprobs"] = {
-                "tokens": [lp.token for lp in logprobs],
-                "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [dict(lp.top) for lp in logprobs],
-                "text_offset": offsets,
-            }
+            body["choices"][0]["logprobs"] = _legacy_logprobs(logprobs)
         return body
+
+
+def _legacy_logprobs(logprobs: list[TokenLogprob]) -> JSON:
+    """The completions endpoint's form: parallel lists."""
+    offsets, at = [], 0
+    for lp in logprobs:
+        offsets.append(at)
+        at += len(lp.token)
+    return {"tokens": [lp.token for lp in logprobs],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [dict(lp.top) for lp in logprobs],
+            "text_offset": offsets}

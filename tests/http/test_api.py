@@ -189,3 +189,29 @@ async def test_request_timeout_is_504_and_default_max_tokens_applies(
             model="x", messages=HELLO, max_tokens=2)  # type: ignore[arg-type]
         assert ok.choices[0].finish_reason == "length"
     assert any("cancelled" in e for e in done_lines.events)
+
+
+async def test_logprobs_streaming_equal_non_streaming(hybrid_path: Path, tmp_path: Path) -> None:
+    async with serve(hybrid_path, tmp_path / "ckpt", cache__enabled=False) as srv:
+        full = await srv.client.chat.completions.create(
+            model="x", messages=HELLO, max_tokens=12, temperature=0,  # type: ignore[arg-type]
+            logprobs=True, top_logprobs=3)
+        stream = await srv.client.chat.completions.create(
+            model="x", messages=HELLO, max_tokens=12, temperature=0,  # type: ignore[arg-type]
+            logprobs=True, top_logprobs=3, stream=True)
+        streamed = []
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+                streamed += chunk.choices[0].logprobs.content
+        legacy = await srv.client.completions.create(model="x", prompt="abc", max_tokens=5,
+                                                     temperature=0, logprobs=2)
+    lp = full.choices[0].logprobs
+    assert lp is not None and lp.content is not None and len(lp.content) == 12
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in lp.content]
+    for t in lp.content:
+        # greedy: the chosen token is the most likely one, listed first among the top 3
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert t.logprob <= 0 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+    legacy_lp = legacy.choices[0].logprobs
+    assert legacy_lp is not None and legacy_lp.tokens is not None
+    assert len(legacy_lp.tokens) == 5 and "".join(legacy_lp.tokens) == legacy.choices[0].text
