@@ -341,3 +341,43 @@ def test_llama_log_is_routed_to_python_logging(
     with caplog.at_level(logging.DEBUG, logger="proxy.llama"), Model(hybrid_path, verbose=True):
         pass
     assert any("llama_model_loader" in r.getMessage() for r in caplog.records)
+
+
+# -- one batch across lanes; seq_cp ---------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["hybrid", "draft"])
+def test_one_batch_spans_lanes_and_rows_belong_to_their_lane(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    model: Model = request.getfixturevalue(which)
+    toks = _tokens(model, 300)
+    a, b = toks[:200], toks[100:300]  # two different conversations
+    with _ctx(model, lanes=3) as ctx:
+        ctx.prefill(0, a[:-1], 0, logits_last=False)
+        ctx.prefill(1, b[:-1], 0, logits_last=False)
+        ctx.prefill(2, a[:-1], 0, logits_last=False)
+        # lanes 0 and 1 decode in one batch; lane 2 alone is lane 0's reference
+        ctx.batch.clear()
+        row0 = ctx.batch.add(0, [a[-1]], len(a) - 1, logits_last=True)
+        row1 = ctx.batch.add(1, [b[-1]], len(b) - 1, logits_last=True)
+        ctx.decode()
+        got0, got1 = ctx.logits(row0), ctx.logits(row1)
+        ref0 = _step(ctx, 2, a[-1], len(a) - 1)
+    # same lane state, another batch shape: a drift of the size of fact 10's, same token
+    assert np.abs(got0 - ref0).max() < 0.05
+    assert int(got0.argmax()) == int(ref0.argmax())
+    assert np.abs(got1 - ref0).max() > 0.5  # the other row is the other conversation
+
+
+def test_seq_cp_copies_a_lane(draft: Model) -> None:
+    toks = _tokens(draft, 201)
+    with _ctx(draft, lanes=2) as ctx:
+        ctx.prefill(0, toks[:200], 0, logits_last=False)
+        ctx.seq_cp(0, 1)
+        assert ctx.pos_max(1) == 199
+        a = _step(ctx, 0, toks[200], 200)
+        b = _step(ctx, 1, toks[200], 200)
+        ctx.clear_lane(1)
+        assert ctx.pos_max(1) == -1 and ctx.pos_max(0) == 200
+    assert np.array_equal(a, b)
