@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.app import ENGINE
 from tests.http.agent import (
     TOOLS,
     Session,
@@ -116,7 +117,11 @@ async def test_two_sessions_keep_their_lanes_and_a_third_waits(
         c = Session(srv.client, system="Session C. " * 60)
         ta = asyncio.create_task(a.turn(user_message(2)))
         tb = asyncio.create_task(b.turn(user_message(2)))
-        await asyncio.sleep(0.3)
+        engine = srv.app[ENGINE]
+        for _ in range(600):  # until both hold a lane
+            if engine.metrics()["active_requests"] == 2:
+                break
+            await asyncio.sleep(0.05)
         tc = asyncio.create_task(c.turn())
         await asyncio.gather(ta, tb, tc)
     # C started only after A or B was done: it waited in the queue
