@@ -46,6 +46,7 @@ from proxy.openai_api import (
 from proxy.openai_responses import ChatChunks, Chunks, CompletionChunks, error_body
 from proxy.parse import StreamParser, parse_reply, starts_in_reasoning
 from proxy.types import Event, FinishEvent, GenerationRequest, QueueFull, TokenLogprob
+from statecache.pages import as_tokens, common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -166,11 +167,6 @@ def _max_tokens(n_ctx: int, n_prompt: int, asked: int | None, param: str,
     return min(n_ctx - n_prompt, default)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
 def _tokenize_chat(engine: EngineLike, template: ChatTemplate, req: ChatRequest,
                    tenant: str) -> tuple[str, list[int], int | None]:
     """(prompt, its tokens, tokens of the history before the generation prompt)."""
@@ -181,7 +177,8 @@ def _tokenize_chat(engine: EngineLike, template: ChatTemplate, req: ChatRequest,
     history = render_chat(template, req, add_generation_prompt=False)
     if not prompt.startswith(history):
         return prompt, tokens, None
-    return prompt, tokens, _common_prefix(engine.tokenize_prompt(history, tenant), tokens)
+    history_ids = engine.tokenize_prompt(history, tenant)
+    return prompt, tokens, common_prefix(as_tokens(history_ids), as_tokens(tokens))
 
 
 def _generation(request: web.Request, tokens: list[int], sampling: Sampling, prefix: str,

@@ -33,6 +33,7 @@ from proxy.types import (
 )
 from statecache.config import Config
 from statecache.pool import CheckpointPool
+from statecache.sizes import format_size
 
 log = logging.getLogger("statecache")
 
@@ -272,7 +273,7 @@ class Engine:
                  "restore %d ms%s · checkpoints +%d (%s)%s",
                  f"{len(job.prompt):,}", f"{job.reuse:,}", f"{s.prefilled:,}", f"{completion:,}",
                  s.ttft_s, round(s.restore_s * 1000), handoff, s.checkpoints_added,
-                 _human(s.checkpoint_bytes),
+                 format_size(s.checkpoint_bytes),
                  "" if job.finish_reason in ("stop", "length") else f" · {job.finish_reason}")
 
 
@@ -288,10 +289,3 @@ class _Outbox:
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
 
-
-def _human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]
-    return f"{n} B"
