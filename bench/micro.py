@@ -1,13 +1,13 @@
 """Micro-benchmarks, each against the floor it should be compared with.
 
-1. Checkpoint save / restore (``proxy.binding.Context.save/restore`` of a real
+1. Checkpoint save / restore (``proxy.engine.binding.Context.save/restore`` of a real
    lane) against a numpy copy of the same bytes.
 2. Disk tier write (with its fsync) and read (with its digest check) of that
    state against plain sequential file I/O of the same size in the same
    directory, fsync included, page cache warm for both reads.
 3. The proxy's overhead: a cold request's TTFT and the decode rate through the
    HTTP proxy against the same tokens prefilled and decoded by
-   ``proxy.binding`` directly (no HTTP, no planner, no checkpoints).
+   ``proxy.engine.binding`` directly (no HTTP, no planner, no checkpoints).
 
     python -m bench.micro --model PATH --json out.json [--tokens N] [--repeats R]
 
@@ -58,7 +58,7 @@ def _prompt_tokens(model: Any, n: int, seed: int) -> list[int]:
 
 
 def state_io(ctx: Any, model: Any, n_tokens: int, repeats: int) -> tuple[dict[str, Any], bytes]:
-    from proxy.binding import FLAGS_FULL
+    from proxy.engine.binding import FLAGS_FULL
 
     ctx.clear_all()
     ctx.prefill(0, _prompt_tokens(model, n_tokens, 1), 0, logits_last=False)
@@ -121,7 +121,7 @@ def disk_io(data: bytes, directory: Path, repeats: int) -> dict[str, Any]:
 
 def direct_generation(ctx: Any, model: Any, n_prompt: int, n_out: int,
                       repeats: int) -> dict[str, Any]:
-    """Cold prefill + greedy decode with proxy.binding alone."""
+    """Cold prefill + greedy decode with proxy.engine.binding alone."""
     ttft: list[float] = []
     tps: list[float] = []
     for i in range(-1, repeats):  # i = -1: warm-up, not counted
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--log-dir", default="results/logs")
     a = p.parse_args(argv)
-    from proxy.binding import Context, ContextParams, Model
+    from proxy.engine.binding import Context, ContextParams, Model
 
     n_ctx = max(a.tokens, a.prompt + a.out_tokens) + 256
     out: dict[str, Any] = {"model": Path(a.model).name}

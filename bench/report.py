@@ -163,7 +163,7 @@ def _micro(m: dict[str, Any]) -> list[str]:
     di, pr = m["direct"], m["proxy"]
     out += ["", f"Proxy overhead, cold prompt of {di['prompt_tokens']:,} tokens:", ""]
     out += _table(["path", "TTFT s", "decode tok/s"],
-                  [["proxy.binding directly (no HTTP)", st(di["ttft_s"], ".3f"),
+                  [["proxy.engine.binding directly (no HTTP)", st(di["ttft_s"], ".3f"),
                     st(di["decode_tps"], ".1f")],
                    ["statecache over HTTP (streaming)", st(pr["ttft_s"], ".3f"),
                     st(pr["decode_tps"], ".1f")]])

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from proxy.app import Limits, create_app
-from proxy.engine import Engine
+from proxy.api.app import Limits, create_app
+from proxy.engine.scheduler import Engine
 from proxy.models import resolve_model
 from statecache.config import Config
 

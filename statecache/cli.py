@@ -1,7 +1,9 @@
-"""The `statecache` command: serve, inspect, verify, purge.
+"""The storage half of the `statecache` command: inspect, verify, purge.
 
-Imports stay light at module level so `statecache --help` answers at once; numpy,
-msgpack and the proxy load only inside the subcommands that need them.
+This package never imports the proxy: ``proxy.cli`` adds ``serve`` through
+``main(argv, commands=...)``, so the arrow runs proxy -> statecache. Imports stay
+light at module level so `statecache --help` answers at once; numpy and msgpack
+load only inside the subcommands that need them.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -19,20 +21,17 @@ EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 DEFAULT_URL = "http://127.0.0.1:8080"
 
 
-def _parser() -> argparse.ArgumentParser:
+# A subcommand added from outside: (set up its parser, run it).
+Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+
+
+def _parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="statecache", description="OpenAI-compatible llama.cpp proxy that reuses model state"
     )
     sub = p.add_subparsers(dest="command", required=True)
-
-    s = sub.add_parser("serve", help="run the proxy")
-    s.add_argument("--config", metavar="FILE", help="TOML config file")
-    s.add_argument("--model", metavar="PATH", help="GGUF model (overrides model.path)")
-    s.add_argument("--host", help="overrides server.host")
-    s.add_argument("--port", type=int, help="overrides server.port")
-    s.add_argument("--lanes", type=int, help="overrides server.lanes")
-    s.add_argument("--no-cache", action="store_true", help="disable checkpoints")
-    s.add_argument("--verbose", action="store_true", help="log at debug level")
+    for name, (setup, _run) in commands.items():
+        setup(sub.add_parser(name, help=(setup.__doc__ or "").strip() or None))
 
     i = sub.add_parser("inspect", help="list checkpoints (proxy RAM and disk)")
     i.add_argument("id", nargs="?", help="show one checkpoint (a unique id prefix is enough)")
@@ -59,42 +58,22 @@ def _disk_args(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
         p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, commands: Mapping[str, Command] | None = None) -> int:
+    commands = commands or {}
     try:
-        args = _parser().parse_args(argv)
+        args = _parser(commands).parse_args(argv)
     except SystemExit as e:  # argparse's own --help / usage errors
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     from statecache.config import ConfigError
 
     try:
-        handler = {"serve": _serve, "inspect": _inspect, "verify": _verify, "purge": _purge}
+        handler: dict[str, Callable[[argparse.Namespace], int]] = {
+            "inspect": _inspect, "verify": _verify, "purge": _purge}
+        handler.update({name: run for name, (_setup, run) in commands.items()})
         return handler[args.command](args)
     except (ConfigError, ValueError) as e:
         print(f"statecache: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-
-
-# -- serve -------------------------------------------------------------------------------
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from statecache.config import load_config
-
-    flags: dict[str, object] = {
-        "model.path": args.model,
-        "server.host": args.host,
-        "server.port": args.port,
-        "server.lanes": args.lanes,
-        "cache.enabled": False if args.no_cache else None,
-        "log.level": "debug" if args.verbose else None,
-    }
-    config = load_config(args.config, {k: v for k, v in flags.items() if v is not None})
-    try:
-        from proxy.server import serve  # type: ignore[import-not-found, unused-ignore]
-    except ImportError as e:
-        print(f"statecache: error: the proxy is not available ({e})", file=sys.stderr)
-        return EXIT_PROBLEMS
-    return int(serve(config))
 
 
 # -- disk helpers ------------------------------------------------------------------------

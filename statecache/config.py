@@ -25,7 +25,8 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: str = ""  # empty: the bundled Gemma 3 270M
     draft_path: str = ""
-    n_ctx: int = 8192
+    n_ctx: int = 0  # tokens per lane; 0: chosen from the training context and kv_budget
+    kv_budget: int = field(default=4 << 30, metadata=_SIZE)  # for n_ctx = 0: KV of all lanes
     n_batch: int = 512
     n_ubatch: int = 512
     n_gpu_layers: int = -1
@@ -42,6 +43,19 @@ class ServerConfig:
     queue_size: int = 16
     request_timeout: float = 600.0
     max_tokens_default: int = 512
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    """How the engine builds each step (one llama_decode for every lane)."""
+
+    step_tokens: int = 0  # tokens per step, decode and prefill together; 0: model.n_batch
+    prefill_chunk: int = 0  # most prompt tokens of one lane per step; 0: step_tokens
+    # While a stream decodes, a step's prefill is sized so the step takes at most this
+    # many times a decode-only step (measured as it runs); 0 turns the limit off.
+    decode_latency_factor: float = 2.0
+    min_prefill_chunk: int = 16  # prefill progress per step, however busy decoding is
+    idle_save_s: float = 2.0  # an idle lane's state is saved FULL after this long; 0: never
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,6 +82,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -75,11 +90,18 @@ _SECTIONS: dict[str, type[Any]] = {
     "model": ModelConfig,
     "server": ServerConfig,
     "cache": CacheConfig,
+    "engine": EngineConfig,
     "log": LogConfig,
 }
 # (key, lowest, highest) checked after conversion
 _RANGES: tuple[tuple[str, float, float | None], ...] = (
-    ("model.n_ctx", 1, None),
+    ("model.n_ctx", 0, None),
+    ("model.kv_budget", 1 << 20, None),
+    ("engine.step_tokens", 0, None),
+    ("engine.prefill_chunk", 0, None),
+    ("engine.decode_latency_factor", 0, None),
+    ("engine.min_prefill_chunk", 1, None),
+    ("engine.idle_save_s", 0, None),
     ("model.n_batch", 1, None),
     ("model.n_ubatch", 1, None),
     ("model.n_gpu_layers", -1, None),

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from proxy.binding import Context, ContextParams, Model
-from proxy.sampling import Sampler
-from proxy.types import SamplingParams
+from proxy.engine.binding import Context, ContextParams, Model
+from proxy.engine.sampling import Sampler
+from proxy.engine.types import SamplingParams
 
 # Realistic agent replies start from prompts like these (Gemma 3 turn format; the
 # model continues after the generation prompt).

@@ -30,7 +30,7 @@ def test_serve_streams_and_shuts_down_cleanly(hybrid_path: Path, tmp_path: Path)
     config.write_text(f'[server]\nport = 1\nlanes = 1\n[cache]\ndisk_path = "{ckpt}"\n')
     # flags override the file (port 1 would fail)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "statecache", "serve", "--config", str(config),
+        [sys.executable, "-m", "proxy", "serve", "--config", str(config),
          "--model", str(hybrid_path), "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})

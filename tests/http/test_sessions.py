@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.app import ENGINE
+from proxy.api.app import ENGINE
 from tests.http.agent import (
     TOOLS,
     Session,

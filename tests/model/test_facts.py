@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from proxy.binding import (
+from proxy.engine.binding import (
     FLAGS_FULL,
     FLAGS_PARTIAL,
     Context,

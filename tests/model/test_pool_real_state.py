@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from proxy.binding import FLAGS_FULL, Context, ContextParams, Model
+from proxy.engine.binding import FLAGS_FULL, Context, ContextParams, Model
 from statecache.config import CacheConfig
 from statecache.pool import CheckpointPool
 from statecache.records import Kind, Owner, Role
@@ -26,7 +26,7 @@ TEXT = "The pool keeps states on disk so that a restarted server still hits. " *
 CHILD = textwrap.dedent("""
     import json, sys
     import numpy as np
-    from proxy.binding import FLAGS_FULL, Context, ContextParams, Model
+    from proxy.engine.binding import FLAGS_FULL, Context, ContextParams, Model
     from statecache.config import CacheConfig
     from statecache.pool import CheckpointPool
     from statecache.records import Kind

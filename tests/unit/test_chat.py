@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from proxy.chat import FALLBACK_TEMPLATE, ChatTemplate, load_chat_template, render_chat
-from proxy.openai_api import parse_chat_request
-from proxy.parse import starts_in_reasoning
+from proxy.api.openai import parse_chat_request
+from proxy.api.render import FALLBACK_TEMPLATE, ChatTemplate, load_chat_template, render_chat
+from proxy.api.reply import starts_in_reasoning
 
 # A small ChatML template that reads messages the way Qwen3's does: tool_call.function
 # when present, arguments through tojson when they are a mapping, reasoning_content.

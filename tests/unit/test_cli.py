@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.cli import main as proxy_main
 from statecache.cli import main
 from statecache.records import Role
 from tests.unit.conftest import PoolFactory, put
@@ -92,21 +93,26 @@ def test_purge(disk: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str])
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert main(["inspect", "--bogus"]) == 2
-    assert main(["serve", "--port", "70000"]) == 2
+    assert main(["serve"]) == 2  # storage commands only: serve comes from proxy.cli
+    assert proxy_main(["serve", "--port", "70000"]) == 2
     assert "server.port" in capsys.readouterr().err
     assert main(["purge", "--older-than", "soon", "--disk-path", "/nonexistent"]) == 2
 
 
 def test_cli_import_is_light_and_module_runs() -> None:
     # No timing: check that the heavy modules stay unloaded, in a fresh interpreter.
-    code = (
-        "import sys, statecache.cli; "
-        "print([m for m in ('numpy', 'llama_cpp', 'aiohttp', 'msgpack', 'proxy') "
-        "if m in sys.modules])"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
-    res = subprocess.run(
-        [sys.executable, "-m", "statecache", "--help"], capture_output=True, text=True
-    )
-    assert res.returncode == 0 and "inspect" in res.stdout
+    # statecache never imports the proxy; the proxy's command loads llama.cpp only to serve.
+    for mod, heavy in (("statecache.cli", "'proxy', "), ("proxy.cli", "")):
+        code = (
+            f"import sys, {mod}; "
+            f"print([m for m in ('numpy', 'llama_cpp', 'aiohttp', 'msgpack', {heavy}) "
+            "if m in sys.modules])"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True)
+        assert out.stdout.strip() == "[]", mod
+    for mod in ("statecache", "proxy"):
+        res = subprocess.run([sys.executable, "-m", mod, "--help"], capture_output=True,
+                             text=True)
+        assert res.returncode == 0 and "inspect" in res.stdout
+        assert ("serve" in res.stdout) == (mod == "proxy")

@@ -69,7 +69,7 @@ def write(tmp_path: Path, text: str) -> Path:
     ("text", "message"),
     [
         ("[cache]\nram_budgte = 1\n", "valid keys: enabled, page_size, ram_budget"),
-        ("[cashe]\nx = 1\n", "valid sections: model, server, cache, log"),
+        ("[cashe]\nx = 1\n", "valid sections: model, server, cache, engine, log"),
         ("[cache]\nram_budget = [1]\n", 'cache.ram_budget: expected a size like "8GiB", got [1]'),
         ('[server]\nport = "80"\n', "server.port: expected int, got '80'"),
         ("[server]\nlanes = 0\n", "server.lanes: must be >= 1"),

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from proxy.binding import MemoryInfo, MemoryKind
-from proxy.detok import TextStream
-from proxy.lanes import Lane
-from proxy.planner import can_truncate, publish_points
-from proxy.sampling import Sampler
-from proxy.splice import aligned_replies, tokenize_spliced
-from proxy.types import SamplingParams
+from proxy.engine.binding import MemoryInfo, MemoryKind
+from proxy.engine.detok import TextStream
+from proxy.engine.lanes import Lane
+from proxy.engine.planner import can_truncate, publish_points
+from proxy.engine.sampling import Sampler
+from proxy.engine.splice import aligned_replies, tokenize_spliced
+from proxy.engine.types import SamplingParams
 from statecache.records import Kind, Role
 from tests.unit.conftest import PoolFactory, put
 
@@ -49,7 +49,8 @@ def test_publish_points_skip_what_is_already_reused() -> None:
 
 
 def test_can_truncate_by_memory_kind() -> None:
-    lane = Lane(0, tokens=np.arange(2000, dtype=np.int32))
+    lane = Lane(0)
+    lane.set_tokens(np.arange(2000, dtype=np.int32), "")
     live = {0: 0}.__getitem__  # pos_min of a live lane with every SWA cell kept
     assert can_truncate(_memory(MemoryKind.ATTENTION), lane, 10, live)
     assert not can_truncate(_memory(MemoryKind.HYBRID), lane, 10, live)
@@ -144,7 +145,8 @@ def test_drop_lane_above_keeps_partials_still_valid(make_pool: PoolFactory) -> N
 
 
 def test_lane_common_prefix_respects_tenant() -> None:
-    lane = Lane(0, tokens=np.array([1, 2, 3], dtype=np.int32), tenant="a")
+    lane = Lane(0)
+    lane.set_tokens(np.array([1, 2, 3], dtype=np.int32), "a")
     prompt = np.array([1, 2, 9, 4], dtype=np.int32)
     assert lane.common(prompt, "a") == 2
     assert lane.common(prompt, "b") == 0  # another tenant never shares a lane's state

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from proxy.openai_api import (
+from proxy.api.openai import (
     ApiError,
     ChatMessage,
     Sampling,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from proxy.parse import Delta, StreamParser, parse_reply, starts_in_reasoning
+from proxy.api.reply import Delta, StreamParser, parse_reply, starts_in_reasoning
 
 CALL = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py", "n": 2}}\n</tool_call>'
 

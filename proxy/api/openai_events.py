@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from proxy.parse import Delta, StreamParser
-from proxy.types import FinishEvent, TokenLogprob
+from proxy.api.reply import Delta, StreamParser
+from proxy.engine.types import FinishEvent, TokenLogprob
 
 JSON = dict[str, Any]
 

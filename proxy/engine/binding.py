@@ -361,6 +361,13 @@ class Context:
             raise LlamaError(f"no logits for row {row}")
         return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
 
+    def logits_view(self, row: int) -> np.ndarray:
+        """The logits of one output row, not copied: valid until the next decode."""
+        ptr = _ll.llama_get_logits_ith(self._ptr, row)
+        if not ptr:
+            raise LlamaError(f"no logits for row {row}")
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
     def prefill(self, lane: int, tokens: Sequence[int] | np.ndarray, pos0: int, *,
                 logits_last: bool = True) -> np.ndarray | None:
         """Decode tokens into one lane in n_batch chunks; return the last row's logits."""

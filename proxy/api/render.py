@@ -27,9 +27,9 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from proxy.openai_api import RESERVED_TEMPLATE_VARS, ChatMessage, ChatRequest, ToolCall
+from proxy.api.openai import RESERVED_TEMPLATE_VARS, ChatMessage, ChatRequest, ToolCall
 
-VENDOR_TEMPLATES = Path(__file__).resolve().parents[1] / "vendor" / "templates"
+VENDOR_TEMPLATES = Path(__file__).resolve().parents[2] / "vendor" / "templates"
 FALLBACK_TEMPLATE = VENDOR_TEMPLATES / "gemma3.jinja"
 
 

@@ -34,18 +34,19 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from proxy.chat import ChatTemplate, load_chat_template, render_chat
-from proxy.metrics import CONTENT_TYPE, format_metrics
-from proxy.openai_api import (
+from proxy.api.metrics import CONTENT_TYPE, format_metrics
+from proxy.api.openai import (
     ApiError,
     ChatRequest,
     Sampling,
     parse_chat_request,
     parse_completion_request,
 )
-from proxy.openai_responses import ChatChunks, Chunks, CompletionChunks, error_body
-from proxy.parse import StreamParser, parse_reply, starts_in_reasoning
-from proxy.types import Event, FinishEvent, GenerationRequest, QueueFull, TokenLogprob
+from proxy.api.openai_events import ChatChunks, Chunks, CompletionChunks, error_body
+from proxy.api.render import ChatTemplate, load_chat_template, render_chat
+from proxy.api.reply import StreamParser, parse_reply, starts_in_reasoning
+from proxy.engine.tokens import Tokenizer
+from proxy.engine.types import Event, FinishEvent, GenerationRequest, QueueFull, TokenLogprob
 from statecache.pages import as_tokens, common_prefix
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,7 @@ class EngineLike(Protocol):
     bos_token: str
     eos_token: str
 
-    def tokenize(self, text: str) -> list[int]: ...
-    # Like tokenize, but may splice in the ids of the tenant's recent replies.
-    def tokenize_prompt(self, text: str, tenant: str = "") -> list[int]: ...
+    tokenizer: Tokenizer
     def generate(self, req: GenerationRequest) -> AsyncIterator[Event]: ...
     def describe_checkpoints(self) -> list[dict[str, Any]]: ...
     def get_checkpoint(self, id: str) -> dict[str, Any] | None: ...
@@ -171,13 +170,13 @@ def _tokenize_chat(engine: EngineLike, template: ChatTemplate, req: ChatRequest,
                    tenant: str) -> tuple[str, list[int], int | None]:
     """(prompt, its tokens, tokens of the history before the generation prompt)."""
     prompt = render_chat(template, req)
-    tokens = engine.tokenize_prompt(prompt, tenant)
+    tokens = engine.tokenizer.tokenize_prompt(prompt, tenant)
     # The engine keeps a replay checkpoint where the history ends: the next turn
     # renders this reply its own way, but the history before it the same.
     history = render_chat(template, req, add_generation_prompt=False)
     if not prompt.startswith(history):
         return prompt, tokens, None
-    history_ids = engine.tokenize_prompt(history, tenant)
+    history_ids = engine.tokenizer.tokenize_prompt(history, tenant)
     return prompt, tokens, common_prefix(as_tokens(history_ids), as_tokens(tokens))
 
 
@@ -300,7 +299,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine, tenant = request.app[ENGINE], _tenant(request, req.user)
     bos = engine.bos_token
     prompt = req.prompt if not bos or req.prompt.startswith(bos) else bos + req.prompt
-    tokens = await asyncio.to_thread(engine.tokenize_prompt, prompt, tenant)
+    tokens = await asyncio.to_thread(engine.tokenizer.tokenize_prompt, prompt, tenant)
     gen = _generation(request, tokens, req.sampling, "cmpl", "prompt", tenant)
     chunks = CompletionChunks(gen.request_id, engine.model_name, req.include_usage)
     if req.stream:

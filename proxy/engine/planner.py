@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from proxy.binding import MemoryInfo, MemoryKind
-from proxy.lanes import Lane
+from proxy.engine.binding import MemoryInfo, MemoryKind
+from proxy.engine.lanes import Lane
 from statecache.lease import Lease
 from statecache.pages import PageChain
 from statecache.pool import CheckpointPool

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proxy.types import SamplingParams
+from proxy.engine.types import SamplingParams
 
 
 class Sampler:

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.types import SamplingParams
+from proxy.engine.types import SamplingParams
 
 # Template variables the renderer sets itself; chat_template_kwargs may not replace them.
 RESERVED_TEMPLATE_VARS = frozenset(

@@ -1,0 +1,52 @@
+"""The `statecache` command: ``serve`` here, the storage commands from ``statecache.cli``.
+
+The proxy loads only inside ``serve``, so ``statecache inspect`` starts at once and
+works without a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from statecache.cli import EXIT_PROBLEMS, Command
+from statecache.cli import main as storage_main
+
+
+def _serve_args(s: argparse.ArgumentParser) -> None:
+    """run the proxy"""
+    s.add_argument("--config", metavar="FILE", help="TOML config file")
+    s.add_argument("--model", metavar="PATH", help="GGUF model (overrides model.path)")
+    s.add_argument("--host", help="overrides server.host")
+    s.add_argument("--port", type=int, help="overrides server.port")
+    s.add_argument("--lanes", type=int, help="overrides server.lanes")
+    s.add_argument("--no-cache", action="store_true", help="disable checkpoints")
+    s.add_argument("--verbose", action="store_true", help="log at debug level")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import sys
+
+    from statecache.config import load_config
+
+    flags: dict[str, object] = {
+        "model.path": args.model,
+        "server.host": args.host,
+        "server.port": args.port,
+        "server.lanes": args.lanes,
+        "cache.enabled": False if args.no_cache else None,
+        "log.level": "debug" if args.verbose else None,
+    }
+    config = load_config(args.config, {k: v for k, v in flags.items() if v is not None})
+    try:
+        from proxy.server import serve
+    except ImportError as e:
+        print(f"statecache: error: the proxy is not available ({e})", file=sys.stderr)
+        return EXIT_PROBLEMS
+    return int(serve(config))
+
+
+COMMANDS: dict[str, Command] = {"serve": (_serve_args, _serve)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return storage_main(argv, COMMANDS)

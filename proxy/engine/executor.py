@@ -1,0 +1,445 @@
+"""Carrying out requests on the llama context: restore, one batched step, publish.
+
+Runs on the engine thread only; nothing here is thread-safe. A step is one
+``llama_decode`` for every lane with work: each lane's share is a ``Work`` (these
+tokens at these positions, logits for the last row): one token for a decoding lane,
+a chunk for a prefilling one. After the step each lane is committed on its own, so
+a lane whose sampling fails ends alone and the others go on.
+
+Checkpoint policy by memory kind (DESIGN.md facts 5-9):
+
+- hybrid / recurrent: the recurrent state cannot roll back, so prefill publishes
+  small PARTIAL checkpoints in the lane (replay, periodic) and the reply's end gets
+  one too; a later turn rolls the lane back by restoring one, then ``seq_rm``
+  (fact 7, in that order). FULL states are saved when the lane is handed to
+  another prompt, when it has been idle a while, and at shutdown; the lane's
+  replay points become FULL ones on hand-off too.
+- SWA (Gemma 3): the context keeps every SWA cell of a live lane (``swa_full``), so
+  ``seq_rm`` rolls a live lane back; partial states would be most of the KV anyway
+  (fact 4). FULL states at the replay point and on hand-off; a restored one is
+  never cut below its own position (fact 8).
+- plain attention: ``seq_rm`` rolls back anywhere; FULL states at the replay point
+  and on hand-off.
+- every kind: a BRANCH point (where this prompt leaves a prefix that another
+  conversation holds, or that another request being admitted shares) is FULL, so
+  any lane can start from it: an agent's subagents share the system prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from proxy.engine.binding import FLAGS_FULL, FLAGS_PARTIAL, Context, MemoryInfo, MemoryKind
+from proxy.engine.detok import TextStream
+from proxy.engine.lanes import Lane, LaneSet
+from proxy.engine.planner import Plan, Source, make_plan, publish_points
+from proxy.engine.sampling import Sampler
+from proxy.engine.types import GenerationRequest, RequestStats, TokenLogprob
+from statecache.config import Config
+from statecache.pool import CheckpointPool
+from statecache.records import Kind, Owner, Role
+
+log = logging.getLogger(__name__)
+
+PREVIEW_TOKENS = 24
+
+Delta = tuple[str, tuple[int, ...]]
+
+
+@dataclass(slots=True)
+class Job:
+    """One request's progress through the engine."""
+
+    req: GenerationRequest
+    prompt: np.ndarray
+    use_cache: bool
+    t_submit: float
+    lane: Lane | None = None
+    pos: int = 0  # prompt tokens consumed so far
+    reuse: int = 0
+    publish: list[tuple[int, Role, Kind]] = field(default_factory=list)
+    sampler: Sampler | None = None
+    stream: TextStream | None = None
+    generated: list[int] = field(default_factory=list)
+    pending: int = -1  # sampled token not yet decoded
+    finish_reason: str = ""
+    error: BaseException | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    t_first: float = 0.0
+    cancelled: bool = False
+    stopping: bool = False  # the server is shutting down: end at the next step
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet sent
+    deltas: list[Delta] = field(default_factory=list)  # text produced by the last step
+    starved: int = 0  # steps in a row this prefilling job got no tokens
+    skipped: int = 0  # admissions that passed this waiting job over
+    # Admission may make this job wait for ``waiting_for``, which prefills the first
+    # ``shared`` tokens of this prompt too and publishes a FULL checkpoint at ``wait_point``.
+    waiting_for: Job | None = None
+    shared: int = 0
+    wait_point: int = 0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.prompt)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+
+@dataclass(slots=True)
+class Work:
+    """One lane's share of a step: ``n`` tokens from ``pos0``."""
+
+    job: Job
+    n: int
+    pos0: int
+    row: int = -1  # batch row of the last token, whose logits are kept (-1: none)
+
+
+class Executor:
+    def __init__(self, ctx: Context, memory: MemoryInfo, pool: CheckpointPool | None,
+                 cfg: Config, counters: dict[str, int]) -> None:
+        self.ctx = ctx
+        self.model = ctx.model
+        self.memory = memory
+        self.pool = pool
+        self.cfg = cfg
+        self.lanes = LaneSet(ctx.n_lanes)
+        self.counters = counters
+        self.page = cfg.cache.page_size
+
+    # -- admission ------------------------------------------------------------------
+
+    def start(self, job: Job, shared: int = 0) -> None:
+        """Pick a lane and bring it to the longest reusable prefix of the prompt.
+
+        ``shared``: tokens of this prompt that another admitted request also starts
+        with; the job publishes a FULL checkpoint there for it.
+        """
+        free = self.lanes.free()
+        assert free, "start() needs a free lane"
+        tenant = job.req.tenant
+        if job.use_cache and self.pool is not None:
+            chain = self.pool.chain(job.prompt, tenant)
+            plan = make_plan(job.prompt, chain, free, tenant=tenant, memory=self.memory,
+                             pool=self.pool, pos_min=self.ctx.pos_min, all_lanes=self.lanes.lanes)
+            plan.match_depth = max(plan.match_depth, self.pool.match_depth(chain))
+        else:
+            plan = Plan(min(free, key=lambda ln: ln.last_used), Source.COLD, 0)
+        lane = plan.lane
+        lane.busy = True
+        job.lane = lane
+        t0 = time.perf_counter()
+        try:
+            self._carry_out(plan, job)
+        finally:
+            plan.release()
+        job.stats.restore_s = time.perf_counter() - t0 - job.stats.handoff_s
+        job.stats.lane = lane.id
+        job.reuse = job.pos = lane.n
+        if not np.array_equal(lane.tokens, job.prompt[: lane.n]):
+            raise RuntimeError("lane does not hold the prefix it was planned to")
+        if job.use_cache and self.pool is not None:
+            job.publish = self._publish_plan(job, plan.match_depth, shared)
+        job.sampler = Sampler(job.req.sampling)
+        job.stream = TextStream(job.req.sampling.stop)
+        self.counters[f"plan_{job.stats.source}"] += 1
+
+    def _publish_plan(self, job: Job, match_depth: int, shared: int
+                      ) -> list[tuple[int, Role, Kind]]:
+        limit = len(job.prompt) - 1
+        replay_at = job.req.history_tokens if job.req.history_tokens is not None else limit
+        points = publish_points(reuse=job.reuse, limit=limit, replay_at=replay_at,
+                                match_depth=match_depth, page=self.page,
+                                every_pages=self.cfg.cache.periodic_pages)
+        kind = self.publish_kind()
+        out = [(n, r, Kind.FULL if r is Role.BRANCH else kind) for n, r in points
+               if not (kind is Kind.FULL and r is Role.PERIODIC)]  # full states grow: skip
+        if kind is Kind.PARTIAL and limit > job.reuse and (not out or out[-1][0] < limit):
+            # a lane that cannot roll back keeps the state one token short of the
+            # prompt too, so a repeated or regenerated request reuses all of it
+            out.append((limit, Role.REPLAY, Kind.PARTIAL))
+        if shared:
+            self.share_point(job, shared, out)
+        return out
+
+    def share_point(self, job: Job, shared: int,
+                    points: list[tuple[int, Role, Kind]] | None = None) -> int:
+        """Make ``job`` publish a FULL checkpoint at the last whole page of ``shared``
+        tokens, for another request that starts the same way; returns that position
+        (0 when there is none to wait for)."""
+        pts = job.publish if points is None else points
+        at = (min(shared, len(job.prompt) - 1) // self.page) * self.page
+        if at <= job.pos or self.pool is None or not job.use_cache:
+            return 0
+        for i, (n, _role, kind) in enumerate(pts):
+            if n == at:
+                if kind is not Kind.FULL:
+                    pts[i] = (n, Role.BRANCH, Kind.FULL)
+                return at
+        pts.append((at, Role.BRANCH, Kind.FULL))
+        pts.sort(key=lambda p: p[0])
+        return at
+
+    def _carry_out(self, plan: Plan, job: Job) -> None:
+        lane, prompt, tenant = plan.lane, job.prompt, job.req.tenant
+        job.stats.source, job.stats.role = plan.source.value, plan.role
+        if plan.source is Source.LANE:
+            if plan.partial is not None or plan.truncate:
+                self._hand_off_timed(lane, job, convert_replay=False)
+            if plan.partial is not None and not self.ctx.restore(
+                    lane.id, plan.partial.data, FLAGS_PARTIAL):
+                self._fall_back_cold(lane, job, "partial restore failed")
+                return
+            if plan.partial is not None or plan.truncate:
+                if not self.ctx.seq_rm(lane.id, plan.reuse, -1):
+                    self._fall_back_cold(lane, job, "seq_rm refused")
+                    return
+                lane.truncate(plan.reuse)
+                if self.pool is not None:
+                    self.pool.drop_lane(lane.id, above=plan.reuse)
+            return
+        self._hand_off_timed(lane, job)
+        self.clear(lane)
+        if plan.full is not None:
+            if not self.ctx.restore(lane.id, plan.full.data, FLAGS_FULL):
+                assert self.pool is not None
+                self.pool.remove(plan.full.record.id)
+                self._fall_back_cold(lane, job, "full restore failed")
+                return
+            lane.set_tokens(prompt[: plan.reuse], tenant)
+            lane.saved_full = True
+            if self.memory.kind is MemoryKind.SWA:
+                lane.floor = plan.reuse
+        else:
+            lane.tenant = tenant
+
+    def _fall_back_cold(self, lane: Lane, job: Job, why: str) -> None:
+        log.warning("lane %d: %s; starting cold", lane.id, why)
+        self.counters["restore_failures"] += 1
+        self.clear(lane)
+        lane.tenant = job.req.tenant
+        job.stats.source, job.stats.role = Source.COLD.value, ""
+
+    def clear(self, lane: Lane) -> None:
+        """Forget the lane's state and its partial checkpoints."""
+        self.ctx.clear_lane(lane.id)
+        lane.clear()
+        if self.pool is not None:
+            self.pool.drop_lane(lane.id)
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def save(self, lane: Lane, role: Role, kind: Kind) -> int:
+        """Publish the lane's current state; returns the bytes stored (0 if refused)."""
+        if self.pool is None or lane.n == 0:
+            return 0
+        data = self.ctx.save(lane.id, FLAGS_PARTIAL if kind is Kind.PARTIAL else FLAGS_FULL)
+        preview = self.model.detokenize(lane.tokens[-PREVIEW_TOKENS:].tolist())
+        rec = self.pool.insert(kind=kind, owner=Owner.TARGET,
+                               lane=lane.id if kind is Kind.PARTIAL else None,
+                               tokens=lane.tokens, role=role, data=data, tenant=lane.tenant,
+                               preview=preview)
+        if rec is None:
+            return 0
+        self.counters["checkpoints_saved"] += 1
+        self.counters["checkpoint_bytes_saved"] += rec.nbytes
+        if kind is Kind.FULL:
+            lane.saved_full = True
+        return rec.nbytes
+
+    def publish_kind(self) -> Kind:
+        return Kind.PARTIAL if self.memory.needs_partial and \
+            self.memory.kind is not MemoryKind.SWA else Kind.FULL
+
+    def _hand_off_timed(self, lane: Lane, job: Job, *, convert_replay: bool = True) -> None:
+        t0 = time.perf_counter()
+        self.hand_off(lane, convert_replay=convert_replay)
+        job.stats.handoff_s += time.perf_counter() - t0
+
+    def hand_off(self, lane: Lane, *, convert_replay: bool = True) -> None:
+        """Before a lane's state is cut back or replaced, keep it as a FULL checkpoint.
+
+        On a hybrid, the lane's replay points (partial checkpoints: the history's end
+        and the state one token short of the prompt) become FULL ones too: restore
+        each, deepest first, cut the tail, save. The lane ends cut back.
+        """
+        if self.pool is None or lane.n == 0:
+            return
+        if not lane.saved_full:
+            self.counters["handoffs"] += 1
+            # a lane ends where its last request's reply ended
+            self.save(lane, Role.END_OF_REPLY, Kind.FULL)
+        if not convert_replay or lane.replay_saved or self.publish_kind() is not Kind.PARTIAL:
+            return
+        limit, converted = lane.n - 1, 0
+        while limit > 0 and converted < 2:  # the prompt's end and the history's end
+            chain = self.pool.chain(lane.tokens, lane.tenant)
+            lease = self.pool.lookup(lane.tokens, chain, kind=Kind.PARTIAL, lane=lane.id,
+                                     max_n=limit, tenant=lane.tenant)
+            if lease is None:
+                break
+            with lease:
+                n, role = lease.record.n, lease.record.role
+                ok = (self.ctx.restore(lane.id, lease.data, FLAGS_PARTIAL)
+                      and self.ctx.seq_rm(lane.id, n, -1))
+            if not ok:
+                self.clear(lane)
+                return
+            lane.truncate(n)
+            self.pool.drop_lane(lane.id, above=n)
+            if role is Role.REPLAY:
+                self.save(lane, role, Kind.FULL)
+                converted += 1
+            limit = n - 1
+        lane.replay_saved = True
+
+    def idle_save(self, lane: Lane) -> None:
+        """Keep an idle lane's live state as a FULL checkpoint without cutting it back,
+        so a crash loses no conversation (the pool writes full states to disk)."""
+        if not lane.saved_full and lane.n and self.pool is not None:
+            self.counters["idle_saves"] += 1
+            self.save(lane, Role.END_OF_REPLY, Kind.FULL)
+
+    # -- one step -------------------------------------------------------------------
+
+    def work_for(self, job: Job, budget: int) -> Work | None:
+        """The job's share of the next step, at most ``budget`` tokens."""
+        lane = job.lane
+        assert lane is not None
+        if not job.prefilling:
+            assert job.pending >= 0
+            return Work(job, 1, lane.n)
+        end = min(job.pos + budget, len(job.prompt))
+        if job.publish and job.publish[0][0] < end:
+            end = job.publish[0][0]  # a chunk ends where a checkpoint is published
+        if end <= job.pos:
+            return None
+        return Work(job, end - job.pos, job.pos)
+
+    def run_step(self, works: list[Work]) -> None:
+        """One llama_decode for every work; then commit each lane on its own.
+
+        A failed decode raises (the caller fails those lanes); a lane whose commit
+        fails gets ``job.error`` and the others go on.
+        """
+        batch = self.ctx.batch
+        batch.clear()
+        for w in works:
+            job, lane = w.job, w.job.lane
+            assert lane is not None
+            if job.prefilling:
+                toks = job.prompt[w.pos0: w.pos0 + w.n]
+                last = w.pos0 + w.n == len(job.prompt)
+            else:
+                toks, last = np.array([job.pending], dtype=np.int32), True
+            row = batch.add(lane.id, toks, w.pos0, logits_last=last)
+            w.row = row if last else -1
+        self.ctx.decode()
+        for w in works:
+            try:
+                self._commit(w)
+            except Exception as exc:  # this lane alone
+                log.exception("request %s failed", w.job.req.request_id)
+                w.job.error = exc
+                w.job.finish_reason = "error"
+
+    def _commit(self, w: Work) -> None:
+        job, lane = w.job, w.job.lane
+        assert lane is not None
+        if job.prefilling:
+            lane.extend(job.prompt[w.pos0: w.pos0 + w.n])
+            job.stats.prefilled += w.n
+            job.pos += w.n
+            while job.publish and job.publish[0][0] == job.pos:
+                _, role, kind = job.publish.pop(0)
+                self._publish(job, role, kind)
+            if job.prefilling:
+                return
+            job.t_first = time.perf_counter()
+        else:
+            lane.extend([job.pending])
+        self._take(job, w.row)
+
+    def _publish(self, job: Job, role: Role, kind: Kind) -> None:
+        assert job.lane is not None
+        nbytes = self.save(job.lane, role, kind)
+        if nbytes:
+            job.stats.checkpoints_added += 1
+            job.stats.checkpoint_bytes += nbytes
+
+    def _take(self, job: Job, row: int) -> None:
+        """Sample the next token and decide whether the request is done."""
+        assert job.sampler is not None and job.stream is not None
+        k = job.req.sampling.logprobs
+        if job.sampler.params.greedy and k is None:
+            tok = int(np.argmax(self.ctx.logits_view(row)))  # no copy of the vocabulary
+            logits = None
+        else:
+            logits = self.ctx.logits(row)
+            tok = job.sampler(logits)
+        if k is not None:
+            assert logits is not None
+            job.logprobs.append(self._logprob(logits, tok, k))
+        job.generated.append(tok)
+        job.pending = tok
+        if self.model.is_eog(tok):
+            job.finish_reason = "stop"
+            tail = job.stream.finish()
+            if tail:
+                job.deltas.append((tail, ()))
+            return
+        text = job.stream.feed(self.model.token_bytes(tok))
+        if text:
+            job.deltas.append((text, (tok,)))
+        if job.stream.stopped:
+            job.finish_reason = "stop"
+        elif len(job.generated) >= job.req.sampling.max_tokens or job.stopping:
+            job.finish_reason = "length"
+            tail = job.stream.finish()
+            if tail:
+                job.deltas.append((tail, ()))
+
+    def _logprob(self, logits: np.ndarray, tok: int, k: int) -> TokenLogprob:
+        x = logits.astype(np.float64)
+        lse = float(np.logaddexp.reduce(x))
+        top: tuple[tuple[str, float], ...] = ()
+        if k > 0:
+            idx = np.argpartition(-x, k - 1)[:k]
+            idx = idx[np.argsort(-x[idx], kind="stable")]
+            top = tuple((self.model.detokenize([int(i)]), float(x[i] - lse)) for i in idx)
+        return TokenLogprob(self.model.detokenize([tok]), float(x[tok] - lse), top)
+
+    # -- the end of a request -------------------------------------------------------
+
+    def finish(self, job: Job) -> None:
+        """Publish the end-of-reply state and free the lane.
+
+        Nothing is published from a request that failed: its lane is cleared.
+        """
+        lane = job.lane
+        if lane is None:
+            return
+        try:
+            if job.finish_reason == "error":
+                self.clear(lane)
+            elif (job.use_cache and lane.n > job.reuse and job.finish_reason != "cancelled"
+                    and self.publish_kind() is Kind.PARTIAL):
+                self._publish(job, Role.END_OF_REPLY, Kind.PARTIAL)
+            elif not job.use_cache:
+                # a cold-only request leaves nothing reusable behind
+                self.clear(lane)
+        finally:
+            lane.busy = False
+            lane.last_used = time.monotonic()
+
+    def shutdown(self) -> None:
+        """Keep every lane's state as a FULL checkpoint (the pool writes them to disk)."""
+        for lane in self.lanes:
+            if not lane.busy:
+                self.hand_off(lane)

@@ -1,0 +1,100 @@
+"""Lanes: the llama.cpp sequences of the shared context, and what each one holds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from statecache.pages import common_prefix
+
+
+@dataclass(slots=True)
+class Lane:
+    """One sequence id. ``tokens`` are exactly the tokens its live state has consumed.
+
+    The tokens live in a growable buffer so a decode step appends in O(1); ``tokens``
+    is a view that is valid until the lane changes (copy it to keep it).
+    """
+
+    id: int
+    _buf: np.ndarray = field(default_factory=lambda: np.zeros(256, dtype=np.int32))
+    _n: int = 0
+    tenant: str = ""
+    busy: bool = False
+    last_used: float = 0.0
+    # A full state restored at position r on an SWA model dropped the SWA cells masked
+    # relative to r, so the lane must never be truncated below r (DESIGN.md fact 8).
+    floor: int = 0
+    # Whether the lane's current tokens are already saved as a FULL checkpoint.
+    saved_full: bool = False
+    # Whether the lane's replay points (partial checkpoints) are saved as FULL ones too.
+    replay_saved: bool = False
+
+    @property
+    def n(self) -> int:
+        return self._n
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._buf[: self._n]
+
+    def common(self, prompt: np.ndarray, tenant: str) -> int:
+        """Length of the prefix the lane shares with ``prompt`` (0 for another tenant)."""
+        if tenant != self.tenant or self._n == 0:
+            return 0
+        return common_prefix(self.tokens, prompt)
+
+    def _changed(self) -> None:
+        self.saved_full = False
+        self.replay_saved = False
+
+    def _reserve(self, n: int) -> None:
+        if n > self._buf.size:
+            buf = np.zeros(max(n, 2 * self._buf.size), dtype=np.int32)
+            buf[: self._n] = self._buf[: self._n]
+            self._buf = buf
+
+    def set_tokens(self, tokens: np.ndarray, tenant: str) -> None:
+        arr = np.asarray(tokens, dtype=np.int32)
+        self._reserve(arr.size)
+        self._buf[: arr.size] = arr
+        self._n = int(arr.size)
+        self.tenant = tenant
+        self._changed()
+
+    def extend(self, tokens: np.ndarray | list[int]) -> None:
+        """The live state consumed ``tokens`` after the ones it holds."""
+        k = len(tokens)
+        self._reserve(self._n + k)
+        self._buf[self._n: self._n + k] = tokens
+        self._n += k
+        self._changed()
+
+    def truncate(self, n: int) -> None:
+        assert 0 <= n <= self._n
+        if n < self._n:
+            self._n = n
+            self._changed()
+
+    def clear(self) -> None:
+        self._n = 0
+        self.floor = 0
+        self._changed()
+
+
+class LaneSet:
+    """All lanes; hands out free ones."""
+
+    def __init__(self, n: int) -> None:
+        self.lanes = [Lane(i) for i in range(n)]
+
+    def free(self) -> list[Lane]:
+        return [lane for lane in self.lanes if not lane.busy]
+
+    def __iter__(self) -> Iterator[Lane]:
+        return iter(self.lanes)
+
+    def __len__(self) -> int:
+        return len(self.lanes)

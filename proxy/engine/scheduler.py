@@ -1,0 +1,552 @@
+"""The engine: one thread owns the llama context and runs it one batched step at a time.
+
+``generate()`` is an async generator for the HTTP layer. Requests wait in a bounded
+queue until a lane is free. Each step is ONE ``llama_decode`` carrying the next
+token of every decoding lane plus prefill chunks of the lanes that are prefilling
+(vLLM's chunked-prefill order: decode tokens first, then prefill under the step's
+token budget). The rules:
+
+- While any stream decodes, a step's prefill is sized from measured step times so
+  the step takes at most ``engine.decode_latency_factor`` times a decode-only step:
+  a long prompt never holds the streams up for long.
+- Prefill goes shortest-remaining first, so a short request behind a long one gets
+  its first token quickly; a prefill that got nothing for two steps goes first.
+- Admission follows lane availability, not strict arrival order: a waiting request
+  whose conversation a free lane holds goes before others, and a request passed
+  over twice goes next; a request that shares a prefix with one being prefilled
+  waits for that one's FULL checkpoint there instead of prefilling it side by side.
+- Per-lane everything: a lane that is cancelled, fails, or hits its limit ends
+  alone. A failed ``llama_decode`` fails the lanes of that step and clears them.
+- The thread cannot die silently: if the loop fails outside the per-request guards,
+  every waiting request fails, ``/health`` says so, and new requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from proxy.engine.binding import LLAMA_CPP_VERSION, Context, ContextParams, Model
+from proxy.engine.executor import Executor, Job, Work
+from proxy.engine.splice import ReplyMemory
+from proxy.engine.steps import StepTimer
+from proxy.engine.tokens import Tokenizer
+from proxy.engine.types import (
+    Event,
+    FinishEvent,
+    GenerationRequest,
+    QueueFull,
+    TokenEvent,
+    Usage,
+)
+from statecache.config import Config
+from statecache.pages import common_prefix
+from statecache.pool import CheckpointPool
+from statecache.sizes import format_size
+
+log = logging.getLogger("statecache")
+
+MAX_SKIPS = 2  # admissions that may pass a waiting request over
+MAX_STARVED = 2  # steps a prefill may get nothing before it goes first
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped; nothing can be generated (HTTP 500)."""
+
+
+def state_format(ctx_params: ContextParams) -> int:
+    """Version of the bytes llama.cpp writes: states of another build never load."""
+    key = f"{LLAMA_CPP_VERSION}|swa_full={ctx_params.swa_full}|kv=f16"
+    return xxhash.xxh32_intdigest(key.encode()) & 0x7FFFFFFF
+
+
+def choose_n_ctx(model: Model, cfg: Config) -> tuple[int, str]:
+    """Tokens per lane, and why: the configured value, or the model's training context
+    capped so that the KV of all lanes fits ``model.kv_budget``."""
+    mc, lanes = cfg.model, cfg.server.lanes
+    train = model.n_ctx_train or 8192
+    if mc.n_ctx:
+        return min(mc.n_ctx, train), "configured"
+    probe = ContextParams(n_ctx=512, n_seq_max=1, n_batch=64, n_ubatch=64, threads=1)
+    with Context(model, probe) as ctx:
+        per_token = max(ctx.describe_memory().bytes_per_token, 1)
+    fit = mc.kv_budget // (lanes * per_token)
+    n = int(min(train, fit)) // 256 * 256
+    if n < 512:
+        raise ValueError(f"model.kv_budget {format_size(mc.kv_budget)} holds only {fit} tokens "
+                         f"per lane at {format_size(per_token)} a token; raise it or set n_ctx")
+    why = (f"training context {train:,}" if n >= train else
+           f"kv_budget {format_size(mc.kv_budget)} / {lanes} lanes / {format_size(per_token)} "
+           "a token")
+    return n, why
+
+
+class Engine:
+    def __init__(self, cfg: Config, model_path: Path) -> None:
+        self.cfg = cfg
+        mc, ec = cfg.model, cfg.engine
+        self.model = Model(model_path, n_gpu_layers=mc.n_gpu_layers,
+                           verbose=cfg.log.llama_verbose)
+        lanes = cfg.server.lanes
+        n_ctx, why = choose_n_ctx(self.model, cfg)
+        step = ec.step_tokens or mc.n_batch
+        if step < lanes:
+            raise ValueError(f"engine.step_tokens ({step}) must hold one token per lane ({lanes})")
+        self.params = ContextParams(n_ctx=n_ctx * lanes, n_seq_max=lanes,
+                                    n_batch=max(step, mc.n_batch), n_ubatch=mc.n_ubatch,
+                                    n_rs_seq=mc.n_rs_seq, threads=mc.threads)
+        self.ctx = Context(self.model, self.params)
+        self.memory = self.ctx.describe_memory()
+        self.n_ctx = self.ctx.n_ctx_seq
+        self.step_tokens = step
+        self.prefill_chunk = min(ec.prefill_chunk or step, step)
+        self.pool: CheckpointPool | None = None
+        if cfg.cache.enabled:
+            self.pool = CheckpointPool(cfg.cache, self.model.fingerprint,
+                                       state_format=state_format(self.params))
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.exec = Executor(self.ctx, self.memory, self.pool, cfg, self.counters)
+        self.tokenizer = Tokenizer(
+            self.model, self.counters,
+            ReplyMemory(size=8 * lanes) if cfg.cache.splice_generated else None)
+        self.timer = StepTimer()
+        self.model_name = model_path.name
+        self.chat_template = self.model.chat_template()
+        self.bos_token = self.model.token_text(self.model.bos) if self.model.bos >= 0 else ""
+        self.eos_token = self.model.token_text(self.model.eos) if self.model.eos >= 0 else ""
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[tuple[Job, _Outbox]] = collections.deque()
+        self._active: list[tuple[Job, _Outbox]] = []
+        self._stopping = False
+        self._dead: str | None = None
+        self._close_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="statecache-engine", daemon=True)
+        self._thread.start()
+        log.info("model %s (%s, %s memory, fingerprint %s): %d lanes x %s tokens (%s), "
+                 "steps of %d tokens", self.model_name, self.model.architecture,
+                 self.memory.kind.value, self.model.fingerprint[:12], lanes,
+                 f"{self.n_ctx:,}", why, step)
+
+    # -- the HTTP side ----------------------------------------------------------------
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[Event]:
+        n = len(req.prompt_tokens)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n + req.sampling.max_tokens > self.n_ctx:
+            raise ValueError(
+                f"this model's context is {self.n_ctx} tokens per lane; the prompt has {n} "
+                f"and max_tokens is {req.sampling.max_tokens}")
+        job = Job(req=req, prompt=np.asarray(req.prompt_tokens, dtype=np.int32),
+                  use_cache=self.pool is not None and req.use_cache,
+                  t_submit=time.perf_counter())
+        box = _Outbox(asyncio.get_running_loop())
+        with self._cv:
+            if self._dead is not None:
+                raise EngineDead(f"the engine stopped: {self._dead}")
+            if self._stopping:
+                raise QueueFull(retry_after=5.0)
+            capacity = len(self.exec.lanes) + self.cfg.server.queue_size
+            if len(self._waiting) + len(self._active) >= capacity:
+                self.counters["rejected_busy"] += 1
+                raise QueueFull(retry_after=1.0)
+            self._waiting.append((job, box))
+            self._cv.notify()
+        done = False
+        try:
+            while True:
+                for ev in await box.get():
+                    if isinstance(ev, BaseException):
+                        raise ev
+                    yield ev
+                    if isinstance(ev, FinishEvent):
+                        done = True
+                        return
+        finally:
+            if not done:
+                job.cancelled = True  # the engine stops it at its next step, queued or not
+                with self._cv:
+                    self._cv.notify()
+
+    def describe_checkpoints(self) -> list[dict[str, Any]]:
+        return self.pool.describe() if self.pool is not None else []
+
+    def get_checkpoint(self, entry_id: str) -> dict[str, Any] | None:
+        return self.pool.get(entry_id) if self.pool is not None else None
+
+    def metrics(self) -> dict[str, Any]:
+        with self._cv:
+            queued, active = len(self._waiting), len(self._active)
+        out: dict[str, Any] = dict(self.counters)
+        out["queue_depth"] = queued
+        out["active_requests"] = active
+        out["lanes"] = len(self.exec.lanes)
+        if self.pool is not None:
+            out["pool"] = self.pool.stats()
+        return out
+
+    def health(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "status": "ok", "model": self.model_name, "memory": self.memory.to_json(),
+            "lanes": len(self.exec.lanes), "n_ctx": self.n_ctx, "cache": self.pool is not None}
+        if self._dead is not None:
+            body.update(status="error", ok=False, error=f"the engine stopped: {self._dead}")
+        elif self._stopping:
+            body.update(status="shutting down", ok=False)
+        return body
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting; running generations end at their next step with a final event."""
+        with self._cv:
+            self._stopping = True
+            for _job, box in self._waiting:
+                box.put(QueueFull(retry_after=5.0))
+            self._waiting.clear()
+            for job, _ in self._active:
+                job.stopping = True
+            self._cv.notify()
+
+    def close(self) -> None:
+        """End the running requests, keep lane states, write the pool to disk.
+        Blocking: call it off the event loop. A second call waits for the first."""
+        self.begin_shutdown()
+        self._thread.join()
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self.pool is not None:
+                self.pool.close()
+            self.ctx.close()
+            self.model.close()
+
+    # -- the engine thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug: fail everyone loudly, never hang them
+            log.critical("the engine thread failed; no request can be served", exc_info=True)
+            with self._cv:
+                self._dead = f"{type(exc).__name__}: {exc}"
+                for job, box in [*self._waiting, *self._active]:
+                    job.finish_reason = "error"
+                    box.put(EngineDead(f"the engine stopped: {self._dead}"))
+                self._waiting.clear()
+                self._active.clear()
+            return
+        try:
+            self.exec.shutdown()
+        except Exception:
+            log.exception("saving lane states at shutdown failed")
+
+    def _loop(self) -> None:
+        idle_s = self.cfg.engine.idle_save_s
+        while True:
+            with self._cv:
+                while not self._active and not self._ready_waiting() and not self._stopping:
+                    if not self._cv.wait(timeout=idle_s or None) and idle_s:
+                        break  # idle: a moment to save lanes
+                self._drop_cancelled_waiting()
+                if self._stopping and not self._active:
+                    return
+                admitted = self._choose_admissions()
+            for job, box in admitted:
+                self._admit(job, box)
+            self._save_an_idle_lane(idle_s)
+            with self._cv:
+                active = list(self._active)
+            if active:
+                self._step(active)
+
+    # admission ------------------------------------------------------------------
+
+    def _ready_waiting(self) -> bool:
+        return any(self._may_start(job) for job, _ in self._waiting)
+
+    def _may_start(self, job: Job) -> bool:
+        k = job.waiting_for
+        if k is None:
+            return True
+        if k.done or k.cancelled or k.pos >= job.wait_point:
+            job.waiting_for = None
+            return True
+        return False
+
+    def _drop_cancelled_waiting(self) -> None:
+        if any(job.cancelled for job, _ in self._waiting):
+            for job, _ in [w for w in self._waiting if w[0].cancelled]:
+                self.counters["cancelled_queued"] += 1
+                log.info("request %s left while queued", job.req.request_id)
+            self._waiting = collections.deque(w for w in self._waiting if not w[0].cancelled)
+
+    def _choose_admissions(self) -> list[tuple[Job, _Outbox]]:
+        """Which waiting requests start now (called with the lock held)."""
+        free = [ln for ln in self.exec.lanes.free()]
+        if self._stopping:
+            return []
+        out: list[tuple[Job, _Outbox]] = []
+        while free and self._waiting:
+            ready = [w for w in self._waiting if self._may_start(w[0])]
+            if not ready:
+                break
+            pick = self._pick(ready, free)
+            if pick is None:
+                break
+            job = pick[0]
+            for other, _ in ready:
+                if other is not job and other.t_submit < job.t_submit:
+                    other.skipped += 1
+            self._waiting.remove(pick)
+            out.append(pick)
+            free.pop()  # which lane it takes is the planner's choice
+            self._defer_sharers(job)
+        return out
+
+    def _pick(self, ready: list[tuple[Job, _Outbox]], free: list[Any]
+              ) -> tuple[Job, _Outbox] | None:
+        oldest = ready[0]
+        if oldest[0].skipped >= MAX_SKIPS:
+            return oldest
+
+        def held(w: tuple[Job, _Outbox]) -> int:  # prompt tokens a free lane holds
+            job = w[0]
+            return max((ln.common(job.prompt, job.req.tenant) for ln in free), default=0)
+
+        best = max(ready, key=held)
+        return best if held(best) >= self.exec.page else oldest
+
+    def _defer_sharers(self, job: Job) -> None:
+        """Waiting requests that share ``job``'s prefix, beyond what a free lane or the
+        pool could give them, wait for its FULL checkpoint there (called with the lock)."""
+        if not job.use_cache or self.pool is None:
+            return
+        page = self.exec.page
+        free = self.exec.lanes.free()
+        for other, _ in self._waiting:
+            if other.waiting_for is not None or not other.use_cache or \
+                    other.req.tenant != job.req.tenant:
+                continue
+            shared = common_prefix(job.prompt, other.prompt)
+            if shared < 2 * page:
+                continue
+            tenant = other.req.tenant
+            held = max((ln.common(other.prompt, tenant) for ln in free), default=0)
+            held = max(held, self.pool.match_depth(self.pool.chain(other.prompt, tenant)))
+            if held + page <= shared:
+                other.waiting_for, other.shared, other.wait_point = job, shared, len(job.prompt)
+
+    def _admit(self, job: Job, box: _Outbox) -> None:
+        if job.cancelled:
+            return
+        with self._cv:
+            sharers = [o for o, _ in self._waiting if o.waiting_for is job]
+        try:
+            job.stats.queue_s = time.perf_counter() - job.t_submit
+            self.exec.start(job, shared=max((o.shared for o in sharers), default=0))
+        except Exception as exc:
+            log.exception("request %s could not start", job.req.request_id)
+            if job.lane is not None:
+                try:
+                    self.exec.clear(job.lane)
+                finally:
+                    job.lane.busy = False
+            box.put(exc)
+            self._release_sharers(job)
+            return
+        with self._cv:
+            for o in sharers:  # each waits until the job has published where they meet
+                at = self.exec.share_point(job, o.shared)
+                if at:
+                    o.wait_point = at
+                else:
+                    o.waiting_for = None
+            self._active.append((job, box))
+        s = job.stats
+        cached = f"{job.reuse:,}"
+        if s.source != "cold":
+            cached += f" ({s.role}, {s.source})"
+        log.info("Started · lane %d · input %s · cached %s", s.lane, f"{len(job.prompt):,}",
+                 cached)
+
+    def _release_sharers(self, job: Job) -> None:
+        with self._cv:
+            for o, _ in self._waiting:
+                if o.waiting_for is job:
+                    o.waiting_for = None
+
+    def _save_an_idle_lane(self, idle_s: float) -> None:
+        if not idle_s or self.pool is None:
+            return
+        now = time.monotonic()
+        for lane in self.exec.lanes:
+            if not lane.busy and not lane.saved_full and lane.n and now - lane.last_used > idle_s:
+                try:
+                    self.exec.idle_save(lane)
+                except Exception:
+                    log.exception("saving idle lane %d failed", lane.id)
+                return  # one per step: a save holds the streams up
+
+    # one step ---------------------------------------------------------------------
+
+    def _step(self, active: list[tuple[Job, _Outbox]]) -> None:
+        for job, _ in active:
+            if job.cancelled and not job.done:
+                job.finish_reason = "cancelled"
+            elif job.stopping and not job.done and job.prefilling:
+                job.finish_reason = "length"  # shutting down: nothing more to prefill
+        works = self._plan_step([job for job, _ in active if not job.done])
+        if works:
+            t0 = time.perf_counter()
+            try:
+                self.exec.run_step(works)
+            except Exception as exc:
+                log.exception("llama_decode failed; failing the %d lanes of this step",
+                              len(works))
+                for w in works:
+                    w.job.error = exc
+                    w.job.finish_reason = "error"
+            else:
+                n_decode = sum(1 for w in works if w.n == 1 and not w.job.prefilling)
+                self.timer.record(time.perf_counter() - t0, n_decode,
+                                  sum(w.n for w in works) - n_decode)
+        for job, box in active:
+            self._dispatch(job, box)
+
+    def _plan_step(self, jobs: list[Job]) -> list[Work]:
+        """Decode tokens first, then prefill chunks under the step's budget."""
+        works: list[Work] = []
+        decoding = [j for j in jobs if not j.prefilling]
+        for job in decoding:
+            w = self.exec.work_for(job, 1)
+            assert w is not None
+            works.append(w)
+        budget = self.step_tokens - len(works)
+        if decoding:
+            budget = min(budget, self.timer.prefill_allowance(
+                self.cfg.engine.decode_latency_factor, len(decoding),
+                self.cfg.engine.min_prefill_chunk, budget))
+        prefilling = sorted((j for j in jobs if j.prefilling),
+                            key=lambda j: (j.starved < MAX_STARVED, len(j.prompt) - j.pos))
+        for job in prefilling:
+            w = self.exec.work_for(job, min(budget, self.prefill_chunk)) if budget > 0 else None
+            if w is None:
+                job.starved += 1
+                continue
+            job.starved = 0
+            works.append(w)
+            budget -= w.n
+        return works
+
+    def _dispatch(self, job: Job, box: _Outbox) -> None:
+        if job.deltas or job.logprobs:
+            text = "".join(t for t, _ in job.deltas)
+            ids = tuple(i for _, d in job.deltas for i in d)
+            box.put(TokenEvent(text, ids, tuple(job.logprobs)))
+            job.deltas.clear()
+            job.logprobs.clear()
+        if not job.done:
+            return
+        try:
+            self.exec.finish(job)
+        except Exception:
+            log.exception("finishing request %s failed", job.req.request_id)
+        with self._cv:
+            self._active.remove((job, box))
+        self._release_sharers(job)
+        if job.finish_reason in ("stop", "length"):
+            self.tokenizer.remember_reply(job.req.tenant, job.generated)
+        self._account(job, box)
+
+    def _account(self, job: Job, box: _Outbox) -> None:
+        s = job.stats
+        now = time.perf_counter()
+        completion = len(job.generated) - (1 if job.generated and
+                                           self.model.is_eog(job.generated[-1]) else 0)
+        if job.t_first:
+            s.ttft_s = job.t_first - job.t_submit
+            decode_s = now - job.t_first
+            s.decode_tps = (len(job.generated) - 1) / decode_s if decode_s > 0 else 0.0
+        c = self.counters
+        c["requests"] += 1
+        c["tokens_prompt"] += len(job.prompt)
+        c["tokens_reused"] += job.reuse
+        c["tokens_prefilled"] += s.prefilled
+        c["tokens_generated"] += completion
+        if s.source != "cold":  # where the reused prefix came from, and its checkpoint's role
+            c[f"hits.{s.source}.{s.role or 'live'}"] += 1
+        usage = Usage(len(job.prompt), completion, job.reuse)
+        if job.finish_reason == "error":
+            box.put(job.error or RuntimeError("generation failed"))
+        else:
+            box.put(FinishEvent(job.finish_reason, usage, s))
+        handoff = f" · hand-off {round(s.handoff_s * 1000)} ms" if s.handoff_s >= 0.0005 else ""
+        log.info("Done · input %s · cached %s · prefilled %s · output %s · TTFT %.2f s · "
+                 "restore %d ms%s · checkpoints +%d (%s)%s",
+                 f"{len(job.prompt):,}", f"{job.reuse:,}", f"{s.prefilled:,}", f"{completion:,}",
+                 s.ttft_s, round(s.restore_s * 1000), handoff, s.checkpoints_added,
+                 format_size(s.checkpoint_bytes),
+                 "" if job.finish_reason in ("stop", "length") else f" · {job.finish_reason}")
+
+
+class _Outbox:
+    """Hands events from the engine thread to one request's coroutine.
+
+    Events pile up in a list; the loop is woken once for however many arrive before
+    it runs, so a slow reader costs one wake-up per batch, not one per token.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: list[Event | BaseException] = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+        self._ready = asyncio.Event()
+
+    def put(self, ev: Event | BaseException) -> None:
+        with self._lock:
+            self._items.append(ev)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+            self.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._scheduled = False
+        self._ready.set()
+
+    async def get(self) -> list[Event | BaseException]:
+        """Every event so far (at least one), consecutive token events merged."""
+        while True:
+            with self._lock:
+                items, self._items = self._items, []
+                if not items:
+                    self._ready.clear()
+            if items:
+                return _merge_tokens(items)
+            await self._ready.wait()
+
+
+def _merge_tokens(items: list[Event | BaseException]) -> list[Event | BaseException]:
+    out: list[Event | BaseException] = []
+    for ev in items:
+        prev = out[-1] if out else None
+        if isinstance(ev, TokenEvent) and isinstance(prev, TokenEvent):
+            out[-1] = TokenEvent(prev.text + ev.text, prev.token_ids + ev.token_ids,
+                                 prev.logprobs + ev.logprobs)
+        else:
+            out.append(ev)
+    return out

@@ -1,0 +1,51 @@
+"""Measured step times, to size a step's prefill while streams are decoding.
+
+A step costs about ``a(d) + b * p``: ``a(d)`` a decode-only step of ``d`` lanes, ``b``
+one prefill token. Both are moving averages of what the steps took, so the sizes
+follow the model, the machine and the load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ALPHA = 0.2  # weight of the newest measurement
+MIN_SAMPLE = 32  # prefill tokens a step needs to tell us the cost of one
+
+
+@dataclass(slots=True)
+class StepTimer:
+    decode_s: dict[int, float] = field(default_factory=dict)  # a(d)
+    per_token_s: float = 0.0  # b; 0 until measured
+    steps: int = 0
+
+    def record(self, seconds: float, n_decode: int, n_prefill: int) -> None:
+        self.steps += 1
+        if n_decode == 0:
+            if n_prefill >= MIN_SAMPLE:
+                self._per_token(seconds / n_prefill)
+            return
+        a = self.decode_s.get(n_decode)
+        if n_prefill == 0:
+            self.decode_s[n_decode] = seconds if a is None else a + ALPHA * (seconds - a)
+        elif a is not None and n_prefill >= MIN_SAMPLE:
+            self._per_token(max(seconds - a, 0.0) / n_prefill)
+        elif self.per_token_s:
+            est = max(seconds - self.per_token_s * n_prefill, 0.0)
+            self.decode_s[n_decode] = est if a is None else a + ALPHA * (est - a)
+
+    def _per_token(self, x: float) -> None:
+        self.per_token_s = x if not self.per_token_s else \
+            self.per_token_s + ALPHA * (x - self.per_token_s)
+
+    def prefill_allowance(self, factor: float, n_decode: int, min_chunk: int,
+                          budget: int) -> int:
+        """Prefill tokens a step may carry beside ``n_decode`` decoding lanes so that it
+        takes at most ``factor`` times a decode-only step (0: no limit)."""
+        if factor <= 0:
+            return budget
+        a = self.decode_s.get(n_decode)
+        if a is None or not self.per_token_s:
+            return min(min_chunk, budget)
+        fit = int((factor - 1.0) * a / self.per_token_s)
+        return max(min(fit, budget), min(min_chunk, budget))
