@@ -12,12 +12,19 @@ string, ``reasoning_content`` as a field, tool-call arguments parsed to a dict
 when they are a JSON object (Qwen3 reads ``tool_call.function.arguments``,
 others a top-level ``arguments``; both are set).
 
+Reasoning is kept in the history by default, as llama-server does: when the template
+reads a variable that keeps it (Qwen's ``preserve_thinking``, GLM's ``clear_thinking``),
+that variable is set to keep it unless the request's template kwargs set it. Otherwise the
+reasoning of earlier turns vanishes from the prompt once a new user turn arrives, and the
+next request can no longer resume from the end of the previous reply.
+
 Rendering is deterministic for templates that do not call ``strftime_now``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +38,14 @@ from proxy.api.openai import RESERVED_TEMPLATE_VARS, ChatMessage, ChatRequest, T
 
 VENDOR_TEMPLATES = Path(__file__).resolve().parents[2] / "vendor" / "templates"
 FALLBACK_TEMPLATE = VENDOR_TEMPLATES / "gemma3.jinja"
+# Template variables that keep reasoning in the history, and the value that keeps it.
+KEEP_THINKING = {"preserve_thinking": True, "clear_thinking": False}
+
+
+def keep_thinking_defaults(source: str) -> dict[str, bool]:
+    """The variables of ``KEEP_THINKING`` that the template reads, set to keep reasoning."""
+    return {name: keep for name, keep in KEEP_THINKING.items()
+            if re.search(rf"\b{name}\b", source)}
 
 
 class _IgnoreGeneration(jinja2.ext.Extension):
@@ -77,13 +92,14 @@ class ChatTemplate:
         self.origin = origin
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.defaults = keep_thinking_defaults(source)
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
                tools: Sequence[Mapping[str, Any]] | None = None,
                template_kwargs: Mapping[str, Any] | None = None,
                add_generation_prompt: bool = True) -> str:
         """The prompt text; any failure of the template is a ValueError (a 400)."""
-        extra = dict(template_kwargs or {})
+        extra = {**self.defaults, **(template_kwargs or {})}
         clash = RESERVED_TEMPLATE_VARS & extra.keys()
         if clash:
             raise ValueError(f"template kwargs may not set {', '.join(sorted(clash))}")

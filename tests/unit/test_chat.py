@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 
 from proxy.api.openai import parse_chat_request
-from proxy.api.render import FALLBACK_TEMPLATE, ChatTemplate, load_chat_template, render_chat
+from proxy.api.render import (
+    FALLBACK_TEMPLATE,
+    ChatTemplate,
+    keep_thinking_defaults,
+    load_chat_template,
+    render_chat,
+)
 from proxy.api.reply import starts_in_reasoning
 
 # A small ChatML template that reads messages the way Qwen3's does: tool_call.function
@@ -119,14 +125,15 @@ def test_gemma_fallback_rejects_roles_out_of_order() -> None:
 
 def test_chatml_multi_turn_with_tools_and_reasoning() -> None:
     tpl = ChatTemplate(CHATML, origin="test")
-    text = _render(tpl, AGENT_TURNS, tools=TOOLS)
+    text = _render(tpl, AGENT_TURNS, tools=TOOLS,
+                   chat_template_kwargs={"preserve_thinking": False})
     expected = (
         "<|im_start|>system\nYou are terse.\n\n# Tools\n<tools>\n"
         '{"type": "function", "function": {"name": "read_file", "description": "Read a file", '
         '"parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}\n'
         "</tools><|im_end|>\n"
         "<|im_start|>user\nWhat is in a.py?<|im_end|>\n"
-        # Reasoning of earlier turns is dropped by this template unless preserve_thinking.
+        # Reasoning of earlier turns is dropped by this template when asked to.
         "<|im_start|>assistant\n<tool_call>\n"
         '{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call><|im_end|>\n'
         "<|im_start|>user\n<tool_response>\nprint('hé')\n</tool_response><|im_end|>\n"
@@ -219,3 +226,22 @@ def test_template_source_precedence(tmp_path: Path) -> None:
 def test_bad_template_syntax_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="does not compile"):
         ChatTemplate("{% if %}", origin="the GGUF metadata")
+
+
+def test_reasoning_is_kept_in_history_by_default() -> None:
+    # The template reads preserve_thinking: it is on unless the request says otherwise.
+    tpl = ChatTemplate(CHATML, origin="test")
+    assert tpl.defaults == {"preserve_thinking": True}
+    text = _render(tpl, AGENT_TURNS, tools=TOOLS)
+    assert "<think>\nI must read it.\n</think>" in text
+    off = _render(tpl, AGENT_TURNS, tools=TOOLS,
+                  chat_template_kwargs={"preserve_thinking": False})
+    assert "I must read it." not in off
+
+
+def test_keep_thinking_defaults_follow_the_template() -> None:
+    assert keep_thinking_defaults("{% if clear_thinking %}{% endif %}") == {
+        "clear_thinking": False}
+    assert keep_thinking_defaults("{{ messages }}") == {}
+    assert keep_thinking_defaults("{{ preserve_thinking_x }}") == {}
+    assert _gemma().defaults == {}
