@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
+import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from proxy.api.app import Limits, create_app
+from proxy.api.app import ENGINE, Limits, create_app
 from proxy.engine.scheduler import Engine
 from proxy.models import resolve_model
 from statecache.config import Config
 
 log = logging.getLogger("statecache")
+
+SHUTDOWN_GRACE_S = 5.0  # how long open responses may take to finish after a signal
 
 
 def setup_logging(level: str) -> None:
@@ -32,7 +37,7 @@ def build_app(cfg: Config) -> web.Application:
     async def engine_ctx(_app: web.Application) -> AsyncIterator[None]:
         yield
         log.info("shutting down: keeping lane states, writing checkpoints to disk")
-        engine.close()
+        await asyncio.to_thread(engine.close)  # joins the engine thread: off the loop
 
     app.cleanup_ctx.append(engine_ctx)
     return app
@@ -45,7 +50,45 @@ def serve(cfg: Config) -> int:
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         log.error("%s", e)
         return 1
-    log.info("listening on http://%s:%d", cfg.server.host, cfg.server.port)
-    web.run_app(app, host=cfg.server.host, port=cfg.server.port, print=None,
-                shutdown_timeout=10.0, handle_signals=True)
+    return asyncio.run(_serve(app, cfg.server.host, cfg.server.port))
+
+
+async def _serve(app: web.Application, host: str, port: int) -> int:
+    """Serve until SIGINT or SIGTERM, then shut down gracefully and exit 0.
+
+    On the first signal: stop admitting, end running generations at their next step
+    with a final event, wait for their streams, save lane states and flush the pool.
+    A second signal while that runs is noted and changes nothing: nothing is lost.
+    """
+    # handler_cancellation: a client that goes away cancels its handler, which stops
+    # its generation, also while it is queued or prefilling.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, shutdown_timeout=SHUTDOWN_GRACE_S)
+    try:
+        await site.start()
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", host, port, e)
+        await runner.cleanup()
+        return 1
+    log.info("listening on http://%s:%d", host, port)
+    stop = asyncio.Event()
+    signals: list[str] = []
+
+    def on_signal(name: str) -> None:
+        signals.append(name)
+        if len(signals) == 1:
+            log.info("%s: shutting down (ending streams, saving the cache)", name)
+            stop.set()
+        else:
+            log.warning("%s again: still saving the cache, exiting as soon as it is done", name)
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    await stop.wait()
+    t0 = time.monotonic()
+    app[ENGINE].begin_shutdown()
+    await runner.cleanup()  # waits for the streams' final events, then closes the engine
+    log.info("shut down in %.1f s", time.monotonic() - t0)
     return 0

@@ -80,7 +80,13 @@ RULES: tuple[Rule, ...] = (
                        ("checkpoint_bytes_saved", "Bytes of checkpoints published."),
                        ("restore_failures", "Checkpoint restores that failed (fell back cold)."),
                        ("handoffs", "Lane states handed to the pool to free a lane."),
-                       ("replies_spliced", "Replies whose generated ids were spliced in."))),
+                       ("replies_spliced", "Replies whose generated ids were spliced in."),
+                       ("steps", "Engine steps: one llama_decode each, for every lane."),
+                       ("step_tokens", "Tokens decoded in engine steps (all lanes)."),
+                       ("step_lane_work", "Lanes served by engine steps, summed over steps."),
+                       ("steps_multi_lane", "Engine steps that carried more than one lane."),
+                       ("idle_saves", "Idle lanes whose state was saved in full."),
+                       ("cancelled_queued", "Requests whose client left while queued."))),
 )
 HTTP_FAMILY = Family("statecache_http_requests_total", "counter",
                      "HTTP requests answered, by route and status code.")

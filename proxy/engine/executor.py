@@ -79,6 +79,7 @@ class Job:
     # Admission may make this job wait for ``waiting_for``, which prefills the first
     # ``shared`` tokens of this prompt too and publishes a FULL checkpoint at ``wait_point``.
     waiting_for: Job | None = None
+    share_checked: bool = False
     shared: int = 0
     wait_point: int = 0
 

@@ -296,6 +296,9 @@ class Engine:
         free = [ln for ln in self.exec.lanes.free()]
         if self._stopping:
             return []
+        for job, _ in self._waiting:
+            if not job.share_checked:
+                self._join_active(job)
         out: list[tuple[Job, _Outbox]] = []
         while free and self._waiting:
             ready = [w for w in self._waiting if self._may_start(w[0])]
@@ -330,22 +333,38 @@ class Engine:
     def _defer_sharers(self, job: Job) -> None:
         """Waiting requests that share ``job``'s prefix, beyond what a free lane or the
         pool could give them, wait for its FULL checkpoint there (called with the lock)."""
-        if not job.use_cache or self.pool is None:
-            return
-        page = self.exec.page
-        free = self.exec.lanes.free()
         for other, _ in self._waiting:
-            if other.waiting_for is not None or not other.use_cache or \
-                    other.req.tenant != job.req.tenant:
+            if other.waiting_for is None and other is not job:
+                shared = self._worth_sharing(job, other)
+                if shared:
+                    other.waiting_for, other.shared, other.wait_point = job, shared, len(job.prompt)
+
+    def _join_active(self, other: Job) -> None:
+        """A request that arrives while another one prefills their shared prefix waits
+        for that one's FULL checkpoint there (called with the lock)."""
+        other.share_checked = True
+        for job, _ in self._active:
+            if not job.prefilling or job.done:
                 continue
-            shared = common_prefix(job.prompt, other.prompt)
-            if shared < 2 * page:
-                continue
-            tenant = other.req.tenant
-            held = max((ln.common(other.prompt, tenant) for ln in free), default=0)
-            held = max(held, self.pool.match_depth(self.pool.chain(other.prompt, tenant)))
-            if held + page <= shared:
-                other.waiting_for, other.shared, other.wait_point = job, shared, len(job.prompt)
+            shared = self._worth_sharing(job, other)
+            at = self.exec.share_point(job, shared) if shared else 0
+            if at:
+                other.waiting_for, other.shared, other.wait_point = job, shared, at
+                return
+
+    def _worth_sharing(self, job: Job, other: Job) -> int:
+        """Tokens ``other`` shares with ``job`` that nothing else could give it (0: none)."""
+        if not (job.use_cache and other.use_cache) or self.pool is None or \
+                other.req.tenant != job.req.tenant:
+            return 0
+        page = self.exec.page
+        shared = common_prefix(job.prompt, other.prompt)
+        if shared < 2 * page or shared - page < job.pos:
+            return 0
+        tenant = other.req.tenant
+        held = max((ln.common(other.prompt, tenant) for ln in self.exec.lanes.free()), default=0)
+        held = max(held, self.pool.match_depth(self.pool.chain(other.prompt, tenant)))
+        return shared if held + page <= shared else 0
 
     def _admit(self, job: Job, box: _Outbox) -> None:
         if job.cancelled:
@@ -408,6 +427,8 @@ class Engine:
                 job.finish_reason = "length"  # shutting down: nothing more to prefill
         works = self._plan_step([job for job, _ in active if not job.done])
         if works:
+            n_decode = sum(1 for w in works if not w.job.prefilling)
+            n_tokens = sum(w.n for w in works)
             t0 = time.perf_counter()
             try:
                 self.exec.run_step(works)
@@ -418,9 +439,13 @@ class Engine:
                     w.job.error = exc
                     w.job.finish_reason = "error"
             else:
-                n_decode = sum(1 for w in works if w.n == 1 and not w.job.prefilling)
-                self.timer.record(time.perf_counter() - t0, n_decode,
-                                  sum(w.n for w in works) - n_decode)
+                self.timer.record(time.perf_counter() - t0, n_decode, n_tokens - n_decode)
+                c = self.counters
+                c["steps"] += 1
+                c["step_tokens"] += n_tokens
+                c["step_lane_work"] += len(works)
+                if len(works) > 1:
+                    c["steps_multi_lane"] += 1
         for job, box in active:
             self._dispatch(job, box)
 
