@@ -73,17 +73,18 @@ async def _serve(app: web.Application, host: str, port: int) -> int:
         return 1
     log.info("listening on http://%s:%d", host, port)
     stop = asyncio.Event()
-    signals: list[str] = []
+    loop = asyncio.get_running_loop()
 
     def on_signal(name: str) -> None:
-        signals.append(name)
-        if len(signals) == 1:
-            log.info("%s: shutting down (ending streams, saving the cache)", name)
-            stop.set()
-        else:
-            log.warning("%s again: still saving the cache, exiting as soon as it is done", name)
+        log.info("%s: shutting down (ending streams, saving the cache); further signals "
+                 "are ignored until it is done", name)
+        stop.set()
+        # Ignored, not handled: a Python handler is reset to the default while the
+        # interpreter exits, and a second signal then would kill it mid-flush.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
 
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig.name)
     await stop.wait()

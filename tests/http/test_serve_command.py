@@ -2,50 +2,21 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
+from tests.http.proc import serve_process
+
 pytestmark = pytest.mark.http
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_serve_streams_and_shuts_down_cleanly(hybrid_path: Path, tmp_path: Path) -> None:
-    port = _free_port()
-    ckpt = tmp_path / "ckpt"
-    config = tmp_path / "statecache.toml"
-    config.write_text(f'[server]\nport = 1\nlanes = 1\n[cache]\ndisk_path = "{ckpt}"\n')
     # flags override the file (port 1 would fail)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--config", str(config),
-         "--model", str(hybrid_path), "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    assert r.status == 200
-                    break
-            except OSError:
-                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-                assert time.monotonic() < deadline, "server did not come up"
-                time.sleep(0.3)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    with serve_process(hybrid_path, tmp_path, "[server]\nport = 1\nlanes = 1\n") as p:
+        client = OpenAI(base_url=f"{p.url}/v1", api_key="unused", max_retries=0)
         stream = client.chat.completions.create(
             model="x", messages=[{"role": "user", "content": "Hello there"}],
             max_tokens=12, temperature=0, stream=True)
@@ -54,12 +25,10 @@ def test_serve_streams_and_shuts_down_cleanly(hybrid_path: Path, tmp_path: Path)
                        for d in deltas)
         assert len(text) > 0
         client.close()
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
+        p.proc.send_signal(signal.SIGINT)
+        out = p.output()
+        rc = p.proc.returncode
+    assert rc == 0, out
     assert "Done · input" in out
     # the lane's state was kept on disk at shutdown
-    assert list(ckpt.glob("*.ckpt")), out
+    assert list((tmp_path / "ckpt").glob("*.ckpt")), out

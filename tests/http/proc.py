@@ -1,0 +1,90 @@
+"""``statecache serve`` as a separate process, the way a user runs it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    proc: subprocess.Popen[str]
+    port: int
+    ckpt: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self, timeout: float = 60) -> str:
+        out, _ = self.proc.communicate(timeout=timeout)
+        return out
+
+
+@contextmanager
+def serve_process(model: Path, tmp: Path, config: str = "", *extra: str) -> Iterator[Proc]:
+    """Start ``python -m proxy serve`` on a free port with ``config`` (TOML) appended to
+    a config that puts the checkpoints under ``tmp``; wait until /health answers."""
+    port = free_port()
+    ckpt = tmp / "ckpt"
+    cfg = tmp / "statecache.toml"
+    cfg.write_text(f'[cache]\ndisk_path = "{ckpt}"\n' + config)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--config", str(cfg), "--model", str(model),
+         "--port", str(port), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    assert r.status == 200
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+                assert time.monotonic() < deadline, "server did not come up"
+                time.sleep(0.3)
+        yield Proc(proc, port, ckpt)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def open_stream(port: int, body: dict[str, object]) -> tuple[http.client.HTTPConnection,
+                                                              http.client.HTTPResponse]:
+    """POST a streaming chat completion; the response is read line by line."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    return conn, resp
+
+
+def sse_events(resp: http.client.HTTPResponse) -> Iterator[str]:
+    """The ``data:`` payloads of an SSE response, until the connection ends."""
+    while True:
+        line = resp.readline()
+        if not line:
+            return
+        text = line.decode().strip()
+        if text.startswith("data: "):
+            yield text[6:]
