@@ -34,6 +34,9 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from proxy.api.anthropic import parse_messages_request
+from proxy.api.anthropic_events import MessageEvents, message_body, new_tool_use_id
+from proxy.api.anthropic_events import error_body as anthropic_error_body
 from proxy.api.metrics import CONTENT_TYPE, format_metrics
 from proxy.api.openai import (
     ApiError,
@@ -44,7 +47,15 @@ from proxy.api.openai import (
 )
 from proxy.api.openai_events import ChatChunks, Chunks, CompletionChunks, error_body
 from proxy.api.render import ChatTemplate, load_chat_template, render_chat
-from proxy.api.reply import StreamParser, parse_reply, starts_in_reasoning
+from proxy.api.reply import Delta, StreamParser, parse_reply, starts_in_reasoning
+from proxy.api.responses import ResponseStore, chat_request, parse_responses_request
+from proxy.api.responses_events import (
+    ResponseEvents,
+    assistant_message,
+    finished,
+    output_items,
+    response_head,
+)
 from proxy.engine.tokens import Tokenizer
 from proxy.engine.types import Event, FinishEvent, GenerationRequest, QueueFull, TokenLogprob
 from statecache.pages import as_tokens, common_prefix
@@ -74,6 +85,7 @@ class EngineLike(Protocol):
 ENGINE = web.AppKey("engine", EngineLike)
 TEMPLATE = web.AppKey("template", ChatTemplate)
 HTTP_COUNTS = web.AppKey("http_counts", Counter)
+RESPONSES = web.AppKey("responses", ResponseStore)
 STARTED = web.AppKey("started", int)
 
 
@@ -135,10 +147,27 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
         resp = error_response(500, "internal error (see the server log)")
+    if resp.status >= 400 and resp.status != 499 and isinstance(resp, web.Response):
+        resp = _rejected(request, resp)
     route = request.match_info.route.resource
     name = route.canonical if route is not None else "unmatched"
     request.app[HTTP_COUNTS][(name, resp.status)] += 1
     return resp
+
+
+def _rejected(request: web.Request, resp: web.Response) -> web.Response:
+    """Log a rejected request (one place for all); Anthropic's routes get its error shape."""
+    try:
+        error = json.loads(resp.text or "")["error"]
+        reason = error["message"] if isinstance(error, dict) else str(error)
+    except (ValueError, KeyError, TypeError):
+        return resp  # not one of ours
+    log.info("rejected %s %s: %d %s", request.method, request.path, resp.status, reason)
+    if not request.path.startswith("/v1/messages"):
+        return resp
+    keep = {k: v for k, v in resp.headers.items() if k in ("Allow", "Retry-After")}
+    return web.json_response(anthropic_error_body(resp.status, reason), status=resp.status,
+                             headers=keep)
 
 
 async def _json_body(request: web.Request) -> object:
@@ -231,13 +260,31 @@ async def _collect(request: web.Request, gen: GenerationRequest
     raise RuntimeError("the engine's event stream ended without a FinishEvent")
 
 
-async def _send(resp: web.StreamResponse, obj: object) -> None:
+def _openai_stream_error(status: int, message: str) -> dict[str, Any]:
+    return error_body(status, message)
+
+
+@dataclass(slots=True, frozen=True)
+class Framing:
+    """How a stream is written: OpenAI's bare ``data:`` lines ending in ``[DONE]``, or
+    events named after their ``type`` (Anthropic, Responses); and its error event."""
+
+    named: bool = False
+    end: bytes = b"data: [DONE]\n\n"
+    error: Callable[[int, str], dict[str, Any]] = _openai_stream_error
+
+
+OPENAI_SSE = Framing()
+
+
+async def _send(resp: web.StreamResponse, obj: dict[str, Any], named: bool = False) -> None:
     data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    await resp.write(f"data: {data}\n\n".encode())
+    head = f"event: {obj['type']}\n" if named else ""
+    await resp.write(f"{head}data: {data}\n\n".encode())
 
 
-async def _stream(request: web.Request, gen: GenerationRequest, chunks: Chunks
-                  ) -> web.StreamResponse:
+async def _stream(request: web.Request, gen: GenerationRequest, chunks: Chunks,
+                  framing: Framing = OPENAI_SSE) -> web.StreamResponse:
     async with _closing(request.app[ENGINE].generate(gen)) as events:
         # Wait for the first event before sending headers, so that QueueFull and
         # ValueError still become a 503 / 400 status.
@@ -249,16 +296,16 @@ async def _stream(request: web.Request, gen: GenerationRequest, chunks: Chunks
         await resp.prepare(request)
         try:
             for obj in chunks.start():
-                await _send(resp, obj)
+                await _send(resp, obj, framing.named)
             while ev is not None:
                 if isinstance(ev, FinishEvent):
                     _log_finish(gen, ev)
                     for obj in chunks.finish(ev):
-                        await _send(resp, obj)
-                    await resp.write(b"data: [DONE]\n\n")
+                        await _send(resp, obj, framing.named)
+                    await resp.write(framing.end)
                     return resp
                 for obj in chunks.text(ev.text, ev.logprobs):
-                    await _send(resp, obj)
+                    await _send(resp, obj, framing.named)
                 if _gone(request):
                     raise ConnectionResetError("client went away")
                 ev = await anext(events, None)
@@ -271,8 +318,10 @@ async def _stream(request: web.Request, gen: GenerationRequest, chunks: Chunks
             status = 400 if isinstance(e, ValueError) else 500
             if status == 500:
                 log.exception("%s failed while streaming", gen.request_id)
+            else:
+                log.info("rejected %s %s while streaming: %s", request.method, request.path, e)
             msg = str(e) if status == 400 else "internal error (see the server log)"
-            await _send(resp, error_body(status, msg))
+            await _send(resp, framing.error(status, msg), framing.named)
             return resp
 
 
@@ -306,6 +355,66 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return await _stream(request, gen, chunks)
     text, fin, logprobs = await _collect(request, gen)
     return web.json_response(chunks.completion(text, fin, logprobs))
+
+
+def _parse_all(parser: StreamParser, text: str) -> Delta:
+    reply = parser.feed(text)
+    reply.extend(parser.finish())
+    return reply
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """Anthropic Messages: the chat path, written as Messages events."""
+    req = parse_messages_request(await _json_body(request))
+    engine, tenant = request.app[ENGINE], _tenant(request, None)
+    prompt, tokens, history = await asyncio.to_thread(
+        _tokenize_chat, engine, request.app[TEMPLATE], req, tenant)
+    gen = _generation(request, tokens, req.sampling, "msg", "messages", tenant, history)
+    parser = StreamParser(starts_in_reasoning=starts_in_reasoning(prompt),
+                          parse_tools=req.parse_tools, make_id=new_tool_use_id)
+    if req.stream:
+        events = MessageEvents(gen.request_id, engine.model_name, parser, len(tokens))
+        return await _stream(request, gen, events, Framing(True, b"", events.error))
+    text, fin, _ = await _collect(request, gen)
+    return web.json_response(message_body(gen.request_id, engine.model_name,
+                                          _parse_all(parser, text), fin))
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """Anthropic's ``count_tokens``: the prompt's length as rendered and tokenized here."""
+    req = parse_messages_request(await _json_body(request), count_only=True)
+    _, tokens, _ = await asyncio.to_thread(_tokenize_chat, request.app[ENGINE],
+                                           request.app[TEMPLATE], req, _tenant(request, None))
+    return web.json_response({"input_tokens": len(tokens)})
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """OpenAI Responses: the chat path over the stored history, written as Responses events."""
+    req = parse_responses_request(await _json_body(request))
+    engine, tenant, store = request.app[ENGINE], _tenant(request, req.user), request.app[RESPONSES]
+    history = store.history(req.previous_response_id, tenant) if req.previous_response_id else ()
+    chat = chat_request(req, history)
+    prompt, tokens, n_history = await asyncio.to_thread(
+        _tokenize_chat, engine, request.app[TEMPLATE], chat, tenant)
+    gen = _generation(request, tokens, chat.sampling, "resp", "input", tenant,
+                      n_history)
+    parser = StreamParser(starts_in_reasoning=starts_in_reasoning(prompt),
+                          parse_tools=req.parse_tools)
+    head = response_head(gen.request_id, engine.model_name, req)
+    resp: web.StreamResponse
+    if req.stream:
+        events = ResponseEvents(head, parser)
+        resp = await _stream(request, gen, events, Framing(True, b"", events.error))
+        final, reply = events.final, events.reply
+    else:
+        text, fin, _ = await _collect(request, gen)
+        reply = _parse_all(parser, text)
+        final = finished(head, output_items(reply), fin)
+        resp = web.json_response(final)
+    if final is not None and req.store:
+        store.put(gen.request_id, tenant, req.previous_response_id,
+                  req.messages + (assistant_message(reply),))
+    return resp
 
 
 def _model_card(request: web.Request) -> dict[str, object]:
@@ -356,10 +465,14 @@ def create_app(engine: EngineLike, *, admin: bool = True,
     app[TEMPLATE] = load_chat_template(engine.chat_template, bos_token=engine.bos_token,
                                        eos_token=engine.eos_token, override=template_path)
     app[HTTP_COUNTS] = Counter()
+    app[RESPONSES] = ResponseStore()
     app[STARTED] = int(time.time())
     log.info("chat template: %s", app[TEMPLATE].origin)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)

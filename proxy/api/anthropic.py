@@ -1,0 +1,281 @@
+"""Parse Anthropic Messages requests into the shared ``ChatRequest``.
+
+A Messages request becomes the same chat request an OpenAI client would send for the
+same conversation, so rendering, tokenizing, planning and the cache are shared: a
+conversation started on one API continues from the same checkpoints on another.
+
+Mapping:
+- ``system`` (a string or text blocks) is the first message, role ``system``.
+- User content blocks: ``text`` joins into a user message (parts joined with "\\n", as
+  chat content parts are); each ``tool_result`` becomes a ``tool`` message, in order;
+  ``is_error`` prefixes the result with "Error: ".
+- Assistant content blocks: ``thinking`` is the reasoning (it goes back into the
+  template), ``text`` the content, ``tool_use`` a tool call with its ``input`` as JSON
+  text; ``redacted_thinking`` is opaque and dropped.
+- ``tools`` (``name``, ``description``, ``input_schema``) become function tools;
+  Anthropic's server tools (web search, bash, text editor, computer use ...) are
+  rejected by name. ``tool_choice`` any/tool/none map to required/function/none.
+- ``thinking: {"type": "disabled"}`` sets the template's ``enable_thinking`` to false.
+- ``cache_control`` is accepted anywhere and ignored: everything is cached.
+- ``metadata`` is accepted and ignored; in particular ``metadata.user_id`` is not the
+  tenant (Claude Code sends one per session, which would keep its subagents from
+  sharing the system prompt). The tenant is the ``X-Statecache-Tenant`` header.
+- Images, documents and other non-text blocks are rejected: text-only models.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from proxy.api.openai import (
+    ApiError,
+    ChatMessage,
+    ChatRequest,
+    Sampling,
+    ToolCall,
+    _opt_bool,
+    _opt_float,
+    _opt_int,
+    _opt_str,
+    _template_kwargs,
+    _type_name,
+)
+
+MAX_STOP_SEQUENCES = 16
+_THINKING_ON = ("enabled", "adaptive", "between_tools")
+_SERVER_TOOL_HINT = "only client tools (name, description, input_schema) are supported"
+
+
+def _obj(v: object, param: str) -> Mapping[str, Any]:
+    if not isinstance(v, dict):
+        raise ApiError(f"'{param}' must be an object, not {_type_name(v)}", param)
+    return v
+
+
+def _block_type(block: object, param: str) -> str:
+    kind = _obj(block, param).get("type")
+    if not isinstance(kind, str):
+        raise ApiError(f"'{param}.type' must be a string", f"{param}.type")
+    return kind
+
+
+def _text_of(block: Mapping[str, Any], param: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise ApiError(f"'{param}.text' must be a string", f"{param}.text")
+    return text
+
+
+def _unsupported(kind: str, param: str) -> ApiError:
+    return ApiError(f"content blocks of type '{kind}' are not supported here: this server "
+                    "serves text-only models with client tools", param)
+
+
+def _texts(v: object, param: str) -> str:
+    """A string, or a list of text blocks joined with "\\n" (system, tool results)."""
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise ApiError(f"'{param}' must be a string or a list of text blocks", param)
+    out: list[str] = []
+    for j, block in enumerate(v):
+        p = f"{param}[{j}]"
+        kind = _block_type(block, p)
+        if kind != "text":
+            raise _unsupported(kind, p)
+        out.append(_text_of(block, p))
+    return "\n".join(out)
+
+
+def _tool_result(block: Mapping[str, Any], param: str) -> ChatMessage:
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str):
+        raise ApiError(f"'{param}.tool_use_id' must be a string", f"{param}.tool_use_id")
+    content = block.get("content")
+    text = "" if content is None else _texts(content, f"{param}.content")
+    if _opt_bool(block, "is_error", f"{param}.is_error"):
+        text = "Error: " + text
+    return ChatMessage(role="tool", content=text, tool_call_id=call_id)
+
+
+def _user(content: list[Any], param: str) -> list[ChatMessage]:
+    """Tool results become tool messages; runs of text between them, user messages."""
+    out: list[ChatMessage] = []
+    texts: list[str] = []
+
+    def flush() -> None:
+        if texts:
+            out.append(ChatMessage(role="user", content="\n".join(texts)))
+            texts.clear()
+
+    for j, block in enumerate(content):
+        p = f"{param}[{j}]"
+        kind = _block_type(block, p)
+        if kind == "text":
+            texts.append(_text_of(block, p))
+        elif kind == "tool_result":
+            flush()
+            out.append(_tool_result(block, p))
+        else:
+            raise _unsupported(kind, p)
+    flush()
+    return out
+
+
+def _tool_use(block: Mapping[str, Any], param: str) -> ToolCall:
+    call_id, name = block.get("id"), block.get("name")
+    if not isinstance(call_id, str) or not isinstance(name, str):
+        raise ApiError(f"'{param}' must have a string 'id' and 'name'", param)
+    args = block.get("input", {})
+    if not isinstance(args, dict):
+        raise ApiError(f"'{param}.input' must be an object", f"{param}.input")
+    return ToolCall(id=call_id, name=name, arguments=json.dumps(args, ensure_ascii=False))
+
+
+def _assistant(content: list[Any], param: str) -> ChatMessage:
+    reasoning: list[str] = []
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    for j, block in enumerate(content):
+        p = f"{param}[{j}]"
+        kind = _block_type(block, p)
+        if kind == "text":
+            texts.append(_text_of(block, p))
+        elif kind == "thinking":
+            thinking = block.get("thinking")
+            if not isinstance(thinking, str):
+                raise ApiError(f"'{p}.thinking' must be a string", f"{p}.thinking")
+            reasoning.append(thinking)
+        elif kind == "tool_use":
+            calls.append(_tool_use(block, p))
+        elif kind != "redacted_thinking":
+            raise _unsupported(kind, p)
+    return ChatMessage(role="assistant", content="\n".join(texts),
+                       reasoning_content="\n".join(reasoning) if reasoning else None,
+                       tool_calls=tuple(calls))
+
+
+def _messages(v: object) -> list[ChatMessage]:
+    if not isinstance(v, list) or not v:
+        raise ApiError("'messages' must be a non-empty list", "messages")
+    out: list[ChatMessage] = []
+    for i, m in enumerate(v):
+        param = f"messages[{i}]"
+        role = _obj(m, param).get("role")
+        content = m.get("content")
+        if role not in ("user", "assistant"):
+            raise ApiError(f"'{param}.role' must be 'user' or 'assistant'; got {role!r}",
+                           f"{param}.role")
+        if isinstance(content, str):
+            out.append(ChatMessage(role=role, content=content))
+            continue
+        if not isinstance(content, list):
+            raise ApiError(f"'{param}.content' must be a string or a list of content blocks",
+                           f"{param}.content")
+        if role == "user":
+            out.extend(_user(content, f"{param}.content"))
+        else:
+            out.append(_assistant(content, f"{param}.content"))
+    return out
+
+
+def _tool(t: object, param: str) -> dict[str, Any]:
+    """An Anthropic client tool as a chat-completions function tool (same key order)."""
+    tool = _obj(t, param)
+    kind = tool.get("type")
+    if kind not in (None, "custom"):
+        raise ApiError(f"'{param}' is a server tool of type {kind!r}, which this server does "
+                       f"not run; {_SERVER_TOOL_HINT}", param)
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise ApiError(f"'{param}.name' must be a non-empty string", f"{param}.name")
+    fn: dict[str, Any] = {"name": name}
+    desc = _opt_str(tool, "description", f"{param}.description")
+    if desc is not None:
+        fn["description"] = desc
+    fn["parameters"] = dict(_obj(tool.get("input_schema"), f"{param}.input_schema"))
+    return {"type": "function", "function": fn}
+
+
+def _tools(v: object) -> tuple[Mapping[str, Any], ...] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise ApiError("'tools' must be a list", "tools")
+    return tuple(_tool(t, f"tools[{k}]") for k, t in enumerate(v)) or None
+
+
+def _tool_choice(v: object) -> str | Mapping[str, Any] | None:
+    if v is None:
+        return None
+    choice = _obj(v, "tool_choice")
+    kind = choice.get("type")
+    if kind in ("auto", "any", "none"):
+        return {"auto": "auto", "any": "required", "none": "none"}[kind]
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise ApiError("'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"none\"} or "
+                   "{\"type\": \"tool\", \"name\": ...}", "tool_choice")
+
+
+def _thinking_kwargs(v: object) -> dict[str, Any]:
+    if v is None:
+        return {}
+    kind = _obj(v, "thinking").get("type")
+    if kind == "disabled":
+        return {"enable_thinking": False}
+    if kind in _THINKING_ON:
+        return {}
+    raise ApiError(f"'thinking.type' must be one of {', '.join(_THINKING_ON)} or 'disabled'",
+                   "thinking.type")
+
+
+def _stop_sequences(body: Mapping[str, Any]) -> tuple[str, ...]:
+    v = body.get("stop_sequences")
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise ApiError("'stop_sequences' must be a list of non-empty strings", "stop_sequences")
+    if len(v) > MAX_STOP_SEQUENCES:
+        raise ApiError(f"'stop_sequences' may hold at most {MAX_STOP_SEQUENCES} strings",
+                       "stop_sequences")
+    return tuple(v)
+
+
+def _sampling(body: Mapping[str, Any], need_max_tokens: bool) -> Sampling:
+    max_tokens = _opt_int(body, "max_tokens", lo=1)
+    if max_tokens is None and need_max_tokens:
+        raise ApiError("'max_tokens' is required", "max_tokens")
+    temperature = _opt_float(body, "temperature", 0.0, 1.0)
+    top_p = _opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
+    return Sampling(temperature=1.0 if temperature is None else temperature,
+                    top_p=1.0 if top_p is None else top_p,
+                    top_k=_opt_int(body, "top_k", lo=0) or 0,
+                    max_tokens=max_tokens, stop=_stop_sequences(body))
+
+
+def parse_messages_request(body: object, *, count_only: bool = False) -> ChatRequest:
+    """A ``POST /v1/messages`` body (``count_only``: a ``count_tokens`` body, no max_tokens)."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    _opt_str(body, "model")
+    if body.get("metadata") is not None:
+        _obj(body["metadata"], "metadata")
+    system = body.get("system")
+    messages = _messages(body.get("messages"))
+    if system is not None:
+        messages.insert(0, ChatMessage(role="system", content=_texts(system, "system")))
+    kwargs = {**_thinking_kwargs(body.get("thinking")), **_template_kwargs(body)}
+    return ChatRequest(
+        model=body.get("model") or "",
+        messages=tuple(messages),
+        tools=_tools(body.get("tools")),
+        tool_choice=_tool_choice(body.get("tool_choice")),
+        template_kwargs=kwargs,
+        sampling=_sampling(body, need_max_tokens=not count_only),
+        stream=bool(_opt_bool(body, "stream")) and not count_only,
+        include_usage=True,
+        user=None,
+    )

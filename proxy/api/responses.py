@@ -1,0 +1,345 @@
+"""Parse OpenAI Responses requests into the shared ``ChatRequest``; recent responses.
+
+Input items become the chat messages an OpenAI chat client would send for the same
+conversation, so rendering, tokenizing, planning and the cache are shared with the
+other APIs.
+
+Mapping:
+- ``instructions`` is the first message, role ``system``; as OpenAI does, the
+  instructions of a previous response are not carried over.
+- ``input``: a string is one user message. Items: ``message`` (``input_text`` /
+  ``output_text`` parts joined with "\\n"; ``developer`` is ``system``);
+  ``function_call_output`` is a ``tool`` message. ``reasoning``, assistant
+  ``message`` and ``function_call`` items in a row are one assistant turn (reasoning,
+  content, tool calls, the order the templates render); a ``reasoning`` item's text
+  comes from its ``reasoning_text`` parts, else from an ``encrypted_content`` this
+  server wrote (clients such as the Codex CLI send back only that).
+- ``previous_response_id``: the stored conversation of that response (its input and
+  output) comes before the new input; unknown ids are a 400.
+- Only ``function`` tools: hosted tools (web search, file search, computer use, code
+  interpreter, MCP, ...) are rejected by type. ``tool_choice`` as in chat.
+- ``reasoning.effort: "none"`` sets the template's ``enable_thinking`` to false.
+- ``text``, ``include``, ``metadata``, ``prompt_cache_key``, ``truncation`` are accepted;
+  ``background``, ``conversation`` and ``prompt`` are rejected.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.api.openai import (
+    ApiError,
+    ChatMessage,
+    ChatRequest,
+    Sampling,
+    ToolCall,
+    _opt_bool,
+    _opt_float,
+    _opt_int,
+    _opt_str,
+    _template_kwargs,
+    _type_name,
+)
+
+# Reasoning sent back in ``encrypted_content`` is ours only with this prefix.
+REASONING_MARK = "statecache-reasoning:"
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_REJECTED_FIELDS = ("background", "conversation", "prompt")
+
+
+@dataclass(slots=True, frozen=True)
+class ResponsesRequest:
+    """A parsed request; ``messages`` is the new input only (see ``chat_request``)."""
+
+    model: str
+    instructions: str | None
+    messages: tuple[ChatMessage, ...]
+    previous_response_id: str | None
+    tools: tuple[Mapping[str, Any], ...] | None  # as chat tools, for the template
+    tools_json: tuple[Mapping[str, Any], ...]  # as sent, echoed in the response
+    tool_choice: str | Mapping[str, Any] | None
+    parallel_tool_calls: bool
+    template_kwargs: Mapping[str, Any]
+    sampling: Sampling
+    stream: bool
+    store: bool
+    user: str | None
+    metadata: Mapping[str, Any]
+    reasoning_effort: str | None
+
+    @property
+    def parse_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+def _obj(v: object, param: str) -> Mapping[str, Any]:
+    if not isinstance(v, dict):
+        raise ApiError(f"'{param}' must be an object, not {_type_name(v)}", param)
+    return v
+
+
+def _str(v: Mapping[str, Any], key: str, param: str) -> str:
+    s = v.get(key)
+    if not isinstance(s, str):
+        raise ApiError(f"'{param}.{key}' must be a string", f"{param}.{key}")
+    return s
+
+
+def _text(v: object, param: str) -> str:
+    """A string, or text parts (``input_text``, ``output_text``) joined with "\\n"."""
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise ApiError(f"'{param}' must be a string or a list of content parts", param)
+    out: list[str] = []
+    for j, part in enumerate(v):
+        p = f"{param}[{j}]"
+        kind = _obj(part, p).get("type")
+        if kind == "refusal":
+            out.append(_str(part, "refusal", p))
+        elif kind in _TEXT_PARTS:
+            out.append(_str(part, "text", p))
+        else:
+            raise ApiError(f"content parts of type {kind!r} are not supported: this server "
+                           "serves text-only models", p)
+    return "\n".join(out)
+
+
+def _reasoning_text(item: Mapping[str, Any], param: str) -> str | None:
+    content = item.get("content")
+    if isinstance(content, list) and content:
+        texts = [_str(_obj(c, f"{param}.content[{j}]"), "text", f"{param}.content[{j}]")
+                 for j, c in enumerate(content)]
+        return "\n".join(texts)
+    secret = item.get("encrypted_content")
+    if isinstance(secret, str) and secret.startswith(REASONING_MARK):
+        return secret[len(REASONING_MARK):]
+    return None  # a summary, or another server's encrypted reasoning: not the text
+
+
+class _Turns:
+    """Builds chat messages from items, gathering an assistant turn's pieces."""
+
+    def __init__(self) -> None:
+        self.messages: list[ChatMessage] = []
+        self._reasoning: str | None = None
+        self._content: str | None = None
+        self._calls: list[ToolCall] = []
+
+    def flush(self) -> None:
+        if self._reasoning is None and self._content is None and not self._calls:
+            return
+        self.messages.append(ChatMessage(role="assistant", content=self._content or "",
+                                         reasoning_content=self._reasoning,
+                                         tool_calls=tuple(self._calls)))
+        self._reasoning, self._content, self._calls = None, None, []
+
+    def reasoning(self, text: str | None) -> None:
+        if self._content is not None or self._calls:
+            self.flush()
+        if text is not None:
+            self._reasoning = text if self._reasoning is None else self._reasoning + "\n" + text
+
+    def content(self, text: str) -> None:
+        if self._calls:
+            self.flush()
+        self._content = text if self._content is None else self._content + "\n" + text
+
+    def call(self, call: ToolCall) -> None:
+        self._calls.append(call)
+
+    def other(self, message: ChatMessage) -> None:
+        self.flush()
+        self.messages.append(message)
+
+
+def _item(turns: _Turns, item: object, param: str) -> None:
+    v = _obj(item, param)
+    kind = v.get("type", "message" if "role" in v else None)
+    if kind == "message":
+        role = v.get("role")
+        if role not in _ROLES:
+            raise ApiError(f"'{param}.role' must be one of {', '.join(_ROLES)}; got {role!r}",
+                           f"{param}.role")
+        text = _text(v.get("content"), f"{param}.content")
+        if role == "assistant":
+            turns.content(text)
+        else:
+            turns.other(ChatMessage(role=_ROLES[role], content=text))
+    elif kind == "reasoning":
+        turns.reasoning(_reasoning_text(v, param))
+    elif kind == "function_call":
+        args = _str(v, "arguments", param)
+        turns.call(ToolCall(id=_str(v, "call_id", param), name=_str(v, "name", param),
+                            arguments=args))
+    elif kind == "function_call_output":
+        turns.other(ChatMessage(role="tool", content=_text(v.get("output"), f"{param}.output"),
+                                tool_call_id=_str(v, "call_id", param)))
+    else:
+        raise ApiError(f"input items of type {kind!r} are not supported: only message, "
+                       "reasoning, function_call and function_call_output", f"{param}.type")
+
+
+def _input(v: object) -> tuple[ChatMessage, ...]:
+    if isinstance(v, str):
+        return (ChatMessage(role="user", content=v),)
+    if not isinstance(v, list) or not v:
+        raise ApiError("'input' must be a string or a non-empty list of items", "input")
+    turns = _Turns()
+    for i, item in enumerate(v):
+        _item(turns, item, f"input[{i}]")
+    turns.flush()
+    return tuple(turns.messages)
+
+
+def _tool(t: object, param: str) -> dict[str, Any]:
+    """A Responses function tool as a chat-completions tool (same key order as chat's)."""
+    tool = _obj(t, param)
+    kind = tool.get("type")
+    if kind != "function":
+        raise ApiError(f"tools of type {kind!r} are not supported: only 'function' tools, "
+                       "which the client runs (no hosted web search, file search, computer "
+                       "use, code interpreter or MCP)", f"{param}.type")
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise ApiError(f"'{param}.name' must be a non-empty string", f"{param}.name")
+    fn: dict[str, Any] = {"name": name}
+    desc = _opt_str(tool, "description", f"{param}.description")
+    if desc is not None:
+        fn["description"] = desc
+    params = tool.get("parameters")
+    if params is not None:
+        fn["parameters"] = dict(_obj(params, f"{param}.parameters"))
+    return {"type": "function", "function": fn}
+
+
+def _tools(v: object) -> tuple[tuple[Mapping[str, Any], ...] | None, tuple[Mapping[str, Any], ...]]:
+    if v is None:
+        return None, ()
+    if not isinstance(v, list):
+        raise ApiError("'tools' must be a list", "tools")
+    chat = tuple(_tool(t, f"tools[{k}]") for k, t in enumerate(v))
+    return chat or None, tuple(v)
+
+
+def _tool_choice(v: object) -> str | Mapping[str, Any] | None:
+    if v is None or v in ("none", "auto", "required"):
+        return v
+    if isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("name"), str):
+        return {"type": "function", "function": {"name": v["name"]}}
+    raise ApiError("'tool_choice' must be 'none', 'auto', 'required' or "
+                   "{\"type\": \"function\", \"name\": ...}", "tool_choice")
+
+
+def _reasoning_effort(body: Mapping[str, Any]) -> str | None:
+    v = body.get("reasoning")
+    if v is None:
+        return None
+    return _opt_str(_obj(v, "reasoning"), "effort", "reasoning.effort")
+
+
+def _sampling(body: Mapping[str, Any]) -> Sampling:
+    temperature = _opt_float(body, "temperature", 0.0, 2.0)
+    top_p = _opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
+    return Sampling(temperature=1.0 if temperature is None else temperature,
+                    top_p=1.0 if top_p is None else top_p,
+                    max_tokens=_opt_int(body, "max_output_tokens", lo=1))
+
+
+def parse_responses_request(body: object) -> ResponsesRequest:
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    for key in _REJECTED_FIELDS:
+        if body.get(key) not in (None, False):
+            raise ApiError(f"'{key}' is not supported by this server", key)
+    metadata = body.get("metadata")
+    tools, tools_json = _tools(body.get("tools"))
+    effort = _reasoning_effort(body)
+    kwargs = {**({"enable_thinking": False} if effort == "none" else {}),
+              **_template_kwargs(body)}
+    store = _opt_bool(body, "store")
+    parallel = _opt_bool(body, "parallel_tool_calls")
+    return ResponsesRequest(
+        model=_opt_str(body, "model") or "",
+        instructions=_opt_str(body, "instructions"),
+        messages=_input(body.get("input")),
+        previous_response_id=_opt_str(body, "previous_response_id"),
+        tools=tools,
+        tools_json=tools_json,
+        tool_choice=_tool_choice(body.get("tool_choice")),
+        parallel_tool_calls=True if parallel is None else parallel,
+        template_kwargs=kwargs,
+        sampling=_sampling(body),
+        stream=bool(_opt_bool(body, "stream")),
+        store=True if store is None else store,
+        user=_opt_str(body, "user"),
+        metadata=dict(_obj(metadata, "metadata")) if metadata is not None else {},
+        reasoning_effort=effort,
+    )
+
+
+@dataclass(slots=True, frozen=True)
+class _Stored:
+    tenant: str
+    parent: str | None
+    messages: tuple[ChatMessage, ...]  # this response's input and output
+    chars: int
+
+
+def _chars(messages: tuple[ChatMessage, ...]) -> int:
+    return sum(len(m.content or "") + len(m.reasoning_content or "")
+               + sum(len(c.arguments) for c in m.tool_calls) for m in messages)
+
+
+class ResponseStore:
+    """Recent responses for ``previous_response_id``: each keeps only its own input and
+    output and points at its parent. Bounded by count and characters; the least
+    recently used goes first, and reading a response touches its whole chain."""
+
+    def __init__(self, max_responses: int = 1024, max_chars: int = 64 * 1024 * 1024) -> None:
+        self._max_responses, self._max_chars = max_responses, max_chars
+        self._items: OrderedDict[str, _Stored] = OrderedDict()
+        self._chars = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def history(self, response_id: str, tenant: str) -> tuple[ChatMessage, ...]:
+        """The conversation up to and including that response; ValueError if unknown."""
+        chain: list[tuple[ChatMessage, ...]] = []
+        at: str | None = response_id
+        while at is not None:
+            item = self._items.get(at)
+            if item is None or item.tenant != tenant:
+                raise ApiError(f"previous response {at!r} is not found: this server keeps "
+                               f"the last {self._max_responses} responses in memory, and "
+                               "only those stored with 'store': true",
+                               "previous_response_id")
+            self._items.move_to_end(at)
+            chain.append(item.messages)
+            at = item.parent
+        return tuple(m for part in reversed(chain) for m in part)
+
+    def put(self, response_id: str, tenant: str, parent: str | None,
+            messages: tuple[ChatMessage, ...]) -> None:
+        item = _Stored(tenant, parent, messages, _chars(messages))
+        self._items[response_id] = item
+        self._chars += item.chars
+        while self._items and (len(self._items) > self._max_responses
+                               or self._chars > self._max_chars):
+            _, old = self._items.popitem(last=False)
+            self._chars -= old.chars
+
+
+def chat_request(req: ResponsesRequest, history: tuple[ChatMessage, ...]) -> ChatRequest:
+    """The whole conversation as a chat request: instructions, history, new input."""
+    system = (ChatMessage(role="system", content=req.instructions),) \
+        if req.instructions is not None else ()
+    return ChatRequest(model=req.model, messages=system + history + req.messages,
+                       tools=req.tools, tool_choice=req.tool_choice,
+                       template_kwargs=req.template_kwargs, sampling=req.sampling,
+                       stream=req.stream, include_usage=True, user=req.user)
