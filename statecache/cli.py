@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 DEFAULT_URL = "http://127.0.0.1:8080"
+ADMIN_KEY_ENV = "STATECACHE_ADMIN_KEY"
 
 
 # A subcommand added from outside: (set up its parser, run it).
@@ -36,13 +37,20 @@ def _parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="list checkpoints (proxy RAM and disk)")
     i.add_argument("id", nargs="?", help="show one checkpoint (a unique id prefix is enough)")
     i.add_argument("--url", default=DEFAULT_URL, help=f"running proxy (default {DEFAULT_URL})")
+    i.add_argument("--admin-key", metavar="KEY",
+                   help=f"the proxy's server.admin_key (default: ${ADMIN_KEY_ENV}, "
+                        "else from --config)")
     _disk_args(i)
 
-    v = sub.add_parser("verify", help="check the digest of every disk checkpoint")
+    v = sub.add_parser("verify", help="check the MAC of every disk checkpoint")
     _disk_args(v)
+    v.add_argument("--secret-path", metavar="FILE", help="key file (default: cache.secret_path)")
 
     g = sub.add_parser("purge", help="remove disk checkpoints")
-    g.add_argument("--all", action="store_true", help="every checkpoint file")
+    g.add_argument(
+        "--all", action="store_true", help="every checkpoint file, quarantined and leftover file"
+    )
+    g.add_argument("--quarantined", action="store_true", help="the files in quarantine/")
     g.add_argument("--older-than", metavar="AGE", help='created before AGE ago ("2h", "3d")')
     g.add_argument("--role", choices=["end-of-reply", "periodic", "branch", "replay"])
     g.add_argument("--tenant", metavar="T")
@@ -70,10 +78,19 @@ def main(argv: list[str] | None = None, commands: Mapping[str, Command] | None =
         handler: dict[str, Callable[[argparse.Namespace], int]] = {
             "inspect": _inspect, "verify": _verify, "purge": _purge}
         handler.update({name: run for name, (_setup, run) in commands.items()})
-        return handler[args.command](args)
+        code = handler[args.command](args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return code
     except (ConfigError, ValueError) as e:
         print(f"statecache: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # The reader left (`statecache inspect | head`): stop quietly. Python would
+        # complain again when it flushes stdout at exit, so point stdout at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_OK
 
 
 # -- disk helpers ------------------------------------------------------------------------
@@ -88,13 +105,39 @@ def _disk_dir(args: argparse.Namespace) -> Path:
 
 
 def _ckpt_files(d: Path) -> Iterator[Path]:
-    from statecache.diskfmt import SUFFIX
+    from statecache.diskfmt import SUFFIX, TMP_PREFIX
 
     if not d.is_dir():
         return
     for entry in sorted(os.scandir(d), key=lambda e: e.name):
-        if entry.name.endswith(SUFFIX) and not entry.name.startswith(".tmp-"):
+        if entry.name.endswith(SUFFIX) and not entry.name.startswith(TMP_PREFIX):
             yield Path(entry.path)
+
+
+def _quarantined(d: Path) -> list[dict[str, Any]]:
+    """Files moved aside by the proxy: never served, kept for a look until purged."""
+    from statecache.disk import QUARANTINE
+
+    q = d / QUARANTINE
+    if not q.is_dir():
+        return []
+    out = []
+    for entry in sorted(os.scandir(q), key=lambda e: e.name):
+        st = entry.stat(follow_symlinks=False)
+        out.append(
+            {"file": entry.name, "bytes": st.st_size, "since": st.st_mtime, "path": entry.path}
+        )
+    return out
+
+
+def _quarantine_note(d: Path, quarantined: list[dict[str, Any]]) -> str:
+    from statecache.sizes import format_size
+
+    total = format_size(sum(q["bytes"] for q in quarantined))
+    return (
+        f"{len(quarantined)} quarantined file(s), {total}, in {d / 'quarantine'}; "
+        "`statecache purge --quarantined --yes` removes them"
+    )
 
 
 def _disk_rows(d: Path) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
@@ -137,28 +180,46 @@ def _disk_rows(d: Path) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
 # -- inspect -----------------------------------------------------------------------------
 
 
-def _fetch(url: str) -> Any:
+def _fetch(url: str, key: str = "") -> Any:
     import urllib.error
     import urllib.request
 
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        with urllib.request.urlopen(url, timeout=2.0) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=2.0) as resp:
             return json.load(resp)
     except urllib.error.HTTPError as e:
         if e.code == 404:
             return None
+        if e.code in (401, 403):
+            raise PermissionError(f"HTTP {e.code}: the admin key is missing or wrong "
+                          f"(--admin-key or ${ADMIN_KEY_ENV})") from None
         raise OSError(f"HTTP {e.code}") from None
     except (urllib.error.URLError, TimeoutError, ValueError) as e:
         raise OSError(str(e)) from None
+
+
+def _admin_key(args: argparse.Namespace) -> str:
+    if args.admin_key or os.environ.get(ADMIN_KEY_ENV):
+        return str(args.admin_key or os.environ[ADMIN_KEY_ENV])
+    if not args.config:
+        return ""
+    from statecache.config import load_config
+
+    return load_config(args.config).server.admin_key
 
 
 def _inspect(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/")
     notes: list[str] = []
     try:
-        proxy_rows: list[dict[str, Any]] = (_fetch(f"{url}/admin/checkpoints") or {}).get(
-            "checkpoints", []
-        )
+        proxy_rows: list[dict[str, Any]] = (
+            _fetch(f"{url}/admin/checkpoints", _admin_key(args)) or {}
+        ).get("checkpoints", [])
+    except PermissionError as e:
+        proxy_rows = []
+        notes.append(f"proxy at {url} refused ({e}); showing disk only")
     except OSError:
         proxy_rows = []
         notes.append(f"proxy not reachable at {url}; showing disk only")
@@ -173,6 +234,9 @@ def _inspect(args: argparse.Namespace) -> int:
         row.update(r, tiers=tiers)
     if bad:
         notes.append(f"{len(bad)} unreadable file(s) in {d}; run `statecache verify`")
+    quarantined = _quarantined(d)
+    if quarantined:
+        notes.append(_quarantine_note(d, quarantined))
     out = sys.stdout
     if args.id:
         matches = [i for i in merged if i.startswith(args.id.lower())]
@@ -190,7 +254,11 @@ def _inspect(args: argparse.Namespace) -> int:
         return EXIT_OK
     rows = sorted(merged.values(), key=lambda r: r.get("last_used") or 0, reverse=True)
     if args.json:
-        json.dump({"checkpoints": rows, "bad": bad, "notes": notes}, out, indent=2)
+        json.dump(
+            {"checkpoints": rows, "bad": bad, "quarantined": quarantined, "notes": notes},
+            out,
+            indent=2,
+        )
         out.write("\n")
     else:
         for note in notes:
@@ -229,54 +297,110 @@ def _table(rows: list[dict[str, Any]], out: TextIO) -> None:
 # -- verify / purge ----------------------------------------------------------------------
 
 
+class KeyUnavailable(Exception):
+    """The key file cannot be used: nothing on disk can be authenticated."""
+
+
+def _key(args: argparse.Namespace) -> bytes:
+    from statecache.config import load_config
+    from statecache.trust import Untrusted, load_key
+
+    path = Path(args.secret_path or load_config(args.config).cache.secret_path).expanduser()
+    try:
+        return load_key(path, create=False)
+    except (Untrusted, OSError) as e:
+        raise KeyUnavailable(f"cannot use the key file {path}: {e}") from None
+
+
 def _verify(args: argparse.Namespace) -> int:
-    from statecache.diskfmt import BadFile, read_checkpoint, valid_id
+    from statecache.diskfmt import SUFFIX, BadFile, read_checkpoint, valid_id
 
     d = _disk_dir(args)
+    try:
+        key = _key(args)
+    except KeyUnavailable as e:
+        print(f"statecache: error: {e}; no checkpoint can be verified", file=sys.stderr)
+        return EXIT_PROBLEMS
     ok: list[str] = []
     bad: list[dict[str, str]] = []
     for path in _ckpt_files(d):
+        stem = path.name[: -len(SUFFIX)]
         try:
             if path.is_symlink():
                 raise BadFile("symlink")
-            fm, _ = read_checkpoint(path)
-            if not valid_id(path.name[: -len(".ckpt")]) or fm.id != path.name[: -len(".ckpt")]:
+            fm, _ = read_checkpoint(path, key)
+            if not valid_id(stem) or fm.id != stem:
                 raise BadFile("file name does not match its id")
             ok.append(fm.id)
         except (BadFile, OSError) as e:
             bad.append({"file": path.name, "reason": str(e)})
+    quarantined = _quarantined(d)
     if args.json:
-        json.dump({"dir": str(d), "ok": ok, "bad": bad}, sys.stdout, indent=2)
+        report = {"dir": str(d), "ok": ok, "bad": bad, "quarantined": quarantined}
+        json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         for b in bad:
             print(f"BAD  {b['file']}: {b['reason']}")
+        for q in quarantined:
+            print(f"QUARANTINED  {q['file']}")
         print(f"{len(ok)} ok, {len(bad)} bad in {d}")
+        if quarantined:
+            print(_quarantine_note(d, quarantined))
     return EXIT_PROBLEMS if bad else EXIT_OK
+
+
+def _leftovers(d: Path) -> list[tuple[Path, str, int]]:
+    """Temporary files of interrupted writes, if no proxy holds the directory now."""
+    from statecache.dirlock import Busy, DirLock
+    from statecache.diskfmt import TMP_PREFIX
+
+    if not d.is_dir():
+        return []
+    try:
+        lock = DirLock(d)
+    except (Busy, OSError):
+        return []  # a running proxy's temporary files are writes in progress
+    try:
+        return [
+            (Path(e.path), e.name, e.stat(follow_symlinks=False).st_size)
+            for e in os.scandir(d)
+            if e.name.startswith(TMP_PREFIX)
+        ]
+    finally:
+        lock.release()
 
 
 def _purge(args: argparse.Namespace) -> int:
     from statecache.sizes import format_size, parse_duration
 
-    if not (args.all or args.older_than or args.role or args.tenant is not None):
+    if not (args.all or args.quarantined or args.older_than or args.role) and (
+        args.tenant is None
+    ):
         print(
-            "statecache: error: purge needs --all, --older-than, --role or --tenant",
+            "statecache: error: purge needs --all, --quarantined, --older-than, --role "
+            "or --tenant",
             file=sys.stderr,
         )
         return EXIT_USAGE
     cutoff = time.time() - parse_duration(args.older_than) if args.older_than else None
     d = _disk_dir(args)
     rows, bad = _disk_rows(d)
+    filtered = args.all or args.older_than or args.role or args.tenant is not None
     chosen = [
         r
         for r in rows
-        if (cutoff is None or r["created"] < cutoff)
+        if filtered
+        and (cutoff is None or r["created"] < cutoff)
         and (args.role is None or r["role"] == args.role)
         and (args.tenant is None or r["tenant"] == args.tenant)
     ]
     paths = [(Path(r["file"]), r["id"], r["file_bytes"]) for r in chosen]
     if args.all:
         paths += [(d / b["file"], b["file"], 0) for b in bad]
+        paths += _leftovers(d)
+    if args.all or args.quarantined:
+        paths += [(Path(q["path"]), f"quarantine/{q['file']}", q["bytes"]) for q in _quarantined(d)]
     verb = "removed" if args.yes else "would remove"
     total = 0
     for path, name, size in paths:

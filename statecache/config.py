@@ -43,6 +43,12 @@ class ServerConfig:
     queue_size: int = 16
     request_timeout: float = 600.0
     max_tokens_default: int = 512
+    max_body: int = field(default=8 << 20, metadata=_SIZE)  # larger request bodies get 413
+    parse_concurrency: int = 2  # requests read, parsed and tokenized at the same time
+    # API key -> tenant. Set: every request needs a known key, whose tenant it gets.
+    api_keys: dict[str, str] = field(default_factory=dict, repr=False)
+    admin_key: str = field(default="", repr=False)  # the admin routes need it once any key is set
+    admin: bool = True  # false: no admin routes at all
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,6 +72,9 @@ class CacheConfig:
     disk_path: str = "~/.cache/statecache/checkpoints"
     disk_budget: int = field(default=16 << 30, metadata=_SIZE)
     disk_enabled: bool = True
+    # The key authenticating disk checkpoints: 32 random bytes, 0600, made on first use;
+    # kept outside disk_path, since whoever can write it can forge checkpoints.
+    secret_path: str = "~/.local/state/statecache/secret.key"
     periodic_pages: int = 64
     splice_generated: bool = False
     tenant: str = ""
@@ -112,10 +121,18 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("server.queue_size", 0, None),
     ("server.request_timeout", 0.001, None),
     ("server.max_tokens_default", 1, None),
+    ("server.max_body", 1024, None),
+    ("server.parse_concurrency", 1, None),
     ("cache.page_size", 1, None),
     ("cache.periodic_pages", 0, None),
 )
-_PATHS = ("model.path", "model.draft_path", "model.chat_template", "cache.disk_path")
+_PATHS = (
+    "model.path",
+    "model.draft_path",
+    "model.chat_template",
+    "cache.disk_path",
+    "cache.secret_path",
+)
 
 
 def _convert(key: str, f: dataclasses.Field[Any], value: object) -> object:
@@ -125,6 +142,11 @@ def _convert(key: str, f: dataclasses.Field[Any], value: object) -> object:
         except ValueError:
             raise ConfigError(f'{key}: expected a size like "8GiB", got {value!r}') from None
     kind = f.type if isinstance(f.type, str) else f.type.__name__
+    if kind == "dict[str, str]":
+        if not isinstance(value, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise ConfigError(f"{key}: expected a table of strings, got {value!r}")
+        return dict(value)
     ok = {
         "str": isinstance(value, str),
         "bool": isinstance(value, bool),

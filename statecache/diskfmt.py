@@ -1,11 +1,19 @@
 """The checkpoint file format, as free functions (no model, no pool needed).
 
-Layout: header | msgpack metadata | raw state bytes | xxh3-128 of everything before.
-Header: magic b"SCKP", format version u16, flags u16, header/meta/data lengths.
+Layout: header | msgpack metadata | meta tag | raw state bytes | tag.
+Header: magic b"SCKP", format version u16, flags u16, header/meta/data lengths, key id.
+Both tags are HMAC-SHA256 under the pool's secret key: the meta tag covers header and
+metadata (checked at scan, without reading the state), the tag covers everything before
+it. The metadata names the tokens, fingerprint, tenant and state format, so a file
+proves which conversation its state belongs to; an unkeyed digest proved nothing, as
+anyone who can write the directory can recompute it. Version 1 files (xxh3 digest, no
+key) are never served.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import re
 import stat
@@ -16,15 +24,18 @@ from typing import Any
 
 import msgpack
 import numpy as np
-import xxhash
 
 from statecache.records import CheckpointRecord, Kind, Owner, Role, new_record
 
 MAGIC = b"SCKP"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SUFFIX = ".ckpt"
-HEADER = struct.Struct("<4sHHIIQ")  # magic, version, flags, header_len, meta_len, data_len
-DIGEST_BYTES = 16
+TMP_PREFIX = ".tmp-"
+# magic, version, flags, header_len, meta_len, data_len, key id
+HEADER = struct.Struct("<4sHHIIQ8s")
+_V1_HEADER_BYTES = struct.calcsize("<4sHHIIQ")  # enough to read any version's number
+TAG_BYTES = 32  # HMAC-SHA256
+KEY_BYTES = 32
 MAX_META_BYTES = 16 << 20  # 4M tokens of context at most
 MAX_DATA_BYTES = 1 << 40
 _ID_RE = re.compile(r"^[0-9a-f]{32}$")
@@ -59,6 +70,7 @@ class FileMeta:
     file_size: int
     data_len: int
     mtime: float
+    key_id: bytes
 
     @property
     def id(self) -> str:
@@ -143,6 +155,22 @@ def record_from_meta(meta: dict[str, Any], page_size: int) -> CheckpointRecord:
     return rec
 
 
+def key_id(key: bytes) -> bytes:
+    """8 bytes naming ``key`` (a MAC of a constant): tells "another key" from "forged"."""
+    return hmac.new(key, b"statecache key id", hashlib.sha256).digest()[:8]
+
+
+def _mac(key: bytes) -> hmac.HMAC:
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"a checkpoint key has {KEY_BYTES} bytes, got {len(key)}")
+    return hmac.new(key, digestmod=hashlib.sha256)
+
+
+def file_size(rec: CheckpointRecord) -> int:
+    """Bytes the file of ``rec`` takes on disk (what the disk tier reserves)."""
+    return HEADER.size + len(encode_meta(rec)) + TAG_BYTES + rec.nbytes + TAG_BYTES
+
+
 def _read_exact(fd: int, n: int) -> bytes:
     out = bytearray()
     while len(out) < n:
@@ -167,42 +195,65 @@ def _open_regular(path: Path) -> tuple[int, os.stat_result]:
     return fd, st
 
 
-def _read_head(fd: int, st: os.stat_result, path: Path) -> tuple[FileMeta, bytes, bytes]:
-    if st.st_size < HEADER.size + DIGEST_BYTES:
+def _read_head(
+    fd: int, st: os.stat_result, path: Path, key: bytes | None
+) -> tuple[FileMeta, hmac.HMAC | None]:
+    """Header and metadata; with ``key``, the key id and the meta tag are checked and the
+    running MAC (over everything up to the state bytes) is returned."""
+    if st.st_size < _V1_HEADER_BYTES:
         raise BadFile("truncated" if st.st_size else "zero length")
-    head = _read_exact(fd, HEADER.size)
-    magic, version, _flags, header_len, meta_len, data_len = HEADER.unpack(head)
+    head = _read_exact(fd, _V1_HEADER_BYTES)
+    magic, version = struct.unpack_from("<4sH", head)
     if magic != MAGIC:
         raise BadFile("wrong magic")
     if version != FORMAT_VERSION:
-        raise BadFile(f"format version {version}, expected {FORMAT_VERSION}")
+        old = " (unauthenticated, from an older statecache)" if version == 1 else ""
+        raise BadFile(f"format version {version}, expected {FORMAT_VERSION}{old}")
+    if st.st_size < HEADER.size + 2 * TAG_BYTES:
+        raise BadFile("truncated")
+    head += _read_exact(fd, HEADER.size - _V1_HEADER_BYTES)
+    _, _, _flags, header_len, meta_len, data_len, kid = HEADER.unpack(head)
     if header_len != HEADER.size or meta_len > MAX_META_BYTES or data_len > MAX_DATA_BYTES:
         raise BadFile("length field out of range")
-    if header_len + meta_len + data_len + DIGEST_BYTES != st.st_size:
+    if header_len + meta_len + data_len + 2 * TAG_BYTES != st.st_size:
         raise BadFile(f"lengths disagree with the file size {st.st_size}")
     raw_meta = _read_exact(fd, meta_len)
+    meta_tag = _read_exact(fd, TAG_BYTES)
+    mac: hmac.HMAC | None = None
+    if key is not None:
+        if kid != key_id(key):
+            raise BadFile("written with another key")
+        mac = _mac(key)
+        mac.update(head)
+        mac.update(raw_meta)
+        if not hmac.compare_digest(mac.copy().digest(), meta_tag):
+            raise BadFile("metadata MAC mismatch (forged or edited)")
+        mac.update(meta_tag)
     meta = decode_meta(raw_meta)
     if meta["nbytes"] != data_len:
         raise BadFile("metadata nbytes disagrees with the data length")
-    return FileMeta(path, meta, st.st_size, data_len, st.st_mtime), head, raw_meta
+    return FileMeta(path, meta, st.st_size, data_len, st.st_mtime, kid), mac
 
 
-def read_meta(path: Path) -> FileMeta:
-    """Header and metadata only (digest not checked); raises BadFile."""
+def read_meta(path: Path, key: bytes | None = None) -> FileMeta:
+    """Header and metadata, no state bytes read; with ``key`` their MAC is checked too.
+
+    Without a key (``statecache inspect``) nothing is authenticated: never serve from it.
+    Raises BadFile.
+    """
     fd, st = _open_regular(path)
     try:
-        return _read_head(fd, st, path)[0]
+        return _read_head(fd, st, path, key)[0]
     finally:
         os.close(fd)
 
 
-def read_checkpoint(path: Path) -> tuple[FileMeta, bytearray]:
-    """Header, metadata and state bytes, digest verified; raises BadFile."""
+def read_checkpoint(path: Path, key: bytes) -> tuple[FileMeta, bytearray]:
+    """Header, metadata and state bytes, every byte authenticated; raises BadFile."""
     fd, st = _open_regular(path)
     try:
-        fm, head, raw_meta = _read_head(fd, st, path)
-        digest = xxhash.xxh3_128(head)
-        digest.update(raw_meta)
+        fm, mac = _read_head(fd, st, path, key)
+        assert mac is not None
         data = bytearray(fm.data_len)
         view = memoryview(data)
         got = 0
@@ -210,10 +261,10 @@ def read_checkpoint(path: Path) -> tuple[FileMeta, bytearray]:
             k = os.readv(fd, [view[got : got + _CHUNK]])
             if k == 0:
                 raise BadFile("truncated")
+            mac.update(view[got : got + k])
             got += k
-        digest.update(data)
-        if _read_exact(fd, DIGEST_BYTES) != digest.digest():
-            raise BadFile("digest mismatch")
+        if not hmac.compare_digest(_read_exact(fd, TAG_BYTES), mac.digest()):
+            raise BadFile("MAC mismatch (forged or corrupt)")
         return fm, data
     finally:
         os.close(fd)
@@ -235,22 +286,28 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_checkpoint(
-    directory: Path, rec: CheckpointRecord, data: bytes | bytearray | memoryview
+    directory: Path, rec: CheckpointRecord, data: bytes | bytearray | memoryview, key: bytes
 ) -> int:
     """Write atomically (temp file, fsync, rename, fsync dir); returns the file size."""
-    if len(data) != rec.nbytes:
-        raise ValueError(f"{rec.id}: {len(data)} state bytes, record says {rec.nbytes}")
+    data = memoryview(data).cast("B")
+    if data.nbytes != rec.nbytes:
+        raise ValueError(f"{rec.id}: {data.nbytes} state bytes, record says {rec.nbytes}")
     raw_meta = encode_meta(rec)
-    head = HEADER.pack(MAGIC, FORMAT_VERSION, 0, HEADER.size, len(raw_meta), len(data))
-    digest = xxhash.xxh3_128(head)
-    digest.update(raw_meta)
-    digest.update(data)
+    head = HEADER.pack(
+        MAGIC, FORMAT_VERSION, 0, HEADER.size, len(raw_meta), data.nbytes, key_id(key)
+    )
+    mac = _mac(key)
+    mac.update(head)
+    mac.update(raw_meta)
+    meta_tag = mac.copy().digest()
+    mac.update(meta_tag)
+    mac.update(data)
     final = directory / file_name(rec.id)
-    tmp = directory / f".tmp-{rec.id}-{os.getpid()}-{os.urandom(4).hex()}"
+    tmp = directory / f"{TMP_PREFIX}{rec.id}-{os.getpid()}-{os.urandom(4).hex()}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(tmp, flags, 0o600)
     try:
-        for part in (head, raw_meta, data, digest.digest()):
+        for part in (head, raw_meta, meta_tag, data, mac.digest()):
             _write_all(fd, part)
         os.fsync(fd)
     except BaseException:
@@ -260,4 +317,4 @@ def write_checkpoint(
     os.close(fd)
     os.replace(tmp, final)
     fsync_dir(directory)
-    return len(head) + len(raw_meta) + len(data) + DIGEST_BYTES
+    return len(head) + len(raw_meta) + 2 * TAG_BYTES + data.nbytes

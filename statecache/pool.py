@@ -1,8 +1,16 @@
 """CheckpointPool: the index, the RAM tier and the disk tier behind one lock.
 
-Invariants (checked by ``sanity_check``): every entry is in the index and in at
-least one tier; every tier id is an entry; PARTIAL entries are never on disk;
-the bytes each tier accounts equal what it holds and stay within its budget.
+Invariants (checked by ``sanity_check``): every entry is in the index and in at least
+one of: the RAM tier, the disk tier, the spill set (FULL states evicted from RAM
+before they reached the disk, kept in RAM's byte count until written); every tier id
+is an entry; PARTIAL entries are never on disk; the bytes each tier accounts equal
+what it holds and stay within its budget; a file being written is reserved on disk.
+
+Nothing slow runs under the lock that ``describe``/``get``/``stats`` take from the
+event loop: disk reads, MAC checks, writes and fsyncs happen with the entry pinned and
+the lock released, then the result is published under the lock again. FULL states are
+written in the background as they arrive (``statecache.writer``), so a crash loses
+seconds of checkpoints; ``close`` writes the rest.
 """
 
 from __future__ import annotations
@@ -14,14 +22,15 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from statecache.config import CacheConfig
+from statecache.dirlock import DirLock
 from statecache.disk import DiskTier
-from statecache.diskfmt import valid_id
+from statecache.diskfmt import BadFile, file_name, valid_id
 from statecache.index import Index
 from statecache.lease import Buffer, Lease
+from statecache.opendisk import open_disk
 from statecache.pages import PageChain, PageHash, Tokens, as_tokens, namespace_hash
 from statecache.ram import EvictionClass, Pin, RamTier, eviction_class
 from statecache.records import (
@@ -33,14 +42,35 @@ from statecache.records import (
     Role,
     new_record,
 )
+from statecache.sizes import format_size
+from statecache.writer import WriteJob, Writer
 
 log = logging.getLogger(__name__)
+
+# How long an insert waits for the writer to free RAM held by spilled states.
+_SPILL_WAIT_S = 10.0
+_COUNTERS = (
+    "inserts",
+    "refreshes",
+    "misses",
+    "hits_ram",
+    "hits_disk",
+    "evictions",
+    "disk_evictions",
+    "spills",
+    "promotions",
+    "refused",
+    "direct_writes",
+    "disk_writes",
+    "disk_write_errors",
+)
 
 
 @dataclass(slots=True, eq=False)
 class _Entry:
     record: CheckpointRecord
     stats: EntryStats
+    no_disk: bool = False  # the disk refused or evicted it: never written again
 
     @property
     def cls(self) -> EvictionClass:
@@ -62,25 +92,38 @@ class CheckpointPool:
         self.page_size = cfg.page_size
         self._clock = clock
         self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._close_lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._by_lane: dict[int, set[str]] = {}
         self._namespaces: dict[str, PageHash] = {}
         self._index = Index()
         self._counts: Counter[str] = Counter()
+        self._warned: set[str] = set()
         self._ram = RamTier(cfg.ram_budget, on_evict=self._on_ram_evict)
+        self._spilling: dict[str, Pin] = {}  # evicted FULL states waiting for the disk
+        self._writing: dict[str, WriteJob] = {}
+        self._writer = Writer(self._cond, self._claim_queued, self._run_write)
         self._disk: DiskTier | None = None
+        self._dir_lock: DirLock | None = None
+        self.disk_status = "disabled in the config"
         if cfg.disk_enabled:
-            self._disk = DiskTier(
-                Path(cfg.disk_path).expanduser(),
-                cfg.disk_budget,
-                fingerprint,
-                state_format=state_format,
-                page_size=cfg.page_size,
-                on_evict=self._on_disk_evict,
-            )
-            for rec in self._disk.scan():
-                self._add(_Entry(rec, EntryStats(last_used=rec.created)))
-            log.info("pool: %d checkpoints found on disk in %s", len(self._disk), cfg.disk_path)
+            self._open_disk()
+
+    def _open_disk(self) -> None:
+        opened = open_disk(
+            self.cfg, self.fingerprint, state_format=self.state_format,
+            on_evict=self._on_disk_evict,
+        )
+        if isinstance(opened, str):
+            self.disk_status = opened
+            log.warning("pool: the disk tier is off: %s", opened)
+            return
+        self._disk, self._dir_lock = opened
+        for rec in self._disk.scan():
+            self._add(_Entry(rec, EntryStats(last_used=rec.created)))
+        self.disk_status = "ok"
+        log.info("pool: %d checkpoints found on disk in %s", len(self._disk), self._disk.path)
 
     # -- lookups -----------------------------------------------------------------------
 
@@ -124,52 +167,94 @@ class CheckpointPool:
         limit = len(chain) if max_n is None else min(max_n, len(chain))
         if limit < 0:
             raise ValueError(f"max_n must be >= 0, got {max_n}")
-        with self._lock:
-            group: list[CheckpointRecord] = []
-            for rec in self._index.candidates(
-                chain, kind=kind, owner=owner, lane=lane, max_n=limit
-            ):
-                if group and rec.n != group[0].n:
-                    lease = self._try_group(group)
-                    if lease is not None:
-                        return lease
-                    group = []
-                group.append(rec)
-            lease = self._try_group(group) if group else None
-            if lease is None:
-                self._counts["misses"] += 1
-            return lease
-
-    def _try_group(self, group: list[CheckpointRecord]) -> Lease | None:
-        # Equal depth: RAM before disk.
-        group.sort(key=lambda r: r.id not in self._ram)
-        for rec in group:
-            lease = self._try(rec)
+        tried: set[str] = set()
+        while True:  # each turn tries one candidate; a bad file is never a candidate again
+            with self._lock:
+                rec = self._pick(chain, kind, owner, lane, limit, tried)
+                if rec is None:
+                    self._counts["misses"] += 1
+                    return None
+                disk = self._disk
+                if self._in_memory(rec.id):
+                    return self._lease_memory(rec)
+                assert disk is not None and rec.id in disk
+                disk.pin(rec.id)
+            tried.add(rec.id)
+            lease = self._lease_disk(rec, disk)
             if lease is not None:
                 return lease
-        return None
 
-    def _try(self, rec: CheckpointRecord) -> Lease | None:
-        entry = self._entries.get(rec.id)
-        if entry is None or entry.record is not rec:
-            raise RuntimeError(f"pool: index holds {rec.id} but the entry differs")
-        pin: Pin | None = None
+    def _pick(
+        self,
+        chain: PageChain,
+        kind: Kind,
+        owner: Owner,
+        lane: int | None,
+        limit: int,
+        tried: set[str],
+    ) -> CheckpointRecord | None:
+        """The deepest candidate not yet tried; at equal depth, a copy in memory first."""
+        on_disk: CheckpointRecord | None = None
+        for rec in self._index.candidates(chain, kind=kind, owner=owner, lane=lane, max_n=limit):
+            if rec.id in tried:
+                continue
+            if on_disk is not None and rec.n != on_disk.n:
+                break
+            entry = self._entries.get(rec.id)
+            if entry is None or entry.record is not rec:
+                raise RuntimeError(f"pool: index holds {rec.id} but the entry differs")
+            if self._in_memory(rec.id):
+                return rec
+            if not self._on_disk(rec.id):
+                raise RuntimeError(f"pool: entry {rec.id} is in no tier")
+            on_disk = on_disk or rec
+        return on_disk
+
+    def _lease_memory(self, rec: CheckpointRecord) -> Lease:
         if rec.id in self._ram:
-            tier = "ram"
             pin = self._ram.pin(rec.id)
-            data: Buffer = pin.data
-        elif self._disk is not None and rec.id in self._disk:
-            tier = "disk"
-            got = self._disk.read(rec.id)
-            if got is None:
+        else:
+            pin = self._spilling[rec.id]
+            self._ram.pin_slot(pin)
+        self._hit(self._entries[rec.id], "ram")
+        return Lease(self, rec, "ram", pin.data, pin)
+
+    def _lease_disk(self, rec: CheckpointRecord, disk: DiskTier) -> Lease | None:
+        """Read and verify without the lock (the file is pinned), then publish under it."""
+        bad: str | None = None
+        moved = False
+        try:
+            data = disk.read_file(rec)
+        except BadFile as e:
+            bad = str(e)
+            moved = disk.quarantine_file(rec.id, bad)
+        except OSError as e:  # e.g. purged by hand while we ran
+            bad = str(e)
+            log.warning("disk: reading %s failed: %s", rec.id, e)
+        else:
+            disk.utime(rec.id)
+        with self._lock:
+            disk.unpin(rec.id)
+            if bad is not None:
+                disk.quarantined += moved
+                disk.forget(rec.id)
                 self._forget_if_homeless(rec.id)
                 return None
-            data = got
-            if self._ram.put(rec.id, got, rec.nbytes + rec.token_bytes, entry.cls):
+            pin: Pin | None = None
+            entry = self._entries.get(rec.id)
+            cost = rec.nbytes + rec.token_bytes
+            promote = entry is not None and not self._in_memory(rec.id)
+            if promote and entry is not None and self._ram.put(rec.id, data, cost, entry.cls):
                 self._counts["promotions"] += 1
                 pin = self._ram.pin(rec.id)
-        else:
-            raise RuntimeError(f"pool: entry {rec.id} is in no tier")
+            if entry is not None:
+                self._hit(entry, "disk")
+            else:  # removed while we read: the bytes are still exactly this record's state
+                self._counts["hits_disk"] += 1
+            return Lease(self, rec, "disk", data, pin)
+
+    def _hit(self, entry: _Entry, tier: str) -> None:
+        rec = entry.record
         entry.stats.hits += 1
         entry.stats.last_used = self._clock()
         if rec.id in self._ram:
@@ -178,12 +263,12 @@ class CheckpointPool:
             self._disk.touch(rec.id)
         self._counts[f"hits_{tier}"] += 1
         self._counts["hits_role_" + rec.role.value.replace("-", "_")] += 1
-        return Lease(self, rec, tier, data, pin)
 
     def _release(self, pin: Pin | None) -> None:
         if pin is not None:
-            with self._lock:
+            with self._cond:
                 self._ram.unpin(pin)
+                self._cond.notify_all()
 
     # -- changes -----------------------------------------------------------------------
 
@@ -199,7 +284,11 @@ class CheckpointPool:
         tenant: str = "",
         preview: str = "",
     ) -> CheckpointRecord | None:
-        """Store a copy of ``data`` as the state after ``tokens``; None if refused."""
+        """Store a copy of ``data`` as the state after ``tokens``; None if refused.
+
+        A FULL state that RAM cannot take (a RAM budget smaller than the state) is
+        written straight to disk, in this thread, without the lock.
+        """
         now = self._clock()
         rec = new_record(
             kind=kind,
@@ -215,18 +304,56 @@ class CheckpointPool:
             page_size=self.page_size,
             preview=preview,
         )
-        with self._lock:
-            entry = self._entries.get(rec.id)
-            if entry is not None:
-                return self._refresh(entry, rec, now)
-            blob = bytes(data)
-            entry = _Entry(rec, EntryStats(last_used=now))
-            if not self._ram.put(rec.id, blob, rec.nbytes + rec.token_bytes, entry.cls):
+        blob = bytes(data)  # copied before taking the lock: 16 MiB take milliseconds
+        cost = rec.nbytes + rec.token_bytes
+        deadline = time.monotonic() + _SPILL_WAIT_S
+        with self._cond:
+            while True:
+                entry = self._entries.get(rec.id)
+                if entry is not None:
+                    return self._refresh(entry, rec, now)
+                entry = _Entry(rec, EntryStats(last_used=now))
+                if self._ram.put(rec.id, blob, cost, entry.cls):
+                    self._add(entry)
+                    self._counts["inserts"] += 1
+                    self._queue_write(entry)
+                    return rec
+                left = deadline - time.monotonic()
+                if not (self._spilling and self._writer.running and left > 0):
+                    break
+                self._cond.wait(left)  # the writer frees RAM as spilled states land
+            job = self._claim_direct(entry, blob)
+            if job is None:
                 self._counts["refused"] += 1
+                if cost > self._ram.budget:
+                    self._warn_once(
+                        "too-big",
+                        "pool: refused a %s %s state: it exceeds the RAM budget of %s%s",
+                        format_size(rec.nbytes),
+                        rec.kind.value,
+                        format_size(self._ram.budget),
+                        "" if self._disk is None else " and the disk took none",
+                    )
                 return None
-            self._add(entry)
-            self._counts["inserts"] += 1
-            return rec
+        return rec if self._run_write(job) else None
+
+    def _claim_direct(self, entry: _Entry, blob: bytes) -> WriteJob | None:
+        rec = entry.record
+        if rec.kind is not Kind.FULL or self._disk is None or rec.id in self._writing:
+            return None
+        if rec.nbytes + rec.token_bytes > self._ram.budget:
+            self._warn_once(
+                "ram-small",
+                "pool: the RAM budget of %s is smaller than a %s state: such states go "
+                "straight to disk",
+                format_size(self._ram.budget),
+                format_size(rec.nbytes),
+            )
+        job = self._claim(entry, blob, None)
+        if job is not None:
+            job.direct = True
+            self._counts["direct_writes"] += 1
+        return job
 
     def _refresh(self, entry: _Entry, rec: CheckpointRecord, now: float) -> CheckpointRecord:
         old = entry.record
@@ -268,29 +395,157 @@ class CheckpointPool:
             return True
 
     def flush(self) -> int:
-        """Write every FULL entry held only in RAM to disk; returns how many were written."""
-        if self._disk is None:
-            return 0
-        written = 0
+        """Wait until every FULL entry held only in RAM is on disk; returns how many
+        of them were written while this call waited (by it or by the writer)."""
+        with self._cond:
+            if self._disk is None:
+                return 0
+            dirty = [i for i, e in self._entries.items() if self._dirty(e)]
+            for entry_id in dirty:
+                if entry_id not in self._writing:
+                    self._writer.enqueue(entry_id)
+            while self._writer.running and any(
+                i in self._writer.queue or i in self._writing for i in dirty
+            ):
+                self._cond.wait(0.5)
+        for entry_id in dirty:  # what a stopped or broken writer left: written here
+            with self._cond:
+                while entry_id in self._writing:
+                    self._cond.wait(0.5)
+                self._writer.discard(entry_id)
+                job = self._claim_queued(entry_id)
+            if job is not None:
+                self._run_write(job)
         with self._lock:
-            for entry_id in list(self._entries):
-                entry = self._entries.get(entry_id)
-                data = self._ram.get(entry_id)
-                if entry is None or data is None or entry.record.kind is not Kind.FULL:
-                    continue
-                if entry_id not in self._disk and self._disk.write(entry.record, data):
-                    written += 1
-        return written
+            return sum(1 for i in dirty if self._on_disk(i))
 
     def close(self) -> None:
-        """Flush to disk, then release the RAM tier."""
-        with self._lock:
+        """Write every FULL state to disk, then release RAM and the disk directory.
+
+        A second call (or one racing the first) waits for the first and loses nothing.
+        """
+        with self._close_lock:
+            self._writer.stop()
             self.flush()
-            for entry_id in list(self._ram.ids()):
-                self._ram.remove(entry_id)
-                self._forget_if_homeless(entry_id)
+            with self._cond:
+                while self._writing:  # a direct write of an insert racing this close
+                    self._cond.wait(0.5)
+                for entry_id in list(self._ram.ids()):
+                    self._ram.remove(entry_id)
+                for pin in self._spilling.values():  # only states whose write failed
+                    self._ram.unpin(pin)
+                self._spilling.clear()
+                self._entries.clear()
+                self._by_lane.clear()
+                self._index = Index()
+                self._writer.queue.clear()
+                if self._dir_lock is not None:
+                    self._dir_lock.release()
+                    self._dir_lock = None
+                if self._disk is not None:
+                    self.disk_status = "closed"
+                self._disk = None
+
+    # -- the disk writer ---------------------------------------------------------------
+
+    def _dirty(self, entry: _Entry) -> bool:
+        rec = entry.record
+        return (
+            rec.kind is Kind.FULL
+            and not entry.no_disk
+            and self._in_memory(rec.id)
+            and not self._on_disk(rec.id)
+        )
+
+    def _queue_write(self, entry: _Entry) -> None:
+        if self._disk is not None and self._writer.usable and self._dirty(entry):
+            self._writer.enqueue(entry.record.id)
+
+    def _claim_queued(self, entry_id: str) -> WriteJob | None:
+        """A write of a state in memory: pin its bytes and reserve its file (lock held)."""
+        entry = self._entries.get(entry_id)
+        if entry is None or not self._dirty(entry) or entry_id in self._writing:
+            return None
+        if entry_id in self._ram:
+            pin = self._ram.pin(entry_id)
+        else:
+            pin = self._spilling[entry_id]
+            self._ram.pin_slot(pin)
+        job = self._claim(entry, pin.data, pin)
+        if job is None:
+            self._ram.unpin(pin)
+            self._end_spill(entry_id)  # the disk cannot take it: a spilled state is lost
+        return job
+
+    def _claim(self, entry: _Entry, data: Buffer, pin: Pin | None) -> WriteJob | None:
+        disk = self._disk
+        if disk is None:
+            return None
+        if disk.reserve(entry.record) is None:
+            entry.no_disk = True
+            return None
+        job = WriteJob(entry.record, data, pin, disk)
+        self._writing[entry.record.id] = job
+        return job
+
+    def _run_write(self, job: WriteJob) -> bool:
+        """Write the file without the lock, then publish it under the lock."""
+        error: OSError | None = None
+        ok = False
+        try:
+            job.disk.write_file(job.record, job.data)
+            ok = True
+        except OSError as e:
+            error = e
+        finally:
+            with self._cond:
+                self._finish_write(job, ok)
+                self._cond.notify_all()
+        if error is not None:
+            self._warn_once(
+                "write",
+                "disk: writing %s failed: %s (later failures are logged at debug level)",
+                job.record.id,
+                error,
+            )
+        return ok
+
+    def _finish_write(self, job: WriteJob, ok: bool) -> None:
+        entry_id = job.record.id
+        del self._writing[entry_id]
+        entry = self._entries.get(entry_id)
+        if ok and (entry is not None or job.direct):
+            job.disk.commit(entry_id)
+            self._counts["disk_writes"] += 1
+            if entry is None:
+                self._add(_Entry(job.record, EntryStats(last_used=job.record.created)))
+        else:
+            job.disk.cancel(entry_id)
+            if ok:  # removed while being written: the file is not wanted
+                (job.disk.path / file_name(entry_id)).unlink(missing_ok=True)
+            else:
+                self._counts["disk_write_errors"] += 1
+                if entry is not None:
+                    entry.no_disk = True
+        if job.pin is not None:
+            self._ram.unpin(job.pin)
+        self._end_spill(entry_id)
+
+    def _end_spill(self, entry_id: str) -> None:
+        """Release a spilled state's RAM bytes (it is on disk now, or lost)."""
+        pin = self._spilling.pop(entry_id, None)
+        if pin is not None:
+            self._ram.unpin(pin)
+            self._forget_if_homeless(entry_id)
 
     # -- bookkeeping -------------------------------------------------------------------
+
+    def _warn_once(self, key: str, msg: str, *args: object) -> None:
+        if key in self._warned:
+            log.debug(msg, *args)
+        else:
+            self._warned.add(key)
+            log.warning(msg, *args)
 
     def _add(self, entry: _Entry) -> None:
         rec = entry.record
@@ -302,6 +557,7 @@ class CheckpointPool:
     def _forget(self, entry_id: str) -> None:
         entry = self._entries.pop(entry_id)
         self._index.remove(entry_id)
+        self._writer.discard(entry_id)
         lane = entry.record.lane
         if lane is not None:
             ids = self._by_lane[lane]
@@ -309,28 +565,49 @@ class CheckpointPool:
             if not ids:
                 del self._by_lane[lane]
 
+    def _in_memory(self, entry_id: str) -> bool:
+        return entry_id in self._ram or entry_id in self._spilling
+
+    def _on_disk(self, entry_id: str) -> bool:
+        return self._disk is not None and entry_id in self._disk
+
     def _forget_if_homeless(self, entry_id: str) -> None:
-        in_disk = self._disk is not None and entry_id in self._disk
-        if entry_id in self._entries and entry_id not in self._ram and not in_disk:
+        if entry_id in self._entries and not self._in_memory(entry_id) and not self._on_disk(
+            entry_id
+        ):
             self._forget(entry_id)
 
     def _remove(self, entry_id: str) -> None:
         self._ram.remove(entry_id)
+        pin = self._spilling.pop(entry_id, None)
+        if pin is not None:
+            self._ram.unpin(pin)
         if self._disk is not None:
             self._disk.remove(entry_id)
         self._forget(entry_id)
 
-    def _on_ram_evict(self, entry_id: str, data: bytes | bytearray) -> None:
+    def _on_ram_evict(self, slot: Pin) -> bool:
+        """Keep (True) the bytes of a FULL state not yet on disk, for the writer."""
+        entry_id = slot.entry_id
         entry = self._entries[entry_id]
         self._counts["evictions"] += 1
-        disk = self._disk
-        spill = entry.record.kind is Kind.FULL and disk is not None and entry_id not in disk
-        if spill and disk is not None and disk.write(entry.record, data):
+        if self._disk is not None and self._writer.usable and self._dirty_evicted(entry):
+            self._spilling[entry_id] = slot
             self._counts["spills"] += 1
+            self._writer.enqueue(entry_id)
+            return True
         self._forget_if_homeless(entry_id)
+        return False
+
+    def _dirty_evicted(self, entry: _Entry) -> bool:
+        rec = entry.record
+        return rec.kind is Kind.FULL and not entry.no_disk and not self._on_disk(rec.id)
 
     def _on_disk_evict(self, entry_id: str) -> None:
         self._counts["disk_evictions"] += 1
+        entry = self._entries.get(entry_id)
+        if entry is not None:
+            entry.no_disk = True  # least valuable by the disk's LRU: no rewrite, no churn
         self._forget_if_homeless(entry_id)
 
     # -- reports -----------------------------------------------------------------------
@@ -338,14 +615,13 @@ class CheckpointPool:
     def _describe(self, entry: _Entry) -> dict[str, Any]:
         rec = entry.record
         tiers = [
-            t for t, ok in (("ram", rec.id in self._ram), ("disk", self._on_disk(rec.id))) if ok
+            t
+            for t, ok in (("ram", self._in_memory(rec.id)), ("disk", self._on_disk(rec.id)))
+            if ok
         ]
         out = rec.to_json()
         out.update(last_used=entry.stats.last_used, hits=entry.stats.hits, tiers=tiers)
         return out
-
-    def _on_disk(self, entry_id: str) -> bool:
-        return self._disk is not None and entry_id in self._disk
 
     def describe(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -373,19 +649,9 @@ class CheckpointPool:
                 "disk_bytes": disk.used if disk is not None else 0,
                 "disk_budget": disk.budget if disk is not None else 0,
                 "quarantined": disk.quarantined if disk is not None else 0,
+                "write_queue": len(self._writer) + len(self._writing),
             }
-            for key in (
-                "inserts",
-                "refreshes",
-                "misses",
-                "hits_ram",
-                "hits_disk",
-                "evictions",
-                "disk_evictions",
-                "spills",
-                "promotions",
-                "refused",
-            ):
+            for key in _COUNTERS:
                 out[key] = self._counts[key]
             for role in Role:
                 key = "hits_role_" + role.value.replace("-", "_")
@@ -400,21 +666,32 @@ class CheckpointPool:
             if self._disk is not None:
                 self._disk.sanity_check()
                 disk_ids = set(self._disk.ids())
+                if set(self._disk.reserved_ids()) != set(self._writing):
+                    raise RuntimeError("pool: disk reservations differ from the writes running")
+            elif self._writing:
+                raise RuntimeError("pool: writes running without a disk tier")
             ram_ids = set(self._ram.ids())
-            if not (ram_ids | disk_ids) <= set(self._entries):
+            spill_ids = set(self._spilling)
+            if not (ram_ids | disk_ids | spill_ids) <= set(self._entries):
                 raise RuntimeError("pool: a tier holds an id that is not an entry")
+            if ram_ids & spill_ids:
+                raise RuntimeError("pool: a spilled state is still in the RAM tier")
+            for entry_id, pin in self._spilling.items():
+                if not pin.doomed or pin.pins < 1 or pin.entry_id != entry_id:
+                    raise RuntimeError(f"pool: spilled state {entry_id} is not held")
             if len(self._index) != len(self._entries):
                 raise RuntimeError(
                     f"pool: {len(self._index)} indexed, {len(self._entries)} entries"
                 )
             lanes: dict[int, set[str]] = {}
+            homes = ram_ids | disk_ids | spill_ids
             for entry_id, entry in self._entries.items():
                 rec = entry.record
                 if rec.id != entry_id or entry_id not in self._index:
                     raise RuntimeError(f"pool: entry {entry_id} is not indexed")
-                if entry_id not in ram_ids and entry_id not in disk_ids:
+                if entry_id not in homes:
                     raise RuntimeError(f"pool: entry {entry_id} is in no tier")
-                if rec.kind is Kind.PARTIAL and entry_id in disk_ids:
+                if rec.kind is Kind.PARTIAL and (entry_id in disk_ids or entry_id in spill_ids):
                     raise RuntimeError(f"pool: partial entry {entry_id} is on disk")
                 if rec.lane is not None:
                     lanes.setdefault(rec.lane, set()).add(entry_id)

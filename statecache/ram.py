@@ -2,6 +2,8 @@
 
 Each unpinned entry sits in exactly one OrderedDict (its eviction class, oldest
 first); pinned entries sit in none, so eviction never scans and never touches them.
+An entry removed while pinned, or evicted into the hands of the disk writer, is
+"doomed": it keeps its bytes, counted in the budget, until its last pin goes.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ class Pin:
     doomed: bool = False  # removed while pinned: freed on the last unpin
 
 
-EvictCallback = Callable[[str, bytes | bytearray], None]
+# Told of each eviction; returns True to keep the bytes (the slot stays, doomed and
+# pinned once for the caller, who unpins it when done: the disk writer does so).
+EvictCallback = Callable[[Pin], bool]
 
 
 class RamTier:
@@ -56,6 +60,7 @@ class RamTier:
         self.budget = budget
         self.used = 0  # every byte held, including removed-but-leased entries
         self.pinned = 0  # bytes of entries that cannot be evicted now
+        self.leaving = 0  # bytes of doomed entries: freed as their last pin goes
         self.evictions = 0
         self._on_evict = on_evict
         self._slots: dict[str, Pin] = {}
@@ -75,27 +80,28 @@ class RamTier:
         return None if slot is None else slot.data
 
     def put(self, entry_id: str, data: bytes | bytearray, cost: int, cls: EvictionClass) -> bool:
-        """Store ``data``, evicting others first; False (nothing changed) if it cannot fit."""
+        """Store ``data``, evicting others first; False if it does not fit.
+
+        Over the whole budget or blocked by live pins: False with nothing changed. Else
+        it evicts exactly what makes room once doomed bytes are freed, and returns
+        False if those are still held (try again when they go).
+        """
         if entry_id in self._slots:
             raise RuntimeError(f"ram: {entry_id} is already stored")
         if cost > self.budget:
-            log.warning(
-                "ram: refused %s: %s exceeds the whole budget of %s",
-                entry_id,
-                format_size(cost),
-                format_size(self.budget),
-            )
             return False
-        if self.budget - self.pinned < cost:
+        if self.budget - (self.pinned - self.leaving) < cost:
             log.info(
                 "ram: refused %s (%s): the rest of the budget is pinned",
                 entry_id,
                 format_size(cost),
             )
             return False
-        while self.used + cost > self.budget:
+        while self.used - self.leaving + cost > self.budget:
             if not self._evict_one():
                 raise RuntimeError("ram: evictable bytes ran out before the budget was met")
+        if self.used + cost > self.budget:
+            return False
         self._slots[entry_id] = Pin(entry_id, data, cost, cls)
         self._lru[cls][entry_id] = None
         self.used += cost
@@ -117,6 +123,12 @@ class RamTier:
         slot.pins += 1
         return slot
 
+    def pin_slot(self, slot: Pin) -> None:
+        """One more pin on a slot that already holds one (a doomed slot has no id here)."""
+        if slot.pins <= 0:
+            raise RuntimeError(f"ram: {slot.entry_id} is not pinned")
+        slot.pins += 1
+
     def unpin(self, slot: Pin) -> None:
         if slot.pins <= 0:
             raise RuntimeError(f"ram: unpinning {slot.entry_id} which is not pinned")
@@ -127,6 +139,7 @@ class RamTier:
         if slot.doomed:
             self._doomed.remove(slot)
             self.used -= slot.cost
+            self.leaving -= slot.cost
         else:
             self._lru[slot.cls][slot.entry_id] = None  # released = most recently used
 
@@ -136,12 +149,16 @@ class RamTier:
         if slot is None:
             return False
         if slot.pins:
-            slot.doomed = True
-            self._doomed.add(slot)
+            self._doom(slot)
         else:
             del self._lru[slot.cls][entry_id]
             self.used -= slot.cost
         return True
+
+    def _doom(self, slot: Pin) -> None:
+        slot.doomed = True
+        self._doomed.add(slot)
+        self.leaving += slot.cost
 
     def ids(self) -> Iterator[str]:
         return iter(self._slots)
@@ -157,10 +174,13 @@ class RamTier:
             if lru:
                 entry_id, _ = lru.popitem(last=False)
                 slot = self._slots.pop(entry_id)
-                self.used -= slot.cost
                 self.evictions += 1
-                if self._on_evict is not None:
-                    self._on_evict(entry_id, slot.data)
+                if self._on_evict is not None and self._on_evict(slot):
+                    slot.pins = 1
+                    self.pinned += slot.cost
+                    self._doom(slot)
+                else:
+                    self.used -= slot.cost
                 return True
         return False
 
@@ -185,3 +205,5 @@ class RamTier:
             raise RuntimeError("ram: an unpinned entry is missing from the eviction lists")
         if any(not s.pins or not s.doomed for s in self._doomed):
             raise RuntimeError("ram: a removed entry still holds bytes with no lease")
+        if sum(s.cost for s in self._doomed) != self.leaving:
+            raise RuntimeError(f"ram: {self.leaving} doomed bytes accounted, wrong sum")

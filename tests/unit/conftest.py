@@ -39,6 +39,7 @@ def make_pool(tmp_path: Path) -> Iterator[PoolFactory]:
         path: Path | None = None,
         **kw: object,
     ) -> CheckpointPool:
+        kw.setdefault("secret_path", str(tmp_path / "keys" / "secret.key"))
         cfg = CacheConfig(
             page_size=4,
             ram_budget=ram,
@@ -54,6 +55,7 @@ def make_pool(tmp_path: Path) -> Iterator[PoolFactory]:
     yield make
     for pool in pools:
         pool.sanity_check()
+        pool.close()  # ends its disk writer and unlocks its directory
 
 
 def put(

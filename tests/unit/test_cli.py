@@ -55,17 +55,22 @@ def test_verify_reports_bad_files(
     disk: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     d, ids = disk
-    assert main(["verify", "--disk-path", str(d)]) == 0
+    key = ["--secret-path", str(d.parent / "keys" / "secret.key")]
+    assert main(["verify", "--disk-path", str(d), *key]) == 0
     assert "3 ok, 0 bad" in capsys.readouterr().out
     f = d / f"{ids[2]}.ckpt"
     raw = bytearray(f.read_bytes())
-    raw[-20] ^= 0xFF
+    raw[-40] ^= 0xFF  # a state byte
     f.write_bytes(bytes(raw))
-    assert main(["verify", "--disk-path", str(d), "--json"]) == 1
+    assert main(["verify", "--disk-path", str(d), "--json", *key]) == 1
     report = json.loads(capsys.readouterr().out)
     assert len(report["ok"]) == 2 and report["bad"] == [
-        {"file": f.name, "reason": "digest mismatch"}
+        {"file": f.name, "reason": "MAC mismatch (forged or corrupt)"}
     ]
+    # Without the key nothing can be verified: said plainly, not "all bad".
+    missing = ["--secret-path", str(d.parent / "nokey" / "secret.key")]
+    assert main(["verify", "--disk-path", str(d), *missing]) == 1
+    assert "cannot use the key file" in capsys.readouterr().err
 
 
 def test_purge(disk: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from statecache.diskfmt import HEADER, read_checkpoint
+from statecache.diskfmt import HEADER, file_size, read_checkpoint
 from statecache.records import Kind, Owner, Role
 from tests.unit.conftest import PoolFactory, put
 
@@ -27,14 +27,14 @@ def saved(make_pool: PoolFactory, tmp_path: Path, n: int = 13) -> tuple[str, Pat
 
 def flip_data_bit(p: Path) -> None:
     raw = bytearray(p.read_bytes())
-    raw[-20] ^= 0x01  # inside the state bytes, just before the digest
+    raw[-40] ^= 0x01  # inside the state bytes, just before the MAC
     p.write_bytes(bytes(raw))
 
 
 def huge_length(p: Path) -> None:
     raw = bytearray(p.read_bytes())
-    magic, ver, flags, hl, ml, _ = HEADER.unpack_from(raw)
-    raw[: HEADER.size] = HEADER.pack(magic, ver, flags, hl, ml, 2**39)
+    magic, ver, flags, hl, ml, _, kid = HEADER.unpack_from(raw)
+    raw[: HEADER.size] = HEADER.pack(magic, ver, flags, hl, ml, 2**39, kid)
     p.write_bytes(bytes(raw))
 
 
@@ -121,16 +121,17 @@ def test_renamed_file_symlink_and_bad_names(make_pool: PoolFactory, tmp_path: Pa
 def test_file_format_round_trip_and_dir_mode(make_pool: PoolFactory, tmp_path: Path) -> None:
     entry_id, path = saved(make_pool, tmp_path)
     assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o700
-    fm, data = read_checkpoint(path)
+    fm, data = read_checkpoint(path, (tmp_path / "keys" / "secret.key").read_bytes())
     assert fm.id == entry_id and bytes(data) == b"S" * 64 and fm.meta["n"] == 13
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]
 
 
 def test_disk_budget_evicts_least_recently_used(make_pool: PoolFactory, tmp_path: Path) -> None:
-    # Each file is 315 bytes; a 700-byte disk holds two.
-    pool = make_pool(ram=10_000, disk=700)
+    # Each file is 371 bytes; an 800-byte disk holds two.
+    pool = make_pool(ram=10_000, disk=800)
     recs = [put(pool, [50 + i] + T[:8], bytes([i]) * 64) for i in range(3)]
-    assert pool.flush() == 3
+    assert {file_size(r) for r in recs} == {371}
+    pool.flush()
     # The oldest written file went first; its RAM copy still serves.
     assert [e["tiers"] for e in sorted(pool.describe(), key=lambda e: e["created"])] == [
         ["ram"],

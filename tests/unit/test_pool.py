@@ -50,31 +50,37 @@ def test_refresh_keeps_one_entry_and_the_stronger_role(make_pool: PoolFactory) -
     assert pool.stats()["refreshes"] == 2
 
 
-def test_pool_eviction_order_and_spill(make_pool: PoolFactory) -> None:
+def test_pool_eviction_order_and_write_through(make_pool: PoolFactory) -> None:
     # Each entry costs 20 state bytes + 4*8 token bytes = 52; the budget holds 4.
     pool = make_pool(ram=4 * 52, disk=100_000)
     recs = {}
     for i, role in enumerate([Role.BRANCH, Role.END_OF_REPLY, Role.PERIODIC, Role.REPLAY]):
         recs[i] = put(pool, [100 + i] + T[:7], bytes([i]) * 20, role=role)
-    # Hit entry 1 (end-of-reply): it moves to the warm class.
+    # FULL states reach the disk in the background, in the order they came.
+    pool.flush()
+    assert list(pool._disk.ids()) == [recs[i].id for i in range(4)]  # type: ignore[union-attr]
+    # Hit entry 1 (end-of-reply): it moves to the warm class, and to the disk's MRU end.
     toks = [101] + T[:7]
     pool.lookup(toks, pool.chain(toks)).close()  # type: ignore[union-attr]
     # Four branch entries push out: periodic 2, then the warm class in LRU order 0, 3, 1.
-    for i in range(4, 8):
+    gone: list[str] = []
+    for i, victim in zip(range(4, 8), (2, 0, 3, 1), strict=True):
         recs[i] = put(pool, [100 + i] + T[:7], bytes([i]) * 20, role=Role.BRANCH)
-    order = [recs[i].id for i in (2, 0, 3, 1)]
-    assert ids_in(pool, "ram") == {d["id"] for d in pool.describe()} - set(order)
-    # FULL entries evicted from RAM were spilled to disk, in that order.
-    assert list(pool._disk.ids()) == order  # type: ignore[union-attr]
+        gone.append(recs[victim].id)
+        assert ids_in(pool, "ram") == {r.id for r in recs.values()} - set(gone)
+    pool.flush()
+    assert ids_in(pool, "disk") == {r.id for r in recs.values()}
     s = pool.stats()
-    assert (s["evictions"], s["spills"], s["ram_bytes"]) == (4, 4, 4 * 52)
-    # A disk hit is promoted back into RAM, evicting (and spilling) the oldest: entry 4.
+    assert (s["evictions"], s["ram_bytes"], s["disk_writes"]) == (4, 4 * 52, 8)
+    # A disk hit is promoted back into RAM, evicting the oldest: entry 4 (on disk already).
     toks = [100] + T[:7]
     with pool.lookup(toks, pool.chain(toks)) as lease:  # type: ignore[union-attr]
         assert lease.tier == "disk" and bytes(lease.data) == bytes([0]) * 20
     assert recs[0].id in ids_in(pool, "ram") and pool.stats()["promotions"] == 1
-    # Disk LRU order: 4 was spilled, then 0 (just used) is the most recent.
-    assert list(pool._disk.ids()) == [recs[i].id for i in (2, 3, 1, 4, 0)]  # type: ignore[union-attr]
+    assert recs[4].id not in ids_in(pool, "ram")
+    # Disk LRU order: 0..3 written, 1 used, 4..7 written, 0 used.
+    disk_order = [recs[i].id for i in (2, 3, 1, 4, 5, 6, 7, 0)]
+    assert list(pool._disk.ids()) == disk_order  # type: ignore[union-attr]
 
 
 def test_partial_entries_never_reach_disk_and_drop_with_their_lane(
@@ -141,8 +147,10 @@ def test_restart_serves_hits_from_disk(make_pool: PoolFactory) -> None:
     with again.lookup(T, again.chain(T)) as lease:  # type: ignore[union-attr]
         assert lease.tier == "disk" and bytes(lease.data) == b"state" * 4
         assert lease.record.n == 13 and lease.record.page_hashes == rec.page_hashes
-    # Another model's pool over the same directory sees nothing.
-    assert make_pool(fingerprint="other-model").describe() == []
+    again.close()
+    # Another model's pool over the same directory sees nothing (and leaves it be).
+    other = make_pool(fingerprint="other-model")
+    assert other.disk_status == "ok" and other.describe() == []
 
 
 def test_tenants_do_not_see_each_other(make_pool: PoolFactory) -> None:
@@ -208,4 +216,4 @@ def test_random_workload_never_exceeds_ram_budget(make_pool: PoolFactory) -> Non
     for lease in held:
         lease.close()
     s = pool.stats()
-    assert s["evictions"] > 0 and s["hits_ram"] > 0 and s["spills"] > 0
+    assert s["evictions"] > 0 and s["hits_ram"] > 0 and s["disk_writes"] > 0

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from statecache.ram import EvictionClass, RamTier, eviction_class
+from statecache.ram import EvictionClass, Pin, RamTier, eviction_class
 from statecache.records import Role
 
 COLD, PERIODIC, WARM = EvictionClass.COLD, EvictionClass.PERIODIC, EvictionClass.WARM
@@ -16,7 +16,12 @@ def test_eviction_class_of_roles() -> None:
 
 def test_exact_eviction_order_with_pins() -> None:
     evicted: list[str] = []
-    ram = RamTier(5, on_evict=lambda i, _: evicted.append(i))
+
+    def on_evict(slot: Pin) -> bool:
+        evicted.append(slot.entry_id)
+        return False  # the bytes go
+
+    ram = RamTier(5, on_evict=on_evict)
     # Five entries of one byte fill the budget.
     for name, cls in [("a", COLD), ("b", PERIODIC), ("c", WARM), ("d", COLD), ("e", PERIODIC)]:
         assert ram.put(name, b"x", 1, cls)
@@ -67,4 +72,38 @@ def test_removing_a_pinned_entry_frees_bytes_on_release() -> None:
     assert ram.used == 8
     ram.unpin(pin)
     assert ram.used == 4 and ram.get("a") == b"yyyy"
+    ram.sanity_check()
+
+
+def test_evicted_bytes_kept_for_the_writer_count_until_released() -> None:
+    # The pool keeps an evicted state not yet on disk: it stays in the byte count,
+    # pinned once, until the writer has written it.
+    kept: list[Pin] = []
+
+    def keep_a(slot: Pin) -> bool:
+        if slot.entry_id == "a":
+            kept.append(slot)
+            return True
+        return False
+
+    ram = RamTier(10, on_evict=keep_a)
+    assert ram.put("a", b"x" * 4, 4, COLD)
+    assert ram.put("b", b"x" * 4, 4, WARM)
+    # c needs 4 of the 2 free bytes: a (cold) goes first, kept; nothing else is
+    # evicted, but a's bytes still count, so c must wait.
+    assert not ram.put("c", b"x" * 4, 4, WARM)
+    assert [s.entry_id for s in kept] == ["a"] and "a" not in ram and "b" in ram
+    assert (ram.used, ram.leaving, ram.pinned) == (8, 4, 4)
+    ram.sanity_check()
+    # Still waiting: b is not evicted for nothing.
+    assert not ram.put("c", b"x" * 4, 4, WARM)
+    assert "b" in ram
+    # A lease on the kept slot, then the writer lets go: the bytes stay for the lease.
+    ram.pin_slot(kept[0])
+    ram.unpin(kept[0])
+    assert ram.used == 8
+    ram.unpin(kept[0])
+    assert (ram.used, ram.leaving, ram.pinned) == (4, 0, 0)
+    assert ram.put("c", b"x" * 4, 4, WARM)
+    assert sorted(ram.ids()) == ["b", "c"]
     ram.sanity_check()
