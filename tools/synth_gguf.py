@@ -234,6 +234,11 @@ HYBRID_TINY = Qwen35Shape(
     n_embd=256, n_layer=8, n_ff=768, n_head=4, n_head_kv=2, head_dim=64, n_rot=16,
     rope_sections=(3, 3, 2, 0), ssm_d_state=32, ssm_n_group=4, ssm_dt_rank=4,
 )
+# Between the two: fast enough to measure the proxy's own cost per token and per request.
+HYBRID_MID = Qwen35Shape(
+    n_embd=512, n_layer=12, n_ff=1536, n_head=8, n_head_kv=2, head_dim=64, n_rot=16,
+    rope_sections=(3, 3, 2, 0), ssm_d_state=64, ssm_n_group=8, ssm_dt_rank=8,
+)
 # Qwen3.5-0.8B's shapes (its vocabulary aside).
 HYBRID_BENCH = Qwen35Shape(
     n_embd=1024, n_layer=24, n_ff=3584, n_head=8, n_head_kv=2, head_dim=256, n_rot=64,
@@ -425,6 +430,11 @@ SPECS: dict[str, Spec] = {
         "draft-tiny.gguf", "llama",
         "statecache synthetic: plain-attention draft model, random weights",
         build_llama,
+    ),
+    "mid": Spec(
+        "hybrid-mid.gguf", "qwen35",
+        "statecache synthetic: qwen35 hybrid, 12 layers of width 512, Q8_0, random weights",
+        lambda w, m: build_qwen35(w, m, HYBRID_MID, QT.Q8_0),
     ),
     "bench": Spec(
         "hybrid-bench.gguf", "qwen35",

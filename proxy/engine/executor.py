@@ -331,6 +331,9 @@ class Executor:
         """
         batch = self.ctx.batch
         batch.clear()
+        # llama.cpp splits a batch of separate lanes into ubatches of consecutive lane
+        # ids (kv_unified off): in lane order, one ubatch takes every decoding lane.
+        works.sort(key=lambda w: w.job.lane.id if w.job.lane is not None else -1)
         for w in works:
             job, lane = w.job, w.job.lane
             assert lane is not None

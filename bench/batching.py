@@ -1,0 +1,201 @@
+"""Batched steps under load, statecache against llama-server on the same model, threads
+and number of lanes (slots), side by side in one run:
+
+1. aggregate decode tokens/s with 1, 2 and 4 concurrent streams (and each as a ratio
+   to the system's own one-stream rate), and one stream against ``proxy.engine.binding``
+   decoding the same way in a loop (no HTTP);
+2. inter-token latency p50/p95 of a stream while another request prefills a long
+   prompt, against the same stream's quiet p50/p95;
+3. TTFT of a short request sent right behind a long one.
+
+    python -m bench.batching --model models/hybrid-mid.gguf --json results/batching.json
+
+Token arrival times come from the client (``/v1/completions``, streaming): on the
+synthetic models one character is one token. A chunk that carries k tokens counts as
+one gap then k-1 gaps of zero, which is what a reader of the stream sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.harness import _sse_lines
+from bench.servers import LLAMA_SERVER, ModelSpec, running
+
+WORDS = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "theta", "kappa")
+
+
+def _prompt(n_chars: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    out: list[str] = []
+    size = 0
+    while size < n_chars:
+        w = WORDS[int(rng.integers(len(WORDS)))]
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)[:n_chars]
+
+
+def _stream(url: str, prompt: str, max_tokens: int,
+            stop: threading.Event | None = None) -> dict[str, Any]:
+    """One streaming completion: send time, token arrival times, usage. ``stop`` set:
+    the client leaves."""
+    body = {"model": "bench", "prompt": prompt, "stream": True, "temperature": 0.0,
+            "max_tokens": max_tokens, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    arrivals: list[float] = []
+    usage: dict[str, Any] = {}
+    for line in _sse_lines(url, body, "/v1/completions"):
+        if stop is not None and stop.is_set():
+            break
+        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+            continue
+        obj = json.loads(line[5:])
+        usage = obj.get("usage") or usage
+        now = time.perf_counter()
+        for ch in obj.get("choices") or []:
+            arrivals += [now] * len(ch.get("text") or "")
+    return {"t0": t0, "arrivals": arrivals, "usage": usage}
+
+
+def _in_threads(jobs: list[tuple[str, int, float]], url: str) -> list[dict[str, Any]]:
+    """Run (prompt, max_tokens, delay) streams at once, each in its own thread."""
+    out: list[dict[str, Any]] = [{} for _ in jobs]
+
+    def run(i: int, prompt: str, n: int, delay: float) -> None:
+        time.sleep(delay)
+        out[i] = _stream(url, prompt, n)
+
+    threads = [threading.Thread(target=run, args=(i, *j)) for i, j in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def _gaps(arrivals: list[float], lo: float, hi: float) -> list[float]:
+    return [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if lo <= b <= hi]
+
+
+def aggregate_decode(url: str, n_out: int, streams: int) -> float:
+    """Tokens/s of ``streams`` concurrent streams, over the span where all decode."""
+    res = _in_threads([(_prompt(200, 10 + i), n_out, 0.0) for i in range(streams)], url)
+    start = max(r["arrivals"][0] for r in res)
+    end = min(r["arrivals"][-1] for r in res)
+    n = sum(sum(1 for t in r["arrivals"] if start <= t <= end) for r in res)
+    return n / (end - start) if end > start else float("nan")
+
+
+def itl_during_prefill(url: str, n_long: int, max_tokens: int) -> dict[str, float]:
+    """A stream decodes quietly for a while, then a long prompt arrives beside it; the
+    stream's client leaves once the long prompt's first token is out."""
+    stop = threading.Event()
+    got: dict[str, Any] = {}
+
+    def reader() -> None:
+        got["stream"] = _stream(url, _prompt(200, 1), max_tokens, stop)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    time.sleep(1.5)
+    long = _stream(url, _prompt(n_long, 2), 1)
+    time.sleep(0.2)
+    stop.set()
+    t.join()
+    stream = got["stream"]
+    t_first_long = long["arrivals"][0] if long["arrivals"] else long["t0"]
+    quiet = _gaps(stream["arrivals"], stream["arrivals"][0], long["t0"])
+    busy = _gaps(stream["arrivals"], long["t0"], t_first_long)
+    return {"quiet_p50_ms": 1000 * _pct(quiet, 50), "quiet_p95_ms": 1000 * _pct(quiet, 95),
+            "busy_p50_ms": 1000 * _pct(busy, 50), "busy_p95_ms": 1000 * _pct(busy, 95),
+            "long_prefill_s": t_first_long - long["t0"], "busy_tokens": len(busy)}
+
+
+def short_behind_long(url: str, n_long: int) -> dict[str, float]:
+    res = _in_threads([(_prompt(n_long, 3), 1, 0.0), (_prompt(50, 4), 1, 0.2)], url)
+    long, short = res
+    return {"short_ttft_s": short["arrivals"][0] - short["t0"],
+            "long_ttft_s": long["arrivals"][0] - long["t0"]}
+
+
+def direct_decode(model_path: Path, n_out: int) -> float:
+    """One stream decoded by proxy.engine.binding in a loop: the floor of the proxy."""
+    from proxy.engine.binding import Context, ContextParams, Model
+
+    model = Model(model_path)
+    ctx = Context(model, ContextParams(n_ctx=4096, n_seq_max=1, n_batch=512, n_ubatch=512))
+    try:
+        toks = model.tokenize(_prompt(200, 10))
+        rates = []
+        for _ in range(3):
+            ctx.clear_all()
+            logits = ctx.prefill(0, toks, 0)
+            assert logits is not None
+            tok, pos = int(np.argmax(logits)), len(toks)
+            t0 = time.perf_counter()
+            for _ in range(n_out):
+                logits = ctx.prefill(0, [tok], pos)
+                assert logits is not None
+                tok, pos = int(np.argmax(logits)), pos + 1
+            rates.append(n_out / (time.perf_counter() - t0))
+        return statistics.median(rates)
+    finally:
+        ctx.close()
+        model.close()
+
+
+def run_system(system: str, spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with running(system, spec, n_ctx=args.n_ctx, lanes=4, log_dir=Path(args.log_dir)) as srv:
+        _stream(srv.url, _prompt(100, 0), 16)  # warm-up
+        out["decode_tps"] = {str(c): statistics.median(
+            aggregate_decode(srv.url, args.out_tokens, c) for _ in range(args.repeats))
+            for c in (1, 2, 4)}
+        out["itl"] = itl_during_prefill(srv.url, args.long, args.n_ctx - 512)
+        out["short_behind_long"] = short_behind_long(srv.url, args.long)
+        out["peak_rss_kb"] = srv.peak_rss_kb()
+    one = out["decode_tps"]["1"]
+    out["scaling"] = {c: v / one for c, v in out["decode_tps"].items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.batching")
+    p.add_argument("--model", default="models/hybrid-mid.gguf")
+    p.add_argument("--json", default="results/batching.json")
+    p.add_argument("--systems", default="statecache,llama-server")
+    p.add_argument("--n-ctx", type=int, default=12288, help="context per lane")
+    p.add_argument("--long", type=int, default=8000, help="tokens of the long prompt")
+    p.add_argument("--out-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--log-dir", default="results/logs")
+    a = p.parse_args(argv)
+    spec = ModelSpec(Path(a.model).stem, Path(a.model), is_gemma=False)
+    result: dict[str, Any] = {"model": spec.label, "date": time.strftime("%Y-%m-%d %H:%M"),
+                              "direct_decode_tps": direct_decode(spec.path, a.out_tokens)}
+    for system in a.systems.split(","):
+        if system == "llama-server" and not LLAMA_SERVER.exists():
+            result[system] = {"skipped": "not built (bench/build_llama_server.sh)"}
+            continue
+        result[system] = run_system(system, spec, a)
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
