@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 import time
 from collections.abc import AsyncIterator
+from types import MappingProxyType
 
 from aiohttp import web
 
 from proxy.api.app import ENGINE, Limits, create_app
+from proxy.api.auth import Access
+from proxy.api.transport import JsonErrorRunner
 from proxy.engine.scheduler import Engine
 from proxy.models import resolve_model
 from statecache.config import Config
@@ -30,9 +34,14 @@ def setup_logging(level: str) -> None:
 def build_app(cfg: Config) -> web.Application:
     """The app with an engine whose lifetime is the app's (closed on shutdown)."""
     engine = Engine(cfg, resolve_model(cfg.model.path))
-    limits = Limits(default_max_tokens=cfg.server.max_tokens_default,
-                    request_timeout=cfg.server.request_timeout or None)
-    app = create_app(engine, template_path=cfg.model.chat_template or None, limits=limits)
+    sc = cfg.server
+    limits = Limits(default_max_tokens=sc.max_tokens_default,
+                    request_timeout=sc.request_timeout or None, max_body=sc.max_body,
+                    parse_concurrency=sc.parse_concurrency)
+    access = Access(api_keys=MappingProxyType(dict(sc.api_keys)), admin_key=sc.admin_key,
+                    admin_routes=sc.admin)
+    app = create_app(engine, template_path=cfg.model.chat_template or None, limits=limits,
+                     access=access)
 
     async def engine_ctx(_app: web.Application) -> AsyncIterator[None]:
         yield
@@ -50,7 +59,17 @@ def serve(cfg: Config) -> int:
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         log.error("%s", e)
         return 1
+    if not _is_loopback(cfg.server.host) and not cfg.server.api_keys:
+        log.warning("listening on %s without server.api_keys: anyone who can reach the port "
+                    "may use it and choose any tenant", cfg.server.host)
     return asyncio.run(_serve(app, cfg.server.host, cfg.server.port))
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 async def _serve(app: web.Application, host: str, port: int) -> int:
@@ -62,7 +81,8 @@ async def _serve(app: web.Application, host: str, port: int) -> int:
     """
     # handler_cancellation: a client that goes away cancels its handler, which stops
     # its generation, also while it is queued or prefilling.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # JsonErrorRunner: what aiohttp refuses itself (a header too long) is JSON too.
+    runner = JsonErrorRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, shutdown_timeout=SHUTDOWN_GRACE_S)
     try:

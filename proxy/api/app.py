@@ -7,8 +7,12 @@ reasoning, content and tool calls (``parse``), as one JSON reply or as SSE.
 Choices:
 - ``max_tokens`` absent: ``min(n_ctx - prompt_tokens, server.max_tokens_default)``, so a
   reply never runs past the context and a forgotten limit does not run for minutes.
-- The tenant (cache namespace) is the ``X-Statecache-Tenant`` header, else the
-  request's ``user`` field, else "".
+- The tenant (cache namespace) is the API key's when keys are configured
+  (proxy/api/auth.py), else the ``X-Statecache-Tenant`` header, else the request's
+  ``user`` field, else "".
+- Memory per request is bounded: ``server.max_body``, ``server.parse_concurrency``
+  requests read and tokenized at once (proxy/api/intake.py), a prompt past the context
+  refused before it is tokenized (proxy/api/prompt.py).
 - ``/v1/completions`` prepends the engine's ``bos_token`` to the prompt unless it
   already starts with it (the engine's tokenize adds none).
 - Errors are OpenAI JSON always; a failure after an SSE stream started is sent as
@@ -37,6 +41,8 @@ from aiohttp import web
 from proxy.api.anthropic import parse_messages_request
 from proxy.api.anthropic_events import MessageEvents, message_body, new_tool_use_id
 from proxy.api.anthropic_events import error_body as anthropic_error_body
+from proxy.api.auth import Access, AuthError, identify
+from proxy.api.intake import BODY_LIMIT, SLOTS, read_json, release
 from proxy.api.metrics import CONTENT_TYPE, format_metrics
 from proxy.api.openai import (
     ApiError,
@@ -46,7 +52,8 @@ from proxy.api.openai import (
     parse_completion_request,
 )
 from proxy.api.openai_events import ChatChunks, Chunks, CompletionChunks, error_body
-from proxy.api.render import ChatTemplate, load_chat_template, render_chat
+from proxy.api.prompt import chat_prompt, completion_prompt
+from proxy.api.render import ChatTemplate, load_chat_template
 from proxy.api.reply import Delta, StreamParser, parse_reply, starts_in_reasoning
 from proxy.api.responses import ResponseStore, chat_request, parse_responses_request
 from proxy.api.responses_events import (
@@ -58,11 +65,10 @@ from proxy.api.responses_events import (
 )
 from proxy.engine.tokens import Tokenizer
 from proxy.engine.types import Event, FinishEvent, GenerationRequest, QueueFull, TokenLogprob
-from statecache.pages import as_tokens, common_prefix
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 32 * 1024 * 1024
+MAX_BODY = 8 * 1024 * 1024
 DEFAULT_MAX_TOKENS = 2048
 TENANT_HEADER = "X-Statecache-Tenant"
 
@@ -93,9 +99,13 @@ STARTED = web.AppKey("started", int)
 class Limits:
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # when a request names none
     request_timeout: float | None = None  # seconds a reply (or a stream's start) may take
+    max_body: int = MAX_BODY  # bytes; a larger body gets 413
+    parse_concurrency: int = 2  # requests read, parsed and tokenized at the same time
 
 
 LIMITS = web.AppKey("limits", Limits)
+ACCESS = web.AppKey("access", Access)
+TENANT = web.RequestKey("tenant", str)  # set when the tenant comes from the API key
 
 
 def error_response(status: int, message: str, *, param: str | None = None,
@@ -114,7 +124,7 @@ def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
     elif isinstance(e, web.HTTPNotFound):
         msg = f"no such endpoint: {request.method} {request.path}"
     elif isinstance(e, web.HTTPRequestEntityTooLarge):
-        msg = f"request body too large (the limit is {MAX_BODY // (1024 * 1024)} MiB)"
+        msg = f"request body too large (the limit is {request.app[LIMITS].max_body:,} bytes)"
     else:
         msg = e.text or e.reason
     return error_response(e.status, msg, headers=headers)
@@ -132,6 +142,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if e.status < 400:
             raise
         resp = _http_error(request, e)
+    except AuthError as e:
+        resp = error_response(e.status, str(e), code="invalid_api_key" if e.status == 401
+                              else "permission_denied")
     except ApiError as e:
         resp = error_response(400, str(e), param=e.param, code=e.code)
     except ValueError as e:
@@ -147,6 +160,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
         resp = error_response(500, "internal error (see the server log)")
+    finally:
+        release(request)
     if resp.status >= 400 and resp.status != 499 and isinstance(resp, web.Response):
         resp = _rejected(request, resp)
     route = request.match_info.route.resource
@@ -170,15 +185,24 @@ def _rejected(request: web.Request, resp: web.Response) -> web.Response:
                              headers=keep)
 
 
+@web.middleware
+async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Who is calling (proxy/api/auth.py); inside ``_errors``, so refusals are JSON."""
+    caller = identify(request.app[ACCESS], request.path, request.headers)
+    if caller.tenant is not None:
+        request[TENANT] = caller.tenant
+    return await handler(request)
+
+
 async def _json_body(request: web.Request) -> object:
-    raw = await request.read()  # HTTPRequestEntityTooLarge past client_max_size
-    try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise ApiError(f"the request body is not valid JSON: {e}") from None
+    # Holds a parse slot until _generation (or the end of the request) gives it back.
+    return await read_json(request)
 
 
 def _tenant(request: web.Request, user: str | None) -> str:
+    """The API key's tenant when keys are configured, never what the request says."""
+    if TENANT in request:
+        return request[TENANT]
     return request.headers.get(TENANT_HEADER) or user or ""
 
 
@@ -197,20 +221,18 @@ def _max_tokens(n_ctx: int, n_prompt: int, asked: int | None, param: str,
 
 def _tokenize_chat(engine: EngineLike, template: ChatTemplate, req: ChatRequest,
                    tenant: str) -> tuple[str, list[int], int | None]:
-    """(prompt, its tokens, tokens of the history before the generation prompt)."""
-    prompt = render_chat(template, req)
-    tokens = engine.tokenizer.tokenize_prompt(prompt, tenant)
-    # The engine keeps a replay checkpoint where the history ends: the next turn
-    # renders this reply its own way, but the history before it the same.
-    history = render_chat(template, req, add_generation_prompt=False)
-    if not prompt.startswith(history):
-        return prompt, tokens, None
-    history_ids = engine.tokenizer.tokenize_prompt(history, tenant)
-    return prompt, tokens, common_prefix(as_tokens(history_ids), as_tokens(tokens))
+    """(prompt, its tokens, tokens of the history before the generation prompt).
+
+    Client text stays text, a prompt past the context is refused before it is
+    tokenized, and it is tokenized once (proxy/api/prompt.py).
+    """
+    p = chat_prompt(engine.tokenizer, template, req, tenant, engine.n_ctx)
+    return p.text, p.tokens, p.history
 
 
 def _generation(request: web.Request, tokens: list[int], sampling: Sampling, prefix: str,
                 param: str, tenant: str, history: int | None = None) -> GenerationRequest:
+    release(request)  # the prompt is tokenized: the next request may be parsed
     max_tokens = _max_tokens(request.app[ENGINE].n_ctx, len(tokens), sampling.max_tokens, param,
                              request.app[LIMITS].default_max_tokens)
     return GenerationRequest(request_id=f"{prefix}-{secrets.token_hex(12)}",
@@ -348,7 +370,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine, tenant = request.app[ENGINE], _tenant(request, req.user)
     bos = engine.bos_token
     prompt = req.prompt if not bos or req.prompt.startswith(bos) else bos + req.prompt
-    tokens = await asyncio.to_thread(engine.tokenizer.tokenize_prompt, prompt, tenant)
+    tokens = await asyncio.to_thread(completion_prompt, engine.tokenizer, prompt, tenant,
+                                     engine.n_ctx, req.sampling.max_tokens)
     gen = _generation(request, tokens, req.sampling, "cmpl", "prompt", tenant)
     chunks = CompletionChunks(gen.request_id, engine.model_name, req.include_usage)
     if req.stream:
@@ -457,11 +480,16 @@ async def get_checkpoint(request: web.Request) -> web.Response:
 
 def create_app(engine: EngineLike, *, admin: bool = True,
                template_path: str | Path | None = None,
-               limits: Limits | None = None) -> web.Application:
+               limits: Limits | None = None, access: Access | None = None) -> web.Application:
     """The app over a started engine; ``template_path`` overrides the chat template."""
-    app = web.Application(client_max_size=MAX_BODY, middlewares=[_errors])
+    limits = limits or Limits()
+    access = access or Access()
+    app = web.Application(client_max_size=limits.max_body, middlewares=[_errors, _auth])
     app[ENGINE] = engine
-    app[LIMITS] = limits or Limits()
+    app[LIMITS] = limits
+    app[ACCESS] = access
+    app[BODY_LIMIT] = limits.max_body
+    app[SLOTS] = asyncio.Semaphore(limits.parse_concurrency)
     app[TEMPLATE] = load_chat_template(engine.chat_template, bos_token=engine.bos_token,
                                        eos_token=engine.eos_token, override=template_path)
     app[HTTP_COUNTS] = Counter()
@@ -477,7 +505,7 @@ def create_app(engine: EngineLike, *, admin: bool = True,
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    if admin:
+    if admin and access.admin_routes:
         app.router.add_get("/admin/checkpoints", list_checkpoints)
         app.router.add_get("/admin/checkpoints/{id}", get_checkpoint)
     return app

@@ -11,9 +11,18 @@ Choices where OpenAI leaves room:
   parts are rejected: the models served here read text only.
 - ``max_completion_tokens`` wins over ``max_tokens`` when both are given.
 - ``top_k`` of -1 (vLLM's "off") is read as 0 (off here).
-- ``tool_choice`` is accepted but not enforced; ``"none"`` only turns off
-  tool-call extraction. Tools stay in the prompt either way so its prefix, and
-  so the cache, does not change with the choice.
+- ``seed`` of -1 means "random" (llama.cpp's convention), as an absent seed does.
+- A ``temperature`` above 0 but below ``MIN_TEMPERATURE`` is greedy: dividing logits
+  by it would overflow, and sampling at it is greedy in effect.
+- ``tool_choice``: ``"none"`` only turns off tool-call extraction (tools stay in the
+  prompt so its prefix, and so the cache, does not change with the choice); ``"auto"``
+  is the default.
+- Fields the sampler cannot act on yet are refused by name (400) when set to anything
+  but their default, never accepted and ignored: ``logit_bias``, ``presence_penalty``,
+  ``frequency_penalty``, ``repetition_penalty``/``repeat_penalty``, a
+  ``response_format`` other than text, a forced ``tool_choice`` ("required" or a
+  named function), ``parallel_tool_calls: false`` with tools; for completions also
+  ``echo``, ``best_of`` > 1 and ``suffix``.
 """
 
 from __future__ import annotations
@@ -35,6 +44,9 @@ _ROLES = {"system": "system", "developer": "system", "user": "user",
           "assistant": "assistant", "tool": "tool"}
 _UNSUPPORTED_PARTS = {"image_url", "input_image", "image", "input_audio", "audio", "file"}
 MAX_STOP = 4
+MIN_TEMPERATURE = 1e-6
+MAX_SEED = 2**64 - 1
+NOT_YET = "is not supported by this server yet; leave it out or send its default"
 
 
 class ApiError(ValueError):
@@ -77,7 +89,9 @@ class Sampling:
     logprobs: int | None = None
 
     def to_params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+        # Every API's parser builds a Sampling: a vanishing temperature is greedy for all.
+        temperature = 0.0 if self.temperature < MIN_TEMPERATURE else self.temperature
+        return SamplingParams(temperature=temperature, top_p=self.top_p, top_k=self.top_k,
                               min_p=self.min_p, seed=self.seed, max_tokens=max_tokens,
                               stop=self.stop, logprobs=self.logprobs)
 
@@ -167,17 +181,44 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _seed(body: Mapping[str, Any]) -> int | None:
+    seed = _opt_int(body, "seed", lo=-1)
+    if seed is not None and seed > MAX_SEED:
+        raise ApiError(f"'seed' must be at most {MAX_SEED} (or -1 for random), got {seed}",
+                       "seed")
+    return None if seed == -1 else seed
+
+
+def _temperature(body: Mapping[str, Any]) -> float:
+    t = _pick(_opt_float(body, "temperature", 0.0, 2.0), Sampling().temperature)
+    return 0.0 if t < MIN_TEMPERATURE else t
+
+
+def _set(body: Mapping[str, Any], key: str, default: object) -> bool:
+    v = body.get(key)
+    return v is not None and v != default
+
+
+def refuse_unsupported(body: Mapping[str, Any]) -> None:
+    """400 for a sampling field set to a value the sampler cannot honour yet."""
+    for key, default in (("logit_bias", {}), ("presence_penalty", 0), ("frequency_penalty", 0),
+                         ("repetition_penalty", 1), ("repeat_penalty", 1)):
+        if _set(body, key, default):
+            raise ApiError(f"'{key}' {NOT_YET}", key)
+
+
 def parse_sampling(body: Mapping[str, Any]) -> Sampling:
+    refuse_unsupported(body)
     top_k = _opt_int(body, "top_k", lo=-1)
     max_tokens = _opt_int(body, "max_tokens", lo=1)
     max_completion = _opt_int(body, "max_completion_tokens", lo=1)
     d = Sampling()
     return Sampling(
-        temperature=_pick(_opt_float(body, "temperature", 0.0, 2.0), d.temperature),
+        temperature=_temperature(body),
         top_p=_pick(_opt_float(body, "top_p", 0.0, 1.0, lo_open=True), d.top_p),
         top_k=0 if top_k is None or top_k == -1 else top_k,
         min_p=_pick(_opt_float(body, "min_p", 0.0, 1.0), d.min_p),
-        seed=_opt_int(body, "seed"),
+        seed=_seed(body),
         max_tokens=max_completion if max_completion is not None else max_tokens,
         stop=_stop(body),
     )
@@ -311,12 +352,28 @@ def _tools(v: object) -> tuple[Mapping[str, Any], ...] | None:
 
 
 def _tool_choice(v: object) -> str | Mapping[str, Any] | None:
-    if v is None or v in ("none", "auto", "required"):
+    if v is None or v in ("none", "auto"):
         return v
-    if isinstance(v, dict) and v.get("type") == "function":
-        return v
+    if v == "required" or (isinstance(v, dict) and v.get("type") == "function"):
+        raise ApiError(f"a forced 'tool_choice' {NOT_YET} (use 'auto' or 'none')",
+                       "tool_choice")
     raise ApiError("'tool_choice' must be 'none', 'auto', 'required' or "
                    "{\"type\": \"function\", ...}", "tool_choice")
+
+
+def _refuse_chat_only(body: Mapping[str, Any]) -> None:
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise ApiError(f"'response_format' other than {{\"type\": \"text\"}} {NOT_YET}",
+                       "response_format")
+    if body.get("parallel_tool_calls") is False and body.get("tools"):
+        raise ApiError(f"'parallel_tool_calls': false {NOT_YET}", "parallel_tool_calls")
+
+
+def _refuse_completion_only(body: Mapping[str, Any]) -> None:
+    for key, default in (("echo", False), ("best_of", 1), ("suffix", "")):
+        if _set(body, key, default):
+            raise ApiError(f"'{key}' {NOT_YET}", key)
 
 
 def _template_kwargs(body: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -337,6 +394,7 @@ def parse_chat_request(body: object) -> ChatRequest:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError("'messages' must be a non-empty list", "messages")
+    _refuse_chat_only(body)
     return ChatRequest(
         model=body.get("model") or "",
         messages=tuple(_message(m, i) for i, m in enumerate(msgs)),
@@ -352,6 +410,7 @@ def parse_chat_request(body: object) -> ChatRequest:
 
 def parse_completion_request(body: object) -> CompletionRequest:
     body, stream, usage = _common(body)
+    _refuse_completion_only(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]

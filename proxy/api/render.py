@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -163,9 +163,19 @@ def template_message(m: ChatMessage) -> dict[str, Any]:
     return out
 
 
+def _same(value: Any) -> Any:
+    return value
+
+
 def render_chat(template: ChatTemplate, req: ChatRequest, *,
-                add_generation_prompt: bool = True) -> str:
-    """The prompt for a chat request, by default with the generation prompt."""
-    return template.render([template_message(m) for m in req.messages], tools=req.tools,
-                           template_kwargs=req.template_kwargs,
+                add_generation_prompt: bool = True,
+                escape: Callable[[Any], Any] = _same) -> str:
+    """The prompt for a chat request, by default with the generation prompt.
+
+    ``escape`` rewrites everything the client sent before the template sees it
+    (``Literals.escape`` keeps special-token texts typed by a client plain).
+    """
+    return template.render(escape([template_message(m) for m in req.messages]),
+                           tools=escape(req.tools),
+                           template_kwargs=escape(dict(req.template_kwargs)),
                            add_generation_prompt=add_generation_prompt)

@@ -18,6 +18,8 @@ from pathlib import Path
 import llama_cpp as _ll
 import numpy as np
 
+from proxy.engine.vocab import VocabFacts, other_facts, spm_facts
+
 log = logging.getLogger(__name__)
 llama_log = logging.getLogger("proxy.llama")
 
@@ -106,6 +108,17 @@ class LlamaError(RuntimeError):
     """llama.cpp refused an operation (load, context creation, decode)."""
 
 
+class UnencodableText(ValueError):
+    """A character the vocabulary cannot encode (llama.cpp would abort the process)."""
+
+    def __init__(self, text: str, index: int) -> None:
+        ch = text[index]
+        super().__init__(f"the model's vocabulary cannot encode the character {ch!r} "
+                         f"(U+{ord(ch):04X}) at offset {index} of the text")
+        self.char = ch
+        self.index = index
+
+
 _FP_HEAD = 32 << 20
 _FP_SAMPLES = 256
 _FP_SAMPLE = 4096
@@ -164,6 +177,8 @@ class Model:
         self.add_bos = bool(_ll.llama_vocab_get_add_bos(self._vocab))
         self.bos = int(_ll.llama_vocab_bos(self._vocab))
         self._piece_buf = ctypes.create_string_buffer(256)
+        self._facts: VocabFacts | None = None
+        self._facts_lock = threading.Lock()
 
     @property
     def ptr(self) -> object:
@@ -189,8 +204,33 @@ class Model:
     def chat_template(self) -> str | None:
         return self.metadata.get("tokenizer.chat_template") or None
 
+    def vocab_facts(self) -> VocabFacts:
+        """What the vocabulary can encode and how long its tokens are (read once)."""
+        with self._facts_lock:
+            if self._facts is None:
+                self._facts = self._read_vocab_facts()
+            return self._facts
+
+    def _read_vocab_facts(self) -> VocabFacts:
+        special_attrs = _ll.LLAMA_TOKEN_ATTR_CONTROL | _ll.LLAMA_TOKEN_ATTR_UNKNOWN
+        texts: list[bytes] = []
+        special: list[bool] = []
+        for t in range(self.n_vocab):
+            texts.append(_ll.llama_vocab_get_text(self._vocab, t) or b"")
+            special.append(bool(_ll.llama_vocab_get_attr(self._vocab, t) & special_attrs))
+        kind = int(_ll.llama_vocab_type(self._vocab))
+        if kind == _ll.LLAMA_VOCAB_TYPE_SPM:
+            return spm_facts(texts, special)
+        # BPE falls back to byte tokens without throwing; other kinds have an unknown
+        # token that may cover any run of text, so no length bound holds for them.
+        return other_facts(texts, special, bounded=kind == _ll.LLAMA_VOCAB_TYPE_BPE)
+
     def tokenize(self, text: str, *, add_special: bool = False,
                  parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``; UnencodableText for a character the vocabulary lacks."""
+        bad = self.vocab_facts().first_unencodable(text, parse_special=parse_special)
+        if bad is not None:
+            raise UnencodableText(text, bad)
         data = text.encode("utf-8")
         cap = len(data) + 8
         arr = (_ll.llama_token * cap)()

@@ -1,19 +1,29 @@
 """Prompt tokenization for the HTTP side: thread-safe, independent of the engine thread.
 
-The app calls ``Tokenizer.tokenize_prompt`` off the event loop; with
-``cache.splice_generated`` the ids of recent replies stand in for their re-tokenized
-text (see proxy/engine/splice.py).
+The app calls ``Tokenizer.tokenize_segments`` (chat: the template's markup apart from
+what the client typed) or ``tokenize_prompt`` (a raw completion prompt) off the event
+loop; with ``cache.splice_generated`` the ids of recent replies stand in for their
+re-tokenized text (see proxy/engine/splice.py).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from proxy.engine.binding import Model
 from proxy.engine.splice import ReplyMemory, aligned_replies, tokenize_spliced
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class Segment:
+    text: str
+    special: bool  # parse special-token texts in it (template markup) or not (client text)
 
 
 class Tokenizer:
@@ -23,8 +33,40 @@ class Tokenizer:
         self.counters = counters
         self.replies = replies
 
+    @property
+    def special_texts(self) -> tuple[str, ...]:
+        """Texts that tokenize to control tokens when special parsing is on."""
+        return self.model.vocab_facts().special_texts
+
+    @property
+    def special_re(self) -> re.Pattern[str] | None:
+        """Matches any of ``special_texts`` (None when the vocabulary has none)."""
+        return self.model.vocab_facts().special_re
+
+    @property
+    def max_token_bytes(self) -> int | None:
+        """Most bytes of text one token covers (None: no bound for this vocabulary)."""
+        return self.model.vocab_facts().max_token_bytes
+
     def tokenize(self, text: str) -> list[int]:
         return self.model.tokenize(text, add_special=False, parse_special=True)
+
+    def tokenize_segments(self, segments: Sequence[Segment], tenant: str = ""
+                          ) -> tuple[list[int], list[int]]:
+        """Tokenize a prompt given in pieces: (ids, ids so far at the end of each piece).
+
+        A piece with ``special`` parses special-token texts (the template's markup); one
+        without stays plain text (what a client typed), so it never yields a control token.
+        """
+        ids: list[int] = []
+        ends: list[int] = []
+        for seg in segments:
+            if seg.special:
+                ids += self.tokenize_prompt(seg.text, tenant)
+            elif seg.text:
+                ids += self.model.tokenize(seg.text, add_special=False, parse_special=False)
+            ends.append(len(ids))
+        return ids, ends
 
     def tokenize_prompt(self, text: str, tenant: str = "") -> list[int]:
         if self.replies is None:

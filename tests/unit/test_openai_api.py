@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from proxy.api.openai import (
+    MIN_TEMPERATURE,
     ApiError,
     ChatMessage,
     Sampling,
@@ -47,7 +48,7 @@ def test_full_chat_request_parses() -> None:
         temperature=0, top_p=0.5, top_k=-1, min_p=0.1, seed=3, max_tokens=10,
         max_completion_tokens=20, stop="END", stream=True,
         stream_options={"include_usage": True}, n=1, user="alice",
-        logit_bias={"1": 2}, metadata={"x": "y"},  # unknown fields are ignored
+        logit_bias={}, presence_penalty=0, metadata={"x": "y"},  # defaults; unknown: ignored
     ))
     sys_msg, user, asst, tool = req.messages
     assert sys_msg.role == "system" and user.content == "a\nb"
@@ -182,3 +183,70 @@ def test_bad_completion_input_names_the_param(fields: dict[str, Any], param: str
     with pytest.raises(ApiError) as e:
         parse_completion_request(fields)
     assert e.value.param == param
+
+
+def test_seed_minus_one_means_random_and_out_of_range_seeds_are_refused() -> None:
+    assert parse_chat_request(chat(seed=-1)).sampling.seed is None
+    assert parse_chat_request(chat(seed=0)).sampling.seed == 0
+    assert parse_chat_request(chat(seed=2**64 - 1)).sampling.seed == 2**64 - 1
+    for bad in (-2, 2**64):
+        with pytest.raises(ApiError) as e:
+            parse_chat_request(chat(seed=bad))
+        assert e.value.param == "seed"
+
+
+def test_a_vanishing_temperature_is_greedy() -> None:
+    # 1e-320 is a subnormal float: logits / 1e-320 overflow to inf and sampling yields NaN.
+    for t in (1e-320, 5e-324, MIN_TEMPERATURE / 2):
+        req = parse_chat_request(chat(temperature=t))
+        assert req.sampling.temperature == 0.0
+        assert req.sampling.to_params(4).greedy
+    assert parse_chat_request(chat(temperature=0.5)).sampling.temperature == 0.5
+    # another API's parser may build a Sampling itself: to_params still makes it greedy
+    assert Sampling(temperature=1e-320).to_params(4).greedy
+
+
+REFUSED_CHAT = [
+    ({"logit_bias": {"12": 5}}, "logit_bias"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": -1}, "frequency_penalty"),
+    ({"repetition_penalty": 1.1}, "repetition_penalty"),
+    ({"repeat_penalty": 1.3}, "repeat_penalty"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"parallel_tool_calls": False,
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "parallel_tool_calls"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), REFUSED_CHAT)
+def test_fields_the_sampler_cannot_honour_are_refused_by_name(
+        fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError, match="not supported") as e:
+        parse_chat_request(chat(**fields))
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"echo": True}, "echo"),
+    ({"best_of": 3}, "best_of"),
+    ({"suffix": "end"}, "suffix"),
+    ({"logit_bias": {"1": -100}}, "logit_bias"),
+    ({"frequency_penalty": 1}, "frequency_penalty"),
+])
+def test_completion_fields_not_supported_are_refused_by_name(
+        fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError, match="not supported") as e:
+        parse_completion_request({"prompt": "a", **fields})
+    assert e.value.param == param
+
+
+def test_refused_fields_at_their_defaults_are_accepted() -> None:
+    parse_chat_request(chat(logit_bias={}, presence_penalty=0, frequency_penalty=0.0,
+                            repetition_penalty=1, response_format={"type": "text"},
+                            tool_choice="auto", parallel_tool_calls=True, logit_bias_x=1))
+    parse_chat_request(chat(parallel_tool_calls=False))  # no tools: nothing to limit
+    parse_completion_request({"prompt": "a", "echo": False, "best_of": 1, "suffix": None})

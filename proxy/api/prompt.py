@@ -1,0 +1,89 @@
+"""From a parsed request to prompt token ids: render, bound, tokenize once.
+
+- Client text stays text: special-token texts it holds are tokenized without special
+  parsing (``literals``), the template's markup with it.
+- A prompt that cannot fit is refused before it is tokenized: one token covers at most
+  ``max_token_bytes`` bytes, so a text of B bytes has at least B / max_token_bytes tokens.
+- One tokenization per request. The engine keeps a replay checkpoint where the history
+  ends (before the generation prompt): the prompt is tokenized in two parts cut where a
+  special token starts at or before that point, which tokenizes exactly as the whole
+  text does, and the first part's length is the history.
+
+These functions block (tokenizing a long prompt takes a while): call them off the loop.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from proxy.api.literals import AREA_RE, Literals
+from proxy.api.openai import ApiError, ChatRequest
+from proxy.api.render import ChatTemplate, render_chat
+from proxy.engine.tokens import Tokenizer
+
+CONTEXT_CODE = "context_length_exceeded"
+
+
+@dataclass(slots=True, frozen=True)
+class Prompt:
+    text: str  # as rendered (client text that holds special-token texts escaped)
+    tokens: list[int]
+    history: int | None  # tokens of the history before the generation prompt
+
+
+def utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_fits(n_bytes: int, max_token_bytes: int | None, n_ctx: int, asked: int | None,
+               param: str) -> None:
+    """Refuse a text that has more tokens than the context holds, without tokenizing it."""
+    if not max_token_bytes:
+        return
+    least = n_bytes // max_token_bytes
+    room = n_ctx - (asked or 1)
+    if least > room:
+        what = f"and max_tokens is {asked}" if asked else "which leaves no room for a reply"
+        raise ApiError(f"this model's context is {n_ctx} tokens; the prompt is {n_bytes:,} "
+                       f"bytes, so at least {least:,} tokens, {what}", param, CONTEXT_CODE)
+
+
+def _history_cut(prompt: str, history: str, special_re: re.Pattern[str] | None) -> int | None:
+    """An offset at or before the end of the history where the prompt may be cut without
+    changing its tokens: the start of a special token or of a placeholder."""
+    if not history or not prompt.startswith(history):
+        return None
+    h = len(history)
+    starts = [m.start() for m in (AREA_RE.search(prompt, max(h - 1, 0), h + 1),
+                                  special_re and special_re.match(prompt, h)) if m]
+    if h in starts or h - 1 in starts:
+        return h  # the generation prompt starts with a special token (ChatML, Gemma)
+    last = -1
+    for regex in (AREA_RE, special_re):
+        for m in regex.finditer(prompt, 0, h) if regex is not None else ():
+            last = max(last, m.start())
+    return last if last >= 0 else None
+
+
+def chat_prompt(tokenizer: Tokenizer, template: ChatTemplate, req: ChatRequest, tenant: str,
+                n_ctx: int) -> Prompt:
+    table = Literals(tokenizer.special_re)
+    text = render_chat(template, req, escape=table.escape)
+    check_fits(utf8_len(text), tokenizer.max_token_bytes, n_ctx, req.sampling.max_tokens,
+               "messages")
+    history = render_chat(template, req, add_generation_prompt=False, escape=table.escape)
+    cut = _history_cut(text, history, tokenizer.special_re)
+    segments, at = table.segments(text, () if cut is None else (cut,))
+    tokens, ends = tokenizer.tokenize_segments(segments, tenant)
+    n_history = None
+    if cut is not None:
+        n_history = ends[at[0] - 1] if at[0] > 0 else 0
+    return Prompt(text, tokens, n_history or None)
+
+
+def completion_prompt(tokenizer: Tokenizer, text: str, tenant: str, n_ctx: int,
+                      asked: int | None) -> list[int]:
+    """A raw prompt: the client writes the markup, so special-token texts parse."""
+    check_fits(utf8_len(text), tokenizer.max_token_bytes, n_ctx, asked, "prompt")
+    return tokenizer.tokenize_prompt(text, tenant)
