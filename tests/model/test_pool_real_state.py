@@ -31,7 +31,8 @@ CHILD = textwrap.dedent("""
     from statecache.pool import CheckpointPool
     from statecache.records import Kind
     model_path, disk, out = sys.argv[1:4]
-    cfg = CacheConfig(ram_budget=1 << 20, disk_path=disk, page_size=32)
+    cfg = CacheConfig(ram_budget=1 << 20, disk_path=disk, page_size=32,
+                      secret_path=disk + ".key")
     with Model(model_path) as m, Context(m, ContextParams(n_ctx=8192, n_seq_max=2)) as ctx:
         pool = CheckpointPool(cfg, m.fingerprint)
         toks = m.tokenize(json.loads(sys.argv[4]))
@@ -52,8 +53,9 @@ CHILD = textwrap.dedent("""
 
 def _save_to_disk(model_path: Path, disk: Path) -> tuple[np.ndarray, int]:
     """Prefill, publish a full checkpoint, force it to disk; the reference logits."""
-    # flush() writes the FULL entry to the disk tier (what a graceful shutdown does)
-    cfg = CacheConfig(ram_budget=64 << 20, disk_path=str(disk), page_size=32)
+    # The writer puts the FULL entry on disk; flush() waits for it (as close() does).
+    cfg = CacheConfig(ram_budget=64 << 20, disk_path=str(disk), page_size=32,
+                      secret_path=f"{disk}.key")
     with Model(model_path) as m, Context(m, ContextParams(n_ctx=8192, n_seq_max=2)) as ctx:
         pool = CheckpointPool(cfg, m.fingerprint)
         toks = m.tokenize(TEXT)
@@ -62,7 +64,8 @@ def _save_to_disk(model_path: Path, disk: Path) -> tuple[np.ndarray, int]:
         rec = pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=toks[:n],
                           role=Role.REPLAY, data=ctx.save(0, FLAGS_FULL))
         assert rec is not None
-        assert pool.flush() == 1
+        pool.flush()
+        assert pool.get(rec.id)["tiers"] == ["ram", "disk"]  # type: ignore[index]
         pool.sanity_check()
         pool.close()
         ctx.batch.clear()

@@ -121,3 +121,52 @@ def test_cli_import_is_light_and_module_runs() -> None:
                              text=True)
         assert res.returncode == 0 and "inspect" in res.stdout
         assert ("serve" in res.stdout) == (mod == "proxy")
+
+
+def test_quarantine_is_shown_by_verify_and_inspect_and_removed_by_purge(
+    disk: tuple[Path, list[str]], make_pool: PoolFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d, ids = disk
+    f = d / f"{ids[0]}.ckpt"
+    f.write_bytes(f.read_bytes()[:-7])  # truncated: the next pool moves it aside
+    make_pool().close()
+    (q,) = (d / "quarantine").iterdir()
+    key = ["--secret-path", str(d.parent / "keys" / "secret.key")]
+    assert main(["verify", "--disk-path", str(d), *key]) == 0  # the live files are fine
+    out = capsys.readouterr().out
+    assert f"QUARANTINED  {q.name}" in out and "1 quarantined file(s)" in out
+    assert main(["inspect", "--url", NO_PROXY, "--disk-path", str(d), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [x["file"] for x in report["quarantined"]] == [q.name]
+    assert "purge --quarantined --yes" in report["notes"][-1]
+    assert main(["purge", "--quarantined", "--disk-path", str(d), "--yes"]) == 0
+    assert f"removed quarantine/{q.name}" in capsys.readouterr().out
+    assert not q.exists() and len(list(d.glob("*.ckpt"))) == 2  # the live files stay
+
+
+def test_purge_all_removes_leftovers_only_when_no_proxy_holds_the_directory(
+    disk: tuple[Path, list[str]], make_pool: PoolFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d, _ = disk
+    pool = make_pool()  # a running proxy: its temporary files are writes in progress
+    tmp = d / ".tmp-in-progress"
+    tmp.write_bytes(b"x")
+    assert main(["purge", "--all", "--disk-path", str(d), "--yes"]) == 0
+    assert tmp.exists()
+    pool.close()
+    assert main(["purge", "--all", "--disk-path", str(d), "--yes"]) == 0
+    assert not tmp.exists() and not list(d.glob("*.ckpt"))
+    assert "removed .tmp-in-progress" in capsys.readouterr().out
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly(disk: tuple[Path, list[str]]) -> None:
+    # `statecache inspect | head`: the reader is gone before the table is written.
+    d, _ = disk
+    cmd = [sys.executable, "-m", "statecache", "inspect", "--url", NO_PROXY, "--disk-path", str(d)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(30) == 0
+    assert err == ""
