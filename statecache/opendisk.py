@@ -25,6 +25,8 @@ def open_disk(
     on_evict: Callable[[str], None],
 ) -> tuple[DiskTier, DirLock] | str:
     """The disk tier with its directory locked, or why it is off."""
+    if not cfg.secret_path:
+        return "cache.secret_path is empty: without a key nothing on disk can be trusted"
     directory = Path(cfg.disk_path).expanduser()
     key_path = Path(cfg.secret_path).expanduser()
     try:
