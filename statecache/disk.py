@@ -49,7 +49,7 @@ def ensure_dir(path: Path) -> None:
         os.chmod(path, 0o700)
 
 
-def quarantine(directory: Path, path: Path, reason: str) -> bool:
+def quarantine(directory: Path, path: Path, reason: str, *, quiet: bool = False) -> bool:
     """Move a bad file (or link) aside; never served again. Returns True if moved."""
     qdir = directory / QUARANTINE
     try:
@@ -60,7 +60,8 @@ def quarantine(directory: Path, path: Path, reason: str) -> bool:
     except OSError as e:
         log.error("disk: cannot quarantine %s (%s): %s", path.name, reason, e)
         return False
-    log.warning("disk: quarantined %s: %s", path.name, reason)
+    log.log(logging.DEBUG if quiet else logging.WARNING, "disk: quarantined %s: %s",
+            path.name, reason)
     return True
 
 
@@ -134,6 +135,7 @@ class DiskTier:
         a crash; one that cannot be removed is counted in the budget.
         """
         found: list[tuple[float, CheckpointRecord, int]] = []
+        reasons: Counter[str] = Counter()  # one warning for the whole scan, not one per file
         for entry in os.scandir(self.path):
             p = Path(entry.path)
             if entry.name.startswith(TMP_PREFIX):
@@ -143,10 +145,10 @@ class DiskTier:
                 continue  # not ours
             stem = entry.name[: -len(SUFFIX)]
             if entry.is_symlink():
-                self._quarantine(p, "symlink")
+                self._quarantine(p, "symlink", reasons)
                 continue
             if not valid_id(stem):
-                self._quarantine(p, "file name is not a checkpoint id")
+                self._quarantine(p, "file name is not a checkpoint id", reasons)
                 continue
             try:
                 fm = read_meta(p, self._key)
@@ -158,12 +160,20 @@ class DiskTier:
                 if rec.id != stem:
                     raise BadFile("file name does not match its id")
             except BadFile as e:
-                self._quarantine(p, str(e))
+                self._quarantine(p, str(e), reasons)
                 continue
             except OSError as e:
                 log.warning("disk: skipped %s: %s", entry.name, e)
                 continue
             found.append((fm.mtime, rec, fm.file_size))
+        if reasons:
+            log.warning(
+                "disk: moved %d bad file(s) to %s (%s); `statecache purge --quarantined "
+                "--yes` removes them",
+                sum(reasons.values()),
+                self.path / QUARANTINE,
+                ", ".join(f"{n} {why}" for why, n in reasons.most_common()),
+            )
         found.sort(key=lambda t: t[0])
         for _, rec, size in found:
             self._sizes[rec.id] = size
@@ -313,9 +323,11 @@ class DiskTier:
         self.utime(entry_id)
         return data
 
-    def _quarantine(self, path: Path, reason: str) -> None:
-        if quarantine(self.path, path, reason):
+    def _quarantine(self, path: Path, reason: str, batch: Counter[str] | None = None) -> None:
+        if quarantine(self.path, path, reason, quiet=batch is not None):
             self.quarantined += 1
+            if batch is not None:
+                batch[reason] += 1
 
     def sanity_check(self) -> None:
         total = sum(self._sizes.values()) + sum(self._reserved.values()) + self.stray

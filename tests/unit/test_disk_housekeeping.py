@@ -11,7 +11,7 @@ import pytest
 from statecache.diskfmt import file_size
 from statecache.records import Kind
 from tests.unit.conftest import PoolFactory, put
-from tests.unit.test_disk_trust import statecache_warnings
+from tests.unit.test_disk_trust import old_format_file, statecache_warnings
 from tests.unit.test_pool_writer import Gate
 
 T = list(range(1, 21))
@@ -134,3 +134,16 @@ def test_write_failures_while_running_warn_once(
     # The states are still served from RAM.
     with pool.lookup([3] + T, pool.chain([3] + T)) as lease:  # type: ignore[union-attr]
         assert lease.tier == "ram" and bytes(lease.data) == b"S" * 64
+
+
+def test_files_of_an_older_statecache_are_set_aside_with_one_warning(
+    make_pool: PoolFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    d = tmp_path / "ckpt"
+    make_pool().close()
+    for i in range(5):  # what an upgrade finds: files without a MAC
+        old_format_file(d, [i] + T, b"S" * 64)
+    pool = make_pool()
+    assert pool.describe() == [] and pool.stats()["quarantined"] == 5
+    (warning,) = statecache_warnings(caplog)
+    assert "moved 5 bad file(s)" in warning and "format version 1" in warning

@@ -63,6 +63,17 @@ def key(make_pool: PoolFactory, tmp_path: Path) -> bytes:
     return (tmp_path / "keys" / "secret.key").read_bytes()
 
 
+def old_format_file(ckpt: Path, tokens: list[int], data: bytes) -> CheckpointRecord:
+    """A version 1 file: header, metadata, state, xxh3-128 of all that (no key)."""
+    rec = record(tokens, len(data))
+    meta = encode_meta(rec)
+    v1 = struct.Struct("<4sHHIIQ")
+    head = v1.pack(b"SCKP", 1, 0, v1.size, len(meta), len(data))
+    digest = xxhash.xxh3_128(head + meta + data).digest()
+    (ckpt / f"{rec.id}.ckpt").write_bytes(head + meta + data + digest)
+    return rec
+
+
 # -- forged files ----------------------------------------------------------------------
 
 
@@ -71,12 +82,7 @@ def test_old_format_file_with_a_valid_digest_is_never_served(
 ) -> None:
     # Version 1 was checked by an unkeyed xxh3 digest: anyone could write one that
     # claims Alice's tokens and carries Bob's state.
-    rec = record(A)
-    meta = encode_meta(rec)
-    v1 = struct.Struct("<4sHHIIQ")
-    head = v1.pack(b"SCKP", 1, 0, v1.size, len(meta), len(STATE_B))
-    digest = xxhash.xxh3_128(head + meta + STATE_B).digest()
-    (ckpt / f"{rec.id}.ckpt").write_bytes(head + meta + STATE_B + digest)
+    rec = old_format_file(ckpt, A, STATE_B)
     pool = make_pool()
     assert hit(pool, A) is None
     assert quarantined(ckpt) == [f"{rec.id}.ckpt"]
