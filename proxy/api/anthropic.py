@@ -21,6 +21,8 @@ Mapping:
   tenant (Claude Code sends one per session, which would keep its subagents from
   sharing the system prompt). The tenant is the ``X-Statecache-Tenant`` header.
 - Images, documents and other non-text blocks are rejected: text-only models.
+- A conversation that ends with an assistant message (a prefilled reply to continue)
+  is rejected, as Anthropic does for models without prefill.
 """
 
 from __future__ import annotations
@@ -178,6 +180,10 @@ def _messages(v: object) -> list[ChatMessage]:
             out.extend(_user(content, f"{param}.content"))
         else:
             out.append(_assistant(content, f"{param}.content"))
+    if v[-1].get("role") == "assistant":
+        # The template would close the turn and open a new one: not a continuation.
+        raise ApiError("the last message is from the assistant: continuing a prefilled reply "
+                       "is not supported", f"messages[{len(v) - 1}]")
     return out
 
 

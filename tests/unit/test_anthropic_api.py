@@ -128,6 +128,8 @@ def test_sampling_tool_choice_and_thinking() -> None:
     ({"max_tokens": 1, "messages": [{"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]},
      "messages[0].content[0].input", "object"),
+    ({"max_tokens": 1, "messages": [USER, {"role": "assistant", "content": "The answer is"}]},
+     "messages[1]", "prefilled reply"),
     ({"max_tokens": 1, "messages": [{"role": "user", "content": [
         {"type": "tool_result", "content": "x"}]}]},
      "messages[0].content[0].tool_use_id", "string"),
