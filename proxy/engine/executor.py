@@ -40,6 +40,7 @@ from proxy.engine.planner import Plan, Source, make_plan, publish_points
 from proxy.engine.sampling import Sampler
 from proxy.engine.types import GenerationRequest, RequestStats, TokenLogprob
 from statecache.config import Config
+from statecache.pages import PageChain
 from statecache.pool import CheckpointPool
 from statecache.records import Kind, Owner, Role
 
@@ -76,11 +77,9 @@ class Job:
     deltas: list[Delta] = field(default_factory=list)  # text produced by the last step
     starved: int = 0  # steps in a row this prefilling job got no tokens
     skipped: int = 0  # admissions that passed this waiting job over
-    # Admission may make this job wait for ``waiting_for``, which prefills the first
-    # ``shared`` tokens of this prompt too and publishes a FULL checkpoint at ``wait_point``.
+    # Admission may make this job wait for ``waiting_for``, which prefills a prefix of
+    # this prompt too and publishes a FULL checkpoint at ``wait_point``.
     waiting_for: Job | None = None
-    share_checked: bool = False
-    shared: int = 0
     wait_point: int = 0
 
     @property
@@ -113,18 +112,18 @@ class Executor:
         self.lanes = LaneSet(ctx.n_lanes)
         self.counters = counters
         self.page = cfg.cache.page_size
+        # end-of-turn tokens: the first one in a prompt ends its system prompt
+        self._eog = np.array([t for t in range(self.model.n_vocab) if self.model.is_eog(t)],
+                             dtype=np.int32)
 
     # -- admission ------------------------------------------------------------------
 
-    def start(self, job: Job, shared: int = 0) -> None:
-        """Pick a lane and bring it to the longest reusable prefix of the prompt.
-
-        ``shared``: tokens of this prompt that another admitted request also starts
-        with; the job publishes a FULL checkpoint there for it.
-        """
+    def start(self, job: Job) -> None:
+        """Pick a lane and bring it to the longest reusable prefix of the prompt."""
         free = self.lanes.free()
         assert free, "start() needs a free lane"
         tenant = job.req.tenant
+        chain = None
         if job.use_cache and self.pool is not None:
             chain = self.pool.chain(job.prompt, tenant)
             plan = make_plan(job.prompt, chain, free, tenant=tenant, memory=self.memory,
@@ -146,12 +145,12 @@ class Executor:
         if not np.array_equal(lane.tokens, job.prompt[: lane.n]):
             raise RuntimeError("lane does not hold the prefix it was planned to")
         if job.use_cache and self.pool is not None:
-            job.publish = self._publish_plan(job, plan.match_depth, shared)
+            job.publish = self._publish_plan(job, plan.match_depth, chain)
         job.sampler = Sampler(job.req.sampling)
         job.stream = TextStream(job.req.sampling.stop)
         self.counters[f"plan_{job.stats.source}"] += 1
 
-    def _publish_plan(self, job: Job, match_depth: int, shared: int
+    def _publish_plan(self, job: Job, match_depth: int, chain: PageChain | None
                       ) -> list[tuple[int, Role, Kind]]:
         limit = len(job.prompt) - 1
         replay_at = job.req.history_tokens if job.req.history_tokens is not None else limit
@@ -165,9 +164,54 @@ class Executor:
             # a lane that cannot roll back keeps the state one token short of the
             # prompt too, so a repeated or regenerated request reuses all of it
             out.append((limit, Role.REPLAY, Kind.PARTIAL))
-        if shared:
-            self.share_point(job, shared, out)
+        first = self._first_turn_point(job, chain)
+        if first:
+            self.share_point(job, first, out)
         return out
+
+    def reusable_now(self, job: Job) -> int:
+        """Prompt tokens ``job`` would start from if it were admitted now."""
+        free = self.lanes.free()
+        if not free or self.pool is None:
+            return 0
+        chain = self.pool.chain(job.prompt, job.req.tenant)
+        plan = make_plan(job.prompt, chain, free, tenant=job.req.tenant, memory=self.memory,
+                         pool=self.pool, pos_min=self.ctx.pos_min)
+        plan.release()
+        return plan.reuse
+
+    def ensure_full(self, job: Job) -> None:
+        """Save the job's lane in FULL now (it holds a prefix another request waits for),
+        unless the pool has that state already."""
+        lane = job.lane
+        assert lane is not None and self.pool is not None
+        chain = self.pool.chain(lane.tokens, job.req.tenant)
+        lease = self.pool.lookup(lane.tokens, chain, kind=Kind.FULL, max_n=lane.n,
+                                 tenant=job.req.tenant)
+        if lease is not None:
+            lease.close()
+            if lease.record.n == lane.n:
+                return
+        self._publish(job, Role.BRANCH, Kind.FULL)
+
+    def _first_turn_point(self, job: Job, chain: PageChain | None) -> int:
+        """The last whole page of the prompt's first turn (the system prompt and tools of
+        an agent), unless the pool already holds it in full: every subagent starts
+        there, in whatever lane it gets."""
+        assert self.pool is not None and chain is not None
+        hits = np.flatnonzero(np.isin(job.prompt[: len(job.prompt) - 1], self._eog))
+        if not hits.size:
+            return 0
+        at = ((int(hits[0]) + 1) // self.page) * self.page
+        if at <= job.reuse or at < 2 * self.page:
+            return 0
+        lease = self.pool.lookup(job.prompt, chain, kind=Kind.FULL, max_n=at,
+                                 tenant=job.req.tenant)
+        if lease is not None:
+            lease.close()
+            if lease.record.n == at:
+                return 0
+        return at
 
     def share_point(self, job: Job, shared: int,
                     points: list[tuple[int, Role, Kind]] | None = None) -> int:

@@ -9,8 +9,9 @@ Pure decisions over lanes and the pool; the engine carries them out. The rules:
   SWA lane can while its cells reach back a window (never below a restored full
   state's own position, fact 8); a recurrent or hybrid lane only by restoring one of
   its partial checkpoints and then removing the tail (fact 7, in that order).
-- Otherwise a full checkpoint from the pool (RAM first, then disk) goes into the
-  least recently used free lane; else that lane starts cold.
+- Otherwise a full checkpoint from the pool (RAM first, then disk) goes into an
+  empty free lane, else the session's own lane, else the least recently used one;
+  else that lane starts cold.
 - The longest reuse wins; at equal length a live lane beats RAM beats disk.
 """
 
@@ -119,8 +120,10 @@ def make_plan(
         if lease is not None and lease.record.n > (best.reuse if best else 0):
             if best is not None:
                 best.release()
-            # the session's own lane if it has one (its state is stale anyway), else LRU
-            target = max(free, key=lambda ln: (ln.common(prompt, tenant), -ln.last_used))
+            # an empty lane keeps every live state; else the session's own lane (its
+            # state is stale anyway), else the least recently used
+            target = max(free, key=lambda ln: (ln.n == 0, ln.common(prompt, tenant),
+                                               -ln.last_used))
             source = Source.RAM if lease.tier == "ram" else Source.DISK
             best = Plan(target, source, lease.record.n, full=lease,
                         role=lease.record.role.value)

@@ -14,7 +14,8 @@ token budget). The rules:
 - Admission follows lane availability, not strict arrival order: a waiting request
   whose conversation a free lane holds goes before others, and a request passed
   over twice goes next; a request that shares a prefix with one being prefilled
-  waits for that one's FULL checkpoint there instead of prefilling it side by side.
+  waits for that one's FULL checkpoint there instead of prefilling it side by side
+  (and starts at once from it if that one's lane is exactly there).
 - Per-lane everything: a lane that is cancelled, fails, or hits its limit ends
   alone. A failed ``llama_decode`` fails the lanes of that step and clears them.
 - The thread cannot die silently: if the loop fails outside the per-request guards,
@@ -296,9 +297,6 @@ class Engine:
         free = [ln for ln in self.exec.lanes.free()]
         if self._stopping:
             return []
-        for job, _ in self._waiting:
-            if not job.share_checked:
-                self._join_active(job)
         out: list[tuple[Job, _Outbox]] = []
         while free and self._waiting:
             ready = [w for w in self._waiting if self._may_start(w[0])]
@@ -314,7 +312,6 @@ class Engine:
             self._waiting.remove(pick)
             out.append(pick)
             free.pop()  # which lane it takes is the planner's choice
-            self._defer_sharers(job)
         return out
 
     def _pick(self, ready: list[tuple[Job, _Outbox]], free: list[Any]
@@ -330,50 +327,45 @@ class Engine:
         best = max(ready, key=held)
         return best if held(best) >= self.exec.page else oldest
 
-    def _defer_sharers(self, job: Job) -> None:
-        """Waiting requests that share ``job``'s prefix, beyond what a free lane or the
-        pool could give them, wait for its FULL checkpoint there (called with the lock)."""
-        for other, _ in self._waiting:
-            if other.waiting_for is None and other is not job:
-                shared = self._worth_sharing(job, other)
-                if shared:
-                    other.waiting_for, other.shared, other.wait_point = job, shared, len(job.prompt)
-
-    def _join_active(self, other: Job) -> None:
-        """A request that arrives while another one prefills their shared prefix waits
-        for that one's FULL checkpoint there (called with the lock)."""
-        other.share_checked = True
-        for job, _ in self._active:
-            if not job.prefilling or job.done:
-                continue
-            shared = self._worth_sharing(job, other)
-            at = self.exec.share_point(job, shared) if shared else 0
-            if at:
-                other.waiting_for, other.shared, other.wait_point = job, shared, at
-                return
-
-    def _worth_sharing(self, job: Job, other: Job) -> int:
-        """Tokens ``other`` shares with ``job`` that nothing else could give it (0: none)."""
-        if not (job.use_cache and other.use_cache) or self.pool is None or \
-                other.req.tenant != job.req.tenant:
-            return 0
+    def _should_wait(self, job: Job) -> bool:
+        """Whether ``job`` waits for an active request that is prefilling a prefix they
+        share, beyond what ``job`` could start from now: that one publishes a FULL
+        checkpoint where they meet, and ``job`` starts there (called with the lock)."""
+        if not job.use_cache or self.pool is None:
+            return False
         page = self.exec.page
-        shared = common_prefix(job.prompt, other.prompt)
-        if shared < 2 * page or shared - page < job.pos:
-            return 0
-        tenant = other.req.tenant
-        held = max((ln.common(other.prompt, tenant) for ln in self.exec.lanes.free()), default=0)
-        held = max(held, self.pool.match_depth(self.pool.chain(other.prompt, tenant)))
-        return shared if held + page <= shared else 0
+        best: tuple[Job, int] | None = None
+        for k, _ in self._active:
+            if k.done or not k.use_cache or k.req.tenant != job.req.tenant:
+                continue
+            shared = common_prefix(k.prompt, job.prompt)
+            at = (min(shared, len(k.prompt) - 1) // page) * page
+            if at >= 2 * page and at >= k.pos and (best is None or at > best[1]):
+                best = (k, at)
+        if best is None:
+            return False
+        k, at = best
+        if self.exec.reusable_now(job) + page > at:
+            return False
+        if k.pos == at:  # its lane holds exactly the shared prefix now
+            self.exec.ensure_full(k)
+            return False
+        if self.exec.share_point(k, at) != at:
+            return False
+        job.waiting_for, job.wait_point = k, at
+        self.counters["waits_for_shared_prefix"] += 1
+        return True
 
     def _admit(self, job: Job, box: _Outbox) -> None:
         if job.cancelled:
             return
         with self._cv:
-            sharers = [o for o, _ in self._waiting if o.waiting_for is job]
+            if self._should_wait(job):
+                self._waiting.appendleft((job, box))
+                return
         try:
             job.stats.queue_s = time.perf_counter() - job.t_submit
-            self.exec.start(job, shared=max((o.shared for o in sharers), default=0))
+            self.exec.start(job)
         except Exception as exc:
             log.exception("request %s could not start", job.req.request_id)
             if job.lane is not None:
@@ -385,12 +377,6 @@ class Engine:
             self._release_sharers(job)
             return
         with self._cv:
-            for o in sharers:  # each waits until the job has published where they meet
-                at = self.exec.share_point(job, o.shared)
-                if at:
-                    o.wait_point = at
-                else:
-                    o.waiting_for = None
             self._active.append((job, box))
         s = job.stats
         cached = f"{job.reuse:,}"

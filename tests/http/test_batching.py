@@ -234,3 +234,27 @@ async def test_subagent_arriving_while_another_decodes_reuses_the_branch_point(
         await task
     assert second.turns[0].cached_tokens >= len(system) - PAGE, done_lines.events
     await _same_as_cold(hybrid_path, tmp_path, second.turns, 16, NEAR_TIE["hybrid"])
+
+
+async def test_subagents_of_a_new_main_agent_start_from_its_system_prompt(
+    hybrid_path: Path, tmp_path: Path, done_lines: DoneLines
+) -> None:
+    # The main agent's first request is its system prompt and one user message: the
+    # subagents diverge from it right after the system prompt, where no replay point
+    # is. The first turn's end is published in FULL, so both start there, and the
+    # main agent keeps its lane.
+    system = _shared_system(30)
+    async with serve(hybrid_path, tmp_path / "ckpt", server__lanes=3) as srv:
+        main = Session(srv.client, system=system, max_tokens=16, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": "Fix it."}])
+        await main.turn()
+        subs = [Session(srv.client, system=system, max_tokens=16, messages=[
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"Subtask {i}: list the files."}]) for i in range(2)]
+        await asyncio.gather(*(s.turn() for s in subs))
+        await main.turn(user_message(1))
+    for s in subs:
+        assert s.turns[0].cached_tokens >= len(system) - PAGE, done_lines.events
+    assert "(live, lane)" in done_lines.events[-2], done_lines.events
+    await _same_as_cold(hybrid_path, tmp_path, [t for s in subs for t in s.turns], 16,
+                        NEAR_TIE["hybrid"])
