@@ -27,9 +27,10 @@ check: install
 	.venv/bin/ruff check statecache proxy tests tools bench
 	.venv/bin/mypy
 
-# The 0.8B-class hybrid is generated once (slow); skipped when present.
+# The 0.8B-class and mid hybrids are generated once (slow); skipped when present.
 bench: install models
 	$(PY) -m tools.synth_gguf bench --out models
+	$(PY) -m tools.synth_gguf mid --out models
 	$(PY) -m bench.run $(BENCH_ARGS)
 
 clean-models:

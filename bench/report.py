@@ -14,13 +14,16 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.harness import Record
+from bench.servers import ROOT
 
 if TYPE_CHECKING:
     from bench.run import Profile, Results
@@ -170,6 +173,52 @@ def _micro(m: dict[str, Any]) -> list[str]:
     return out
 
 
+def _batching(b: dict[str, Any]) -> list[str]:
+    peers = [k for k in ("statecache", "llama-server") if isinstance(b.get(k), dict)
+             and "decode_tps" in b[k]]
+    out = [f"Model {b['model']}, 4 lanes (slots), greedy. `proxy.engine.binding` decoding one "
+           f"stream in a loop (no HTTP): {b['direct_decode_tps']:.1f} tokens/s.", ""]
+    rows = []
+    for c in ("1", "2", "4"):
+        rows.append([f"{c} stream{'s' if c != '1' else ''}"] + [
+            f"{b[p]['decode_tps'][c]:.1f} ({b[p]['scaling'][c]:.2f}x)" for p in peers])
+    out += _table(["aggregate decode tok/s (x one stream)"] + peers, rows)
+    out += ["", "One stream against the binding called directly: " + ", ".join(
+        f"{p} {b[p]['decode_tps']['1'] / b['direct_decode_tps']:.2f}x" for p in peers) + ".", ""]
+    rows = []
+    for label, key in (("quiet p50 ms", "quiet_p50_ms"), ("quiet p95 ms", "quiet_p95_ms"),
+                       ("during the long prefill p50 ms", "busy_p50_ms"),
+                       ("during the long prefill p95 ms", "busy_p95_ms"),
+                       ("long prompt's TTFT s", "long_prefill_s")):
+        rows.append([label] + [f"{b[p]['itl'][key]:.1f}" if "ms" in label else
+                               f"{b[p]['itl'][key]:.2f}" for p in peers])
+    rows.append(["p95 during / quiet p95"] + [
+        f"{b[p]['itl']['busy_p95_ms'] / b[p]['itl']['quiet_p95_ms']:.2f}" for p in peers])
+    out += ["Inter-token latency of a stream while another request prefills a long prompt:", ""]
+    out += _table(["", *peers], rows)
+    out += ["", "TTFT of a short request sent 0.2 s after a long one:", ""]
+    out += _table(["", *peers], [
+        ["short request TTFT s"] + [f"{b[p]['short_behind_long']['short_ttft_s']:.2f}"
+                                    for p in peers],
+        ["long request TTFT s"] + [f"{b[p]['short_behind_long']['long_ttft_s']:.2f}"
+                                   for p in peers]])
+    return out
+
+
+def _subagents(sa: dict[str, Any]) -> list[str]:
+    peers = [k for k in ("statecache", "llama-server") if isinstance(sa.get(k), dict)
+             and "requests" in sa[k]]
+    out = [f"Model {sa['model']}, 3 lanes (slots): a main agent, two subagents launched "
+           "together, the main agent, two more subagents together, the main agent; one "
+           "system prompt with tools.", ""]
+    out += _table(["", *peers], [
+        ["reused / reusable tokens"] + [f"{sa[p]['reused_over_reusable']:.3f}" for p in peers],
+        ["largest miss (tokens)"] + [str(sa[p]["worst_miss_tokens"]) for p in peers],
+        ["TTFT per request s"] + [" ".join(f"{r['ttft_s']:.2f}" for r in sa[p]["requests"])
+                                  for p in peers]])
+    return out
+
+
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
@@ -229,6 +278,10 @@ def write(out_dir: Path, prof: Profile, systems: tuple[str, ...], res: Results) 
         lines += ["", "### Variants", ""]
         lines += _variants(res.records, model, systems)
         lines.append("")
+    if res.batching:
+        lines += ["## Batched steps under load", ""] + _batching(res.batching) + [""]
+    if res.subagents:
+        lines += ["## Subagents sharing a system prompt", ""] + _subagents(res.subagents) + [""]
     if res.micro:
         lines += ["## Micro-benchmarks", ""] + _micro(res.micro) + [""]
     lines += ["## Wall time per part", ""]
@@ -237,3 +290,10 @@ def write(out_dir: Path, prof: Profile, systems: tuple[str, ...], res: Results) 
         lines += ["", "## Notes", ""] + [f"- {n}" for n in res.notes]
     lines += ["", "![TTFT per turn](ttft.png)", ""]
     (out_dir / "bench.md").write_text("\n".join(lines))
+    if prof.name == "full":  # the page the README links: the latest full run
+        docs = ROOT / "docs"
+        docs.mkdir(exist_ok=True)
+        (docs / "benchmarks.md").write_text(
+            "\n".join(lines).replace("](ttft.png)", "](benchmarks-ttft.png)")
+            + f"\n_Written by `make bench` on {time.strftime('%Y-%m-%d %H:%M %Z')}._\n")
+        shutil.copyfile(out_dir / "ttft.png", docs / "benchmarks-ttft.png")

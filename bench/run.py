@@ -68,6 +68,10 @@ class Profile:
     n_ctx: int
     micro_model: Path
     micro_args: tuple[str, ...]
+    # batched steps and subagents (bench.batching, bench.subagents): model and arguments
+    load_model: Path = Path()
+    batching_args: tuple[str, ...] = ()
+    subagent_args: tuple[str, ...] = ()
 
 
 def _gemma() -> Path:
@@ -84,14 +88,21 @@ def profiles(quick: bool) -> Profile:
                        repeats=1, cold_repeats=1, variants=("strip", "concurrent"), reply_tokens=16,
                        n_ctx=8192, micro_model=tiny.path,
                        micro_args=("--tokens", "1024", "--prompt", "512", "--out-tokens", "32",
-                                   "--repeats", "3"))
+                                   "--repeats", "3"),
+                       load_model=tiny.path,
+                       batching_args=("--long", "2000", "--out-tokens", "64", "--repeats", "1",
+                                      "--n-ctx", "4096"),
+                       subagent_args=("--system-chars", "1500"))
     gemma = _gemma()
     bench = ModelSpec("hybrid-0.8B", models / "hybrid-bench.gguf", is_gemma=False)
     return Profile("full", (Part(bench, 0.05), Part(ModelSpec("gemma-3-270m", gemma, True), 0.25)),
                    SYSTEMS, turns=6, repeats=3, cold_repeats=1, variants=("strip", "concurrent"),
                    reply_tokens=16, n_ctx=8192, micro_model=gemma,
                    micro_args=("--tokens", "2048", "--prompt", "1024", "--out-tokens", "64",
-                               "--repeats", "5"))
+                               "--repeats", "5"),
+                   load_model=models / "hybrid-mid.gguf",
+                   batching_args=("--long", "8000", "--out-tokens", "256", "--repeats", "3"),
+                   subagent_args=("--system-chars", "6000"))
 
 
 @dataclass(slots=True)
@@ -100,6 +111,8 @@ class Results:
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     micro: dict[str, Any] | None = None
+    batching: dict[str, Any] | None = None
+    subagents: dict[str, Any] | None = None
     llama_server: str = ""
 
 
@@ -192,6 +205,24 @@ def _micro(prof: Profile, res: Results, out_dir: Path) -> None:
     res.micro = json.loads(path.read_text())
 
 
+def _load_parts(prof: Profile, res: Results, out_dir: Path, systems: tuple[str, ...]) -> None:
+    """bench.batching and bench.subagents, each in its own process."""
+    peers = ",".join(s for s in ("statecache", "llama-server") if s in systems)
+    for name, args in (("batching", prof.batching_args), ("subagents", prof.subagent_args)):
+        path = out_dir / f"{name}.json"
+        cmd = [sys.executable, "-m", f"bench.{name}", "--model", str(prof.load_model),
+               "--json", str(path), "--log-dir", str(out_dir / "logs"), "--systems", peers,
+               *args]
+        t0 = time.monotonic()
+        try:
+            subprocess.run(cmd, cwd=ROOT, check=True)
+            setattr(res, name, json.loads(path.read_text()))
+        except Exception as e:
+            traceback.print_exc()
+            res.notes.append(f"{name} failed: {e}")
+        res.timings[name] = time.monotonic() - t0
+
+
 def run(prof: Profile, out_dir: Path, systems: tuple[str, ...]) -> Results:
     res = Results()
     log_dir = out_dir / "logs"
@@ -208,6 +239,7 @@ def run(prof: Profile, out_dir: Path, systems: tuple[str, ...]) -> Results:
                                  f"{type(e).__name__}: {str(e)[:300]}")
             res.timings[f"{part.model.label} / {system}"] = time.monotonic() - t0
             log.info("%s / %s: %.0f s", part.model.label, system, time.monotonic() - t0)
+    _load_parts(prof, res, out_dir, systems)
     try:
         _micro(prof, res, out_dir)
     except Exception as e:

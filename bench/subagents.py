@@ -106,13 +106,15 @@ def run_system(system: str, spec: ModelSpec, args: argparse.Namespace,
         done = run_session(srv.url, session.system, list(session.tools), args.reply)
         wall = time.monotonic() - t0
     can = reusable(spec.path, done)
-    rows = [{"prompt": (r.usage or {}).get("prompt_tokens"),
-             "cached": ((r.usage or {}).get("prompt_tokens_details") or {}).get(
-                 "cached_tokens"), "reusable": c, "ttft_s": r.ttft_s}
-            for (_, r), c in zip(done, can, strict=True)]
-    reused = sum(min(x["cached"] or 0, x["reusable"]) for x in rows)
-    total = sum(x["reusable"] for x in rows)
-    worst = max(x["reusable"] - min(x["cached"] or 0, x["reusable"]) for x in rows)
+    rows: list[dict[str, Any]] = []
+    for (_, r), c in zip(done, can, strict=True):
+        usage = r.usage or {}
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        rows.append({"prompt": usage.get("prompt_tokens"), "cached": cached, "reusable": c,
+                     "reused": min(cached, c), "ttft_s": r.ttft_s})
+    reused = sum(int(x["reused"]) for x in rows)
+    total = sum(int(x["reusable"]) for x in rows)
+    worst = max(int(x["reusable"]) - int(x["reused"]) for x in rows)
     return {"requests": rows, "reused_over_reusable": reused / total if total else 1.0,
             "worst_miss_tokens": worst, "wall_s": wall}
 

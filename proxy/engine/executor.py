@@ -71,6 +71,7 @@ class Job:
     error: BaseException | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     t_first: float = 0.0
+    t_admitted: float = 0.0
     cancelled: bool = False
     stopping: bool = False  # the server is shutting down: end at the next step
     logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet sent
@@ -120,6 +121,7 @@ class Executor:
 
     def start(self, job: Job) -> None:
         """Pick a lane and bring it to the longest reusable prefix of the prompt."""
+        t_plan = time.perf_counter()
         free = self.lanes.free()
         assert free, "start() needs a free lane"
         tenant = job.req.tenant
@@ -140,6 +142,7 @@ class Executor:
         finally:
             plan.release()
         job.stats.restore_s = time.perf_counter() - t0 - job.stats.handoff_s
+        job.t_admitted = t0
         job.stats.lane = lane.id
         job.reuse = job.pos = lane.n
         if not np.array_equal(lane.tokens, job.prompt[: lane.n]):
@@ -149,6 +152,7 @@ class Executor:
         job.sampler = Sampler(job.req.sampling)
         job.stream = TextStream(job.req.sampling.stop)
         self.counters[f"plan_{job.stats.source}"] += 1
+        job.stats.plan_s = time.perf_counter() - t_plan
 
     def _publish_plan(self, job: Job, match_depth: int, chain: PageChain | None
                       ) -> list[tuple[int, Role, Kind]]:
@@ -403,13 +407,18 @@ class Executor:
         if job.prefilling:
             lane.extend(job.prompt[w.pos0: w.pos0 + w.n])
             job.stats.prefilled += w.n
+            job.stats.prefill_steps += 1
             job.pos += w.n
-            while job.publish and job.publish[0][0] == job.pos:
-                _, role, kind = job.publish.pop(0)
-                self._publish(job, role, kind)
+            if job.publish and job.publish[0][0] == job.pos:
+                t0 = time.perf_counter()
+                while job.publish and job.publish[0][0] == job.pos:
+                    _, role, kind = job.publish.pop(0)
+                    self._publish(job, role, kind)
+                job.stats.publish_s += time.perf_counter() - t0
             if job.prefilling:
                 return
             job.t_first = time.perf_counter()
+            job.stats.prefill_s = job.t_first - job.t_admitted
         else:
             lane.extend([job.pending])
         self._take(job, w.row)

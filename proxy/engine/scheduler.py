@@ -502,6 +502,11 @@ class Engine:
             box.put(job.error or RuntimeError("generation failed"))
         else:
             box.put(FinishEvent(job.finish_reason, usage, s))
+        log.debug("phases %s · queue %.1f ms · plan %.1f ms (hand-off %.1f, restore %.1f) · "
+                  "prefill %.1f ms in %d steps (checkpoints %.1f ms) · TTFT %.1f ms",
+                  job.req.request_id, 1000 * s.queue_s, 1000 * s.plan_s, 1000 * s.handoff_s,
+                  1000 * s.restore_s, 1000 * s.prefill_s, s.prefill_steps, 1000 * s.publish_s,
+                  1000 * s.ttft_s)
         handoff = f" · hand-off {round(s.handoff_s * 1000)} ms" if s.handoff_s >= 0.0005 else ""
         log.info("Done · input %s · cached %s · prefilled %s · output %s · TTFT %.2f s · "
                  "restore %d ms%s · checkpoints +%d (%s)%s",

@@ -83,7 +83,11 @@ class RequestStats:
     ttft_s: float = 0.0
     restore_s: float = 0.0  # restoring or cutting back the state this request starts from
     handoff_s: float = 0.0  # saving the lane's previous conversation before reusing the lane
-    queue_s: float = 0.0
+    queue_s: float = 0.0  # waiting for a lane (or for a shared prefix)
+    plan_s: float = 0.0  # admission: planning, hand-off and restore together
+    prefill_s: float = 0.0  # from admission to the first token
+    prefill_steps: int = 0
+    publish_s: float = 0.0  # saving checkpoints during prefill
     checkpoints_added: int = 0
     checkpoint_bytes: int = 0
     decode_tps: float = 0.0
