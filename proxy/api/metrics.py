@@ -64,6 +64,9 @@ RULES: tuple[Rule, ...] = (
     Rule(r"pool\.evictions", _EVICTIONS, (("tier", "ram"),)),
     Rule(r"pool\.disk_evictions", _EVICTIONS, (("tier", "disk"),)),
     Rule(r"evictions\.(?P<tier>[^.]+)", _EVICTIONS),
+    Rule(r"misses\.(?P<cause>[^.]+)", Family(
+        "statecache_misses_total", "counter",
+        "Requests that reused less than an earlier request held, by cause.")),
     Rule(r"tokens_prefilled", Family("statecache_prefilled_tokens_total", "counter",
                                      "Prompt tokens run through the model.")),
     Rule(r"tokens_reused", Family("statecache_reused_tokens_total", "counter",

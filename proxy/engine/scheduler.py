@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -43,6 +44,7 @@ from proxy.engine.splice import ReplyMemory
 from proxy.engine.steps import StepTimer
 from proxy.engine.tokens import Tokenizer
 from proxy.engine.types import (
+    Divergence,
     Event,
     FinishEvent,
     GenerationRequest,
@@ -59,6 +61,7 @@ log = logging.getLogger("statecache")
 
 MAX_SKIPS = 2  # admissions that may pass a waiting request over
 MAX_STARVED = 2  # steps a prefill may get nothing before it goes first
+MAX_MISSES = 100  # kept for GET /admin/misses
 
 
 class EngineDead(RuntimeError):
@@ -130,6 +133,7 @@ class Engine:
         self._active: list[tuple[Job, _Outbox]] = []
         self._stopping = False
         self._dead: str | None = None
+        self._misses: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_MISSES)
         self._close_lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="statecache-engine", daemon=True)
@@ -497,6 +501,7 @@ class Engine:
         c["tokens_generated"] += completion
         if s.source != "cold":  # where the reused prefix came from, and its checkpoint's role
             c[f"hits.{s.source}.{s.role or 'live'}"] += 1
+        miss = self._miss(job)
         usage = Usage(len(job.prompt), completion, job.reuse)
         if job.finish_reason == "error":
             box.put(job.error or RuntimeError("generation failed"))
@@ -513,7 +518,31 @@ class Engine:
                  f"{len(job.prompt):,}", f"{job.reuse:,}", f"{s.prefilled:,}", f"{completion:,}",
                  s.ttft_s, round(s.restore_s * 1000), handoff, s.checkpoints_added,
                  format_size(s.checkpoint_bytes),
-                 "" if job.finish_reason in ("stop", "length") else f" · {job.finish_reason}")
+                 ("" if job.finish_reason in ("stop", "length") else f" · {job.finish_reason}")
+                 + (f" · miss: {miss.describe()}" if miss is not None else ""))
+
+    def _miss(self, job: Job) -> Divergence | None:
+        """The reason this request reused less than an earlier one held, if it did."""
+        d = job.req.divergence
+        if d is None or job.reuse + self.exec.page > min(d.known, len(job.prompt) - 1):
+            return None
+        if not job.use_cache:
+            d = dataclasses.replace(d, cause="cache off")
+        elif d.token < 0 or d.token >= d.known:  # the text agreed: the state was gone
+            d = dataclasses.replace(d, cause="evicted")
+        self.counters[f"misses.{d.cause}"] += 1
+        with self._cv:
+            self._misses.append({"time": time.time(), "request_id": job.req.request_id,
+                                 "tenant": job.req.tenant, "prompt_tokens": len(job.prompt),
+                                 "reused": job.reuse, "known": d.known, "cause": d.cause,
+                                 "token": d.token, "message": d.message, "role": d.role,
+                                 "old": d.old, "new": d.new})
+        return d
+
+    def recent_misses(self) -> list[dict[str, Any]]:
+        """The last misses, newest first (``GET /admin/misses``)."""
+        with self._cv:
+            return list(reversed(self._misses))
 
 
 class _Outbox:

@@ -21,6 +21,32 @@ class SamplingParams:
         return self.temperature <= 0.0 or self.top_k == 1
 
 
+MISS_CAUSES = ("new conversation", "system prompt changed", "tools changed",
+               "earlier message edited", "reasoning dropped", "reply re-rendered differently",
+               "evicted", "other tenant", "cache off")
+
+
+@dataclass(slots=True, frozen=True)
+class Divergence:
+    """Where a prompt leaves the longest conversation the server saw before (the HTTP
+    side keeps them): the engine reports it as a miss when it reuses less than that."""
+
+    known: int  # tokens of the prompt that an earlier prompt or reply already held
+    cause: str  # one of MISS_CAUSES; "evicted" when nothing in the text diverged
+    token: int = -1  # first token that differs (-1: none before ``known``)
+    message: int = -1  # index of the message where it differs
+    role: str = ""
+    old: str = ""  # a short excerpt of the earlier text there
+    new: str = ""  # ...and of this prompt's
+
+    def describe(self) -> str:
+        where = f" at token {self.token:,}" if self.token >= 0 else ""
+        if self.message >= 0:
+            where += f" (message {self.message}, {self.role or '?'})"
+        text = f": {self.old!r} -> {self.new!r}" if self.old or self.new else ""
+        return f"{self.cause}{where}{text}"
+
+
 @dataclass(slots=True, frozen=True)
 class GenerationRequest:
     """One generation: the prompt already rendered and tokenized."""
@@ -33,6 +59,7 @@ class GenerationRequest:
     # Tokens of the conversation before the generation prompt (rendered without it);
     # the replay checkpoint goes at the last whole page at or before this point.
     history_tokens: int | None = None
+    divergence: Divergence | None = None  # None: nothing earlier shares this prompt
 
 
 @dataclass(slots=True)
