@@ -43,8 +43,8 @@ class _JsonErrorHandler(RequestHandler):
         status, text = _status_and_message(status, exc)
         if status >= 500:
             log.error("%s %s failed", request.method, request.path, exc_info=exc)
-        else:
-            log.info("rejected %s %s: %d %s", request.method, request.path, status, text)
+        else:  # the request line was not parsed: no method or path to tell
+            log.info("rejected a malformed request from %s: %d %s", request.remote, status, text)
         resp = web.json_response(error_body(status, text), status=status)
         resp.force_close()
         return resp
