@@ -5,7 +5,9 @@ same conversation, so rendering, tokenizing, planning and the cache are shared: 
 conversation started on one API continues from the same checkpoints on another.
 
 Mapping:
-- ``system`` (a string or text blocks) is the first message, role ``system``.
+- ``system`` (a string or text blocks) is the first message, role ``system``; a
+  ``system`` message inside ``messages`` (Claude Code sends them, beta
+  ``mid-conversation-system``) stays where it is, if the template allows it there.
 - User content blocks: ``text`` joins into a user message (parts joined with "\\n", as
   chat content parts are); each ``tool_result`` becomes a ``tool`` message, in order;
   ``is_error`` prefixes the result with "Error: ".
@@ -27,6 +29,7 @@ Mapping:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -167,11 +170,14 @@ def _messages(v: object) -> list[ChatMessage]:
         param = f"messages[{i}]"
         role = _obj(m, param).get("role")
         content = m.get("content")
-        if role not in ("user", "assistant"):
-            raise ApiError(f"'{param}.role' must be 'user' or 'assistant'; got {role!r}",
-                           f"{param}.role")
+        if role not in ("user", "assistant", "system"):
+            raise ApiError(f"'{param}.role' must be 'user', 'assistant' or 'system'; "
+                           f"got {role!r}", f"{param}.role")
         if isinstance(content, str):
             out.append(ChatMessage(role=role, content=content))
+            continue
+        if role == "system":
+            out.append(ChatMessage(role=role, content=_texts(content, f"{param}.content")))
             continue
         if not isinstance(content, list):
             raise ApiError(f"'{param}.content' must be a string or a list of content blocks",
@@ -260,6 +266,22 @@ def _sampling(body: Mapping[str, Any], need_max_tokens: bool) -> Sampling:
                     top_p=1.0 if top_p is None else top_p,
                     top_k=_opt_int(body, "top_k", lo=0) or 0,
                     max_tokens=max_tokens, stop=_stop_sequences(body))
+
+
+def unbounded(req: ChatRequest) -> ChatRequest:
+    """The request without ``max_tokens``, to check its prompt against the context alone
+    (``fit_max_tokens`` then cuts ``max_tokens`` to the room left)."""
+    return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens=None))
+
+
+def fit_max_tokens(sampling: Sampling, n_ctx: int, n_prompt: int) -> Sampling:
+    """``max_tokens`` cut to the room the context leaves: clients such as Claude Code
+    always ask for tens of thousands, and Anthropic's API runs until the context is full
+    (``stop_reason: model_context_window_exceeded``) rather than refusing."""
+    room = n_ctx - n_prompt
+    if sampling.max_tokens is None or room <= 0 or sampling.max_tokens <= room:
+        return sampling
+    return dataclasses.replace(sampling, max_tokens=room)
 
 
 def parse_messages_request(body: object, *, count_only: bool = False) -> ChatRequest:

@@ -50,10 +50,14 @@ def usage_json(u: Usage) -> JSON:
             "output_tokens": u.completion_tokens}
 
 
-def stop_reason(fin: FinishEvent, tool_calls: bool) -> str:
+def stop_reason(fin: FinishEvent, tool_calls: bool, window: bool = False) -> str:
+    """``window``: ``max_tokens`` was cut to the context's room, so a reply cut by the
+    limit ran out of context, not out of the client's budget."""
     if tool_calls:
         return "tool_use"
-    return "max_tokens" if fin.reason == "length" else "end_turn"
+    if fin.reason == "length":
+        return "model_context_window_exceeded" if window else "max_tokens"
+    return "end_turn"
 
 
 def _tool_input(call: ParsedToolCall) -> JSON:
@@ -65,7 +69,8 @@ def _tool_use(call: ParsedToolCall) -> JSON:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": _tool_input(call)}
 
 
-def message_body(message_id: str, model: str, reply: Delta, fin: FinishEvent) -> JSON:
+def message_body(message_id: str, model: str, reply: Delta, fin: FinishEvent,
+                 window: bool = False) -> JSON:
     """The non-streaming ``message``."""
     content: list[JSON] = []
     if reply.reasoning:
@@ -74,7 +79,8 @@ def message_body(message_id: str, model: str, reply: Delta, fin: FinishEvent) ->
         content.append({"type": "text", "text": reply.content})
     content.extend(_tool_use(c) for c in reply.tool_calls)
     return {"id": message_id, "type": "message", "role": "assistant", "model": model,
-            "content": content, "stop_reason": stop_reason(fin, bool(reply.tool_calls)),
+            "content": content,
+            "stop_reason": stop_reason(fin, bool(reply.tool_calls), window),
             "stop_sequence": None, "usage": usage_json(fin.usage)}
 
 
@@ -82,8 +88,9 @@ class MessageEvents:
     """The SSE events of one streamed message (the ``Chunks`` protocol of app.py)."""
 
     def __init__(self, message_id: str, model: str, parser: StreamParser,
-                 prompt_tokens: int) -> None:
+                 prompt_tokens: int, window: bool = False) -> None:
         self._id, self._model = message_id, model
+        self._window = window
         self._parser = parser
         self._prompt_tokens = prompt_tokens
         self._index = -1  # index of the open block, or of the last one closed
@@ -148,7 +155,8 @@ class MessageEvents:
     def finish(self, fin: FinishEvent) -> list[JSON]:
         out = self._deltas(self._parser.finish()) + self._close()
         out.append({"type": "message_delta",
-                    "delta": {"stop_reason": stop_reason(fin, self._n_calls > 0),
+                    "delta": {"stop_reason": stop_reason(fin, self._n_calls > 0,
+                                                         self._window),
                               "stop_sequence": None},
                     "usage": usage_json(fin.usage)})
         out.append({"type": "message_stop"})

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from proxy.api.anthropic import parse_messages_request
+from proxy.api.anthropic import fit_max_tokens, parse_messages_request, unbounded
 from proxy.api.anthropic_events import MessageEvents, message_body, new_tool_use_id
 from proxy.api.anthropic_events import error_body as anthropic_error_body
 from proxy.api.auth import Access, AuthError, identify
@@ -391,16 +391,18 @@ async def messages(request: web.Request) -> web.StreamResponse:
     req = parse_messages_request(await _json_body(request))
     engine, tenant = request.app[ENGINE], _tenant(request, None)
     prompt, tokens, history = await asyncio.to_thread(
-        _tokenize_chat, engine, request.app[TEMPLATE], req, tenant)
-    gen = _generation(request, tokens, req.sampling, "msg", "messages", tenant, history)
+        _tokenize_chat, engine, request.app[TEMPLATE], unbounded(req), tenant)
+    sampling = fit_max_tokens(req.sampling, engine.n_ctx, len(tokens))
+    window = sampling != req.sampling
+    gen = _generation(request, tokens, sampling, "msg", "messages", tenant, history)
     parser = StreamParser(starts_in_reasoning=starts_in_reasoning(prompt),
                           parse_tools=req.parse_tools, make_id=new_tool_use_id)
     if req.stream:
-        events = MessageEvents(gen.request_id, engine.model_name, parser, len(tokens))
+        events = MessageEvents(gen.request_id, engine.model_name, parser, len(tokens), window)
         return await _stream(request, gen, events, Framing(True, b"", events.error))
     text, fin, _ = await _collect(request, gen)
     return web.json_response(message_body(gen.request_id, engine.model_name,
-                                          _parse_all(parser, text), fin))
+                                          _parse_all(parser, text), fin, window))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -426,13 +428,13 @@ async def responses(request: web.Request) -> web.StreamResponse:
     head = response_head(gen.request_id, engine.model_name, req)
     resp: web.StreamResponse
     if req.stream:
-        events = ResponseEvents(head, parser)
+        events = ResponseEvents(head, parser, req.namespaces)
         resp = await _stream(request, gen, events, Framing(True, b"", events.error))
         final, reply = events.final, events.reply
     else:
         text, fin, _ = await _collect(request, gen)
         reply = _parse_all(parser, text)
-        final = finished(head, output_items(reply), fin)
+        final = finished(head, output_items(reply, req.namespaces), fin)
         resp = web.json_response(final)
     if final is not None and req.store:
         store.put(gen.request_id, tenant, req.previous_response_id,

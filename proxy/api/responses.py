@@ -16,7 +16,9 @@ Mapping:
   server wrote (clients such as the Codex CLI send back only that).
 - ``previous_response_id``: the stored conversation of that response (its input and
   output) comes before the new input; unknown ids are a 400.
-- Only ``function`` tools: hosted tools (web search, file search, computer use, code
+- Only ``function`` tools, and ``namespace`` tools (groups of functions, which the Codex
+  CLI sends): their functions are offered by their own names and a call of one carries
+  its ``namespace``. Hosted tools (web search, file search, computer use, code
   interpreter, MCP, ...) are rejected by type. ``tool_choice`` as in chat.
 - ``reasoning.effort: "none"`` sets the template's ``enable_thinking`` to false.
 - ``text``, ``include``, ``metadata``, ``prompt_cache_key``, ``truncation`` are accepted;
@@ -61,6 +63,7 @@ class ResponsesRequest:
     previous_response_id: str | None
     tools: tuple[Mapping[str, Any], ...] | None  # as chat tools, for the template
     tools_json: tuple[Mapping[str, Any], ...]  # as sent, echoed in the response
+    namespaces: Mapping[str, str]  # function name -> its namespace, for namespaced tools
     tool_choice: str | Mapping[str, Any] | None
     parallel_tool_calls: bool
     template_kwargs: Mapping[str, Any]
@@ -196,14 +199,8 @@ def _input(v: object) -> tuple[ChatMessage, ...]:
     return tuple(turns.messages)
 
 
-def _tool(t: object, param: str) -> dict[str, Any]:
+def _function(tool: Mapping[str, Any], param: str) -> dict[str, Any]:
     """A Responses function tool as a chat-completions tool (same key order as chat's)."""
-    tool = _obj(t, param)
-    kind = tool.get("type")
-    if kind != "function":
-        raise ApiError(f"tools of type {kind!r} are not supported: only 'function' tools, "
-                       "which the client runs (no hosted web search, file search, computer "
-                       "use, code interpreter or MCP)", f"{param}.type")
     name = tool.get("name")
     if not isinstance(name, str) or not name:
         raise ApiError(f"'{param}.name' must be a non-empty string", f"{param}.name")
@@ -217,13 +214,49 @@ def _tool(t: object, param: str) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
-def _tools(v: object) -> tuple[tuple[Mapping[str, Any], ...] | None, tuple[Mapping[str, Any], ...]]:
+def _unsupported_tool(kind: object, param: str) -> ApiError:
+    return ApiError(f"tools of type {kind!r} are not supported: only 'function' tools (and "
+                    "namespaces of them), which the client runs; no hosted web search, file "
+                    "search, computer use, code interpreter or MCP", f"{param}.type")
+
+
+def _tool(t: object, param: str, chat: list[dict[str, Any]], namespaces: dict[str, str]) -> None:
+    """Adds a function tool to ``chat``, or a namespace's functions (noting their namespace)."""
+    tool = _obj(t, param)
+    kind = tool.get("type")
+    if kind == "function":
+        chat.append(_function(tool, param))
+        return
+    if kind != "namespace":
+        raise _unsupported_tool(kind, param)
+    space, inner = tool.get("name"), tool.get("tools")
+    if not isinstance(space, str) or not isinstance(inner, list):
+        raise ApiError(f"'{param}' must have a string 'name' and a list of 'tools'", param)
+    for j, f in enumerate(inner):
+        p = f"{param}.tools[{j}]"
+        if _obj(f, p).get("type") != "function":
+            raise _unsupported_tool(f.get("type"), p)
+        chat.append(_function(f, p))
+        namespaces[chat[-1]["function"]["name"]] = space
+
+
+def _tools(v: object) -> tuple[tuple[Mapping[str, Any], ...] | None, Mapping[str, str]]:
+    """The tools as chat tools (a namespace's functions in its place), and the namespace
+    of each function that has one. Names must be unique: the model calls tools by name."""
     if v is None:
-        return None, ()
+        return None, {}
     if not isinstance(v, list):
         raise ApiError("'tools' must be a list", "tools")
-    chat = tuple(_tool(t, f"tools[{k}]") for k, t in enumerate(v))
-    return chat or None, tuple(v)
+    chat: list[dict[str, Any]] = []
+    namespaces: dict[str, str] = {}
+    for k, t in enumerate(v):
+        _tool(t, f"tools[{k}]", chat, namespaces)
+    names = [t["function"]["name"] for t in chat]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ApiError(f"tool names must be unique; given more than once: {', '.join(twice)}",
+                       "tools")
+    return tuple(chat) or None, namespaces
 
 
 def _tool_choice(v: object) -> str | Mapping[str, Any] | None:
@@ -257,7 +290,7 @@ def parse_responses_request(body: object) -> ResponsesRequest:
         if body.get(key) not in (None, False):
             raise ApiError(f"'{key}' is not supported by this server", key)
     metadata = body.get("metadata")
-    tools, tools_json = _tools(body.get("tools"))
+    tools, namespaces = _tools(body.get("tools"))
     effort = _reasoning_effort(body)
     kwargs = {**({"enable_thinking": False} if effort == "none" else {}),
               **_template_kwargs(body)}
@@ -269,7 +302,8 @@ def parse_responses_request(body: object) -> ResponsesRequest:
         messages=_input(body.get("input")),
         previous_response_id=_opt_str(body, "previous_response_id"),
         tools=tools,
-        tools_json=tools_json,
+        tools_json=tuple(body.get("tools") or ()),
+        namespaces=namespaces,
         tool_choice=_tool_choice(body.get("tool_choice")),
         parallel_tool_calls=True if parallel is None else parallel,
         template_kwargs=kwargs,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from proxy.api.openai import ChatMessage, ToolCall
@@ -76,10 +77,15 @@ def _text_part(text: str) -> JSON:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def call_item(item_id: str, call: ParsedToolCall, arguments: str | None = None,
-              status: str = "completed") -> JSON:
-    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
-            "arguments": call.arguments if arguments is None else arguments, "status": status}
+def call_item(item_id: str, call: ParsedToolCall, namespaces: Mapping[str, str],
+              arguments: str | None = None, status: str = "completed") -> JSON:
+    item: JSON = {"type": "function_call", "id": item_id, "call_id": call.id,
+                  "name": call.name,
+                  "arguments": call.arguments if arguments is None else arguments,
+                  "status": status}
+    if call.name in namespaces:
+        item["namespace"] = namespaces[call.name]
+    return item
 
 
 def finished(head: JSON, output: list[JSON], fin: FinishEvent) -> JSON:
@@ -91,14 +97,14 @@ def finished(head: JSON, output: list[JSON], fin: FinishEvent) -> JSON:
             "output": output, "usage": usage_json(fin.usage)}
 
 
-def output_items(reply: Delta) -> list[JSON]:
+def output_items(reply: Delta, namespaces: Mapping[str, str]) -> list[JSON]:
     """The non-streaming output: reasoning, message, function calls."""
     out: list[JSON] = []
     if reply.reasoning:
         out.append(reasoning_item(new_id("rs"), reply.reasoning))
     if reply.content:
         out.append(message_item(new_id("msg"), reply.content))
-    out.extend(call_item(new_id("fc"), c) for c in reply.tool_calls)
+    out.extend(call_item(new_id("fc"), c, namespaces) for c in reply.tool_calls)
     return out
 
 
@@ -117,8 +123,10 @@ class ResponseEvents:
     store, once ``finish`` has run.
     """
 
-    def __init__(self, head: JSON, parser: StreamParser) -> None:
+    def __init__(self, head: JSON, parser: StreamParser,
+                 namespaces: Mapping[str, str]) -> None:
         self._head = head
+        self._namespaces = namespaces
         self._parser = parser
         self._seq = 0
         self._output: list[JSON] = []  # finished items
@@ -184,9 +192,10 @@ class ResponseEvents:
     def _call(self, call: ParsedToolCall) -> list[JSON]:
         out = self._close()
         item_id = new_id("fc")
-        item = call_item(item_id, call)
+        item = call_item(item_id, call, self._namespaces)
         out.append(self._item_event("response.output_item.added",
-                                    call_item(item_id, call, "", "in_progress")))
+                                    call_item(item_id, call, self._namespaces, "",
+                                              "in_progress")))
         out.append(self._event("response.function_call_arguments.delta", item_id=item_id,
                                output_index=len(self._output), delta=call.arguments))
         out.append(self._event("response.function_call_arguments.done", item_id=item_id,

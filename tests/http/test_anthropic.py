@@ -123,6 +123,18 @@ async def test_stream_events_headers_usage_and_count_tokens(
         d["delta"]["thinking"] for _, d in events if d["type"] == "content_block_delta")
 
 
+async def test_max_tokens_past_the_context_runs_until_the_context_is_full(
+    hybrid_path: Path, tmp_path: Path
+) -> None:
+    # Claude Code asks for max_tokens 32000 or 64000 whatever the context holds.
+    async with serve(hybrid_path, tmp_path / "ckpt", model__n_ctx=256) as srv, \
+            _client(srv) as client:
+        m = await client.messages.create(model="m", max_tokens=64000,
+                                         messages=HI)  # type: ignore[arg-type]
+    assert m.stop_reason == "model_context_window_exceeded"
+    assert m.usage.input_tokens + m.usage.output_tokens == 256
+
+
 async def test_stop_sequences_end_the_reply(hybrid_path: Path, tmp_path: Path) -> None:
     msgs: Any = [{"role": "user", "content": "Say hello."}]
     async with serve(hybrid_path, tmp_path / "ckpt") as srv, _client(srv) as client:
@@ -147,7 +159,8 @@ HI = [{"role": "user", "content": "hi"}]
     ({"max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]},
      400, "'image'"),
-    ({"max_tokens": 10_000_000, "messages": HI}, 400, "context is 4096 tokens"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": "x " * 5000}]},
+     400, "context is 4096 tokens"),
 ])
 async def test_errors_are_anthropic_shaped_and_logged(
     hybrid_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,

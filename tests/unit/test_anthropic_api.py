@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from proxy.api.anthropic import parse_messages_request
+from proxy.api.anthropic import fit_max_tokens, parse_messages_request
 from proxy.api.anthropic_events import MessageEvents, error_body, message_body
 from proxy.api.openai import ApiError, ChatMessage, ToolCall, parse_chat_request
 from proxy.api.render import VENDOR_TEMPLATES, ChatTemplate, render_chat
@@ -88,6 +88,25 @@ def test_tool_results_keep_their_order_and_errors_are_marked() -> None:
         ("user", "b\nc", None)]
 
 
+def test_system_messages_inside_the_conversation_stay_in_place() -> None:
+    # Claude Code sends them (beta mid-conversation-system).
+    req = parse_messages_request({"max_tokens": 8, "system": "first", "messages": [
+        USER, {"role": "system", "content": [{"type": "text", "text": "agents: a, b"}]},
+        {"role": "user", "content": "go"}]})
+    assert [(m.role, m.content) for m in req.messages] == [
+        ("system", "first"), ("user", "hi"), ("system", "agents: a, b"), ("user", "go")]
+
+
+def test_max_tokens_is_cut_to_the_room_the_context_leaves() -> None:
+    asked = parse_messages_request({"max_tokens": 64000, "messages": [USER]}).sampling
+    assert fit_max_tokens(asked, n_ctx=4096, n_prompt=96).max_tokens == 4000
+    assert fit_max_tokens(asked, n_ctx=100_000, n_prompt=96) is asked
+    assert fit_max_tokens(asked, n_ctx=96, n_prompt=96) is asked  # no room: refused later
+    cut = FinishEvent(reason="length", usage=Usage(prompt_tokens=96, completion_tokens=4000))
+    body = message_body("m", "m", parse_reply("x"), cut, window=True)
+    assert body["stop_reason"] == "model_context_window_exceeded"
+
+
 def test_sampling_tool_choice_and_thinking() -> None:
     req = parse_messages_request({
         "max_tokens": 10, "messages": [USER], "temperature": 0, "top_p": 0.5, "top_k": 3,
@@ -111,8 +130,8 @@ def test_sampling_tool_choice_and_thinking() -> None:
     ({"messages": [USER]}, "max_tokens", "required"),
     ({"max_tokens": 0, "messages": [USER]}, "max_tokens", ">= 1"),
     ({"max_tokens": 1, "messages": []}, "messages", "non-empty"),
-    ({"max_tokens": 1, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role",
-     "'user' or 'assistant'"),
+    ({"max_tokens": 1, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role",
+     "'user', 'assistant' or 'system'"),
     ({"max_tokens": 1, "messages": [USER], "temperature": 1.5}, "temperature", "[0, 1]"),
     ({"max_tokens": 1, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "data": ""}}]}]},

@@ -9,7 +9,7 @@ import pytest
 
 from proxy.api.openai import ApiError, ChatMessage, ToolCall, parse_chat_request
 from proxy.api.render import VENDOR_TEMPLATES, ChatTemplate, render_chat
-from proxy.api.reply import StreamParser
+from proxy.api.reply import StreamParser, parse_reply
 from proxy.api.responses import (
     REASONING_MARK,
     ResponseStore,
@@ -121,8 +121,29 @@ def test_sampling_and_options() -> None:
     assert head["max_output_tokens"] == 20 and head["metadata"] == {"k": "v"}
 
 
+def test_namespace_tools_are_offered_by_name_and_calls_carry_the_namespace() -> None:
+    # The Codex CLI groups its sub-agent tools in a namespace.
+    req = parse_responses_request({"input": "x", "tools": [
+        RESPONSES["tools"][0],
+        {"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [
+            {"type": "function", "name": "spawn", "parameters": {"type": "object"}}]}]})
+    assert req.tools is not None
+    assert [t["function"]["name"] for t in req.tools] == ["read_file", "spawn"]
+    assert req.namespaces == {"spawn": "agents"}
+    reply = parse_reply('x</think><tool_call>{"name": "spawn", "arguments": {}}</tool_call>'
+                        '<tool_call>{"name": "read_file", "arguments": {}}</tool_call>',
+                        starts_in_reasoning=True)
+    calls = [i for i in output_items(reply, req.namespaces) if i["type"] == "function_call"]
+    assert [(c["name"], c.get("namespace")) for c in calls] == [
+        ("spawn", "agents"), ("read_file", None)]
+
+
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({}, "input", "string or a non-empty list"),
+    ({"input": "x", "tools": [RESPONSES["tools"][0], RESPONSES["tools"][0]]}, "tools",
+     "given more than once: read_file"),
+    ({"input": "x", "tools": [{"type": "namespace", "name": "n", "tools": [
+        {"type": "mcp", "server_label": "s"}]}]}, "tools[0].tools[0].type", "'mcp'"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "'item_reference'"),
     ({"input": [{"type": "web_search_call", "id": "x"}]}, "input[0].type", "'web_search_call'"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "'web_search'"),
@@ -185,7 +206,8 @@ FIN = FinishEvent(reason="stop", usage=Usage(prompt_tokens=100, completion_token
 def test_stream_events_and_the_final_response() -> None:
     req = parse_responses_request({"input": "x", "tools": RESPONSES["tools"]})
     head = response_head("resp_1", "m", req)
-    events = ResponseEvents(head, StreamParser(starts_in_reasoning=True, make_id=lambda: "c1"))
+    events = ResponseEvents(head, StreamParser(starts_in_reasoning=True, make_id=lambda: "c1"),
+                            req.namespaces)
     out = events.start()
     for ch in REPLY:
         out += events.text(ch)
@@ -214,7 +236,7 @@ def test_stream_events_and_the_final_response() -> None:
     reply.extend(parser.finish())
     strip = [{k: v for k, v in item.items() if k != "id"} for item in final["output"]]
     assert strip == [{k: v for k, v in item.items() if k != "id"}
-                     for item in output_items(reply)]
+                     for item in output_items(reply, {})]
     assert events.reply.reasoning == "Think." and events.reply.content == "Hello."
     assert assistant_message(events.reply).tool_calls == (ToolCall("c1", "f", '{"a": 1}'),)
 
