@@ -1,8 +1,12 @@
-"""The aiohttp app: OpenAI-compatible endpoints over an engine.
+"""The aiohttp app: OpenAI chat completions and completions, Anthropic Messages and
+OpenAI Responses over one engine.
 
-A chat request is parsed (``openai_api``), rendered (``chat``), tokenized by the
+A chat request is parsed (``openai``), rendered (``render``), tokenized by the
 engine, checked against the context, generated, and its text split into
-reasoning, content and tool calls (``parse``), as one JSON reply or as SSE.
+reasoning, content and tool calls (``reply``), as one JSON reply or as SSE.
+Messages (``anthropic``) and Responses (``responses``) requests parse into the same
+chat request, so they share rendering, tokenizing, planning and the cache; only
+their event writers differ (``anthropic_events``, ``responses_events``).
 
 Choices:
 - ``max_tokens`` absent: ``min(n_ctx - prompt_tokens, server.max_tokens_default)``, so a
@@ -15,9 +19,10 @@ Choices:
   refused before it is tokenized (proxy/api/prompt.py).
 - ``/v1/completions`` prepends the engine's ``bos_token`` to the prompt unless it
   already starts with it (the engine's tokenize adds none).
-- Errors are OpenAI JSON always; a failure after an SSE stream started is sent as
-  a ``data: {"error": …}`` event. A client that goes away closes the engine's
-  generator, which stops generation.
+- Errors are OpenAI JSON, Anthropic's shape on ``/v1/messages*``; each rejected request
+  is logged at info (method, path, status, reason). A failure after an SSE stream
+  started is sent as the API's error event. A client that goes away closes the
+  engine's generator, which stops generation.
 - ``GET /health`` answers 503 when the engine's health has ``"ok": false``.
 """
 
