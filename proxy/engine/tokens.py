@@ -32,6 +32,7 @@ class Tokenizer:
         self.model = model
         self.counters = counters
         self.replies = replies
+        model.vocab_facts()  # read once now (Gemma: 0.7 s), not in the first request
 
     @property
     def special_texts(self) -> tuple[str, ...]:
