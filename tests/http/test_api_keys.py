@@ -80,7 +80,8 @@ async def test_missing_or_unknown_keys_get_401_json(hybrid_path: Path, tmp_path:
 
 
 async def test_admin_routes_need_the_admin_key_and_inspect_sends_it(
-        hybrid_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        hybrid_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     async with serve(hybrid_path, tmp_path / "ckpt", server__api_keys=KEYS,
                      server__admin_key=ADMIN) as srv:
         alice = _client(srv, "sk-alice")
@@ -101,6 +102,11 @@ async def test_admin_routes_need_the_admin_key_and_inspect_sends_it(
         assert await asyncio.to_thread(cli_main, [*args, "--admin-key", ADMIN]) == 0
         shown = json.loads(capsys.readouterr().out)
         assert {c["id"] for c in rows} <= {c["id"] for c in shown["checkpoints"]}
+        monkeypatch.setenv("STATECACHE_ADMIN_KEY", ADMIN)  # or from the environment
+        assert await asyncio.to_thread(cli_main, args) == 0
+        assert {c["id"] for c in rows} <= {
+            c["id"] for c in json.loads(capsys.readouterr().out)["checkpoints"]}
+        monkeypatch.delenv("STATECACHE_ADMIN_KEY")
         assert await asyncio.to_thread(cli_main, args) == 0  # without the key: disk only
         refused = json.loads(capsys.readouterr().out)
         assert any("refused" in n and "401" in n for n in refused["notes"]), refused["notes"]
