@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,6 +37,17 @@ class ModelConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class VolatileRule:
+    """A fragment of message text that changes per conversation (a session id, a date):
+    replaced before rendering so prompts that differ only there share their prefix.
+    One ``[[server.volatile]]`` table; off unless configured (the model reads the result)."""
+
+    pattern: str  # a Python regular expression
+    replace: str = ""  # re.sub's replacement (\\1 refers to a group)
+    name: str = ""  # the rule's label in /metrics (default: its index)
+
+
+@dataclass(slots=True, frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -49,6 +61,7 @@ class ServerConfig:
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)
     admin_key: str = field(default="", repr=False)  # the admin routes need it once any key is set
     admin: bool = True  # false: no admin routes at all
+    volatile: tuple[VolatileRule, ...] = ()  # [[server.volatile]]: rewrites of message text
 
 
 @dataclass(slots=True, frozen=True)
@@ -142,6 +155,8 @@ def _convert(key: str, f: dataclasses.Field[Any], value: object) -> object:
         except ValueError:
             raise ConfigError(f'{key}: expected a size like "8GiB", got {value!r}') from None
     kind = f.type if isinstance(f.type, str) else f.type.__name__
+    if kind == "tuple[VolatileRule, ...]":
+        return _volatile_rules(key, value)
     if kind == "dict[str, str]":
         if not isinstance(value, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
@@ -156,6 +171,40 @@ def _convert(key: str, f: dataclasses.Field[Any], value: object) -> object:
     if not ok:
         raise ConfigError(f"{key}: expected {kind}, got {value!r}")
     return float(value) if kind == "float" else value  # type: ignore[arg-type]
+
+
+def _volatile_rule(key: str, value: object) -> VolatileRule:
+    """One ``[[server.volatile]]`` table, its pattern compiled now so a bad one stops the load."""
+    valid = [f.name for f in dataclasses.fields(VolatileRule)]
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}: expected a table with {', '.join(valid)}, got {value!r}")
+    for k, v in value.items():
+        if k not in valid:
+            raise ConfigError(f"{key}: unknown key {k!r}; valid keys: {', '.join(valid)}")
+        if not isinstance(v, str):
+            raise ConfigError(f"{key}.{k}: expected str, got {v!r}")
+    if "pattern" not in value:
+        raise ConfigError(f"{key}: a rule needs a pattern")
+    rule = VolatileRule(**value)
+    try:
+        rx = re.compile(rule.pattern)
+        rx.sub(rule.replace, "")  # compiles the replacement too: a missing group fails here
+    except (re.error, IndexError) as e:
+        raise ConfigError(f"{key} ({rule.pattern!r}): {e}") from None
+    if rx.search("") is not None:
+        raise ConfigError(f"{key} ({rule.pattern!r}): the pattern matches the empty text, "
+                          "so it would rewrite every message everywhere")
+    return rule
+
+
+def _volatile_rules(key: str, value: object) -> tuple[VolatileRule, ...]:
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{key}: expected an array of tables ([[{key}]]), got {value!r}")
+    rules = tuple(_volatile_rule(f"{key}[{i}]", v) for i, v in enumerate(value))
+    names = [r.name for r in rules if r.name]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{key}: rule names must differ, got {names}")
+    return rules
 
 
 def _merge(raw: dict[str, dict[str, object]], data: Mapping[str, object], source: str) -> None:

@@ -35,7 +35,7 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +49,12 @@ from proxy.api.anthropic_events import error_body as anthropic_error_body
 from proxy.api.auth import Access, AuthError, identify
 from proxy.api.intake import BODY_LIMIT, SLOTS, read_json, release
 from proxy.api.metrics import CONTENT_TYPE, format_metrics
+from proxy.api.misses import (
+    Conversation,
+    SeenConversations,
+    chat_conversation,
+    prompt_conversation,
+)
 from proxy.api.openai import (
     ApiError,
     ChatRequest,
@@ -68,8 +74,17 @@ from proxy.api.responses_events import (
     output_items,
     response_head,
 )
+from proxy.api.volatile import Volatile
 from proxy.engine.tokens import Tokenizer
-from proxy.engine.types import Event, FinishEvent, GenerationRequest, QueueFull, TokenLogprob
+from proxy.engine.types import (
+    Event,
+    FinishEvent,
+    GenerationRequest,
+    QueueFull,
+    TokenEvent,
+    TokenLogprob,
+)
+from statecache.config import VolatileRule
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +106,7 @@ class EngineLike(Protocol):
     def get_checkpoint(self, id: str) -> dict[str, Any] | None: ...
     def metrics(self) -> dict[str, Any]: ...
     def health(self) -> dict[str, Any]: ...
+    def recent_misses(self) -> list[dict[str, Any]]: ...
 
 
 ENGINE = web.AppKey("engine", EngineLike)
@@ -98,6 +114,9 @@ TEMPLATE = web.AppKey("template", ChatTemplate)
 HTTP_COUNTS = web.AppKey("http_counts", Counter)
 RESPONSES = web.AppKey("responses", ResponseStore)
 STARTED = web.AppKey("started", int)
+SEEN = web.AppKey("seen", SeenConversations)  # what was rendered: why a request missed
+VOLATILE = web.AppKey("volatile", Volatile)
+CONVERSATION = web.RequestKey("conversation", Conversation)  # remembered once replied
 
 
 @dataclass(slots=True, frozen=True)
@@ -236,13 +255,35 @@ def _tokenize_chat(engine: EngineLike, template: ChatTemplate, req: ChatRequest,
 
 
 def _generation(request: web.Request, tokens: list[int], sampling: Sampling, prefix: str,
-                param: str, tenant: str, history: int | None = None) -> GenerationRequest:
+                param: str, tenant: str, history: int | None = None,
+                seen: Conversation | None = None) -> GenerationRequest:
     release(request)  # the prompt is tokenized: the next request may be parsed
     max_tokens = _max_tokens(request.app[ENGINE].n_ctx, len(tokens), sampling.max_tokens, param,
                              request.app[LIMITS].default_max_tokens)
-    return GenerationRequest(request_id=f"{prefix}-{secrets.token_hex(12)}",
-                             prompt_tokens=tuple(tokens), sampling=sampling.to_params(max_tokens),
-                             tenant=tenant, history_tokens=history)
+    divergence = None
+    if seen is not None:  # where it leaves what was sent before (the engine reports misses)
+        divergence = request.app[SEEN].divergence(seen)
+        request[CONVERSATION] = seen
+    gen = GenerationRequest(request_id=f"{prefix}-{secrets.token_hex(12)}",
+                            prompt_tokens=tuple(tokens), sampling=sampling.to_params(max_tokens),
+                            tenant=tenant, history_tokens=history, divergence=divergence)
+    if divergence is not None:
+        log.debug("%s: %s", gen.request_id, divergence.describe())
+    return gen
+
+
+async def _generate(request: web.Request, gen: GenerationRequest) -> AsyncIterator[Event]:
+    """The engine's events; a finished reply is remembered with its conversation."""
+    ids: list[int] = []
+    parts: list[str] = []
+    async with _closing(request.app[ENGINE].generate(gen)) as events:
+        async for ev in events:
+            if isinstance(ev, TokenEvent):
+                ids.extend(ev.token_ids)
+                parts.append(ev.text)
+            elif CONVERSATION in request:
+                request.app[SEEN].remember(request[CONVERSATION], "".join(parts), ids)
+            yield ev
 
 
 @asynccontextmanager
@@ -274,7 +315,7 @@ async def _collect(request: web.Request, gen: GenerationRequest
     parts: list[str] = []
     logprobs: list[TokenLogprob] = []
     async with asyncio.timeout(request.app[LIMITS].request_timeout), \
-            _closing(request.app[ENGINE].generate(gen)) as events:
+            _closing(_generate(request, gen)) as events:
         async for ev in events:
             if isinstance(ev, FinishEvent):
                 _log_finish(gen, ev)
@@ -312,7 +353,7 @@ async def _send(resp: web.StreamResponse, obj: dict[str, Any], named: bool = Fal
 
 async def _stream(request: web.Request, gen: GenerationRequest, chunks: Chunks,
                   framing: Framing = OPENAI_SSE) -> web.StreamResponse:
-    async with _closing(request.app[ENGINE].generate(gen)) as events:
+    async with _closing(_generate(request, gen)) as events:
         # Wait for the first event before sending headers, so that QueueFull and
         # ValueError still become a 503 / 400 status.
         async with asyncio.timeout(request.app[LIMITS].request_timeout):
@@ -353,12 +394,13 @@ async def _stream(request: web.Request, gen: GenerationRequest, chunks: Chunks,
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    req = parse_chat_request(await _json_body(request))
+    req = request.app[VOLATILE].apply(parse_chat_request(await _json_body(request)))
     engine, tenant = request.app[ENGINE], _tenant(request, req.user)
     # Rendering and tokenizing a long conversation takes a while: off the event loop.
     prompt, tokens, history = await asyncio.to_thread(
         _tokenize_chat, engine, request.app[TEMPLATE], req, tenant)
-    gen = _generation(request, tokens, req.sampling, "chatcmpl", "messages", tenant, history)
+    gen = _generation(request, tokens, req.sampling, "chatcmpl", "messages", tenant, history,
+                      chat_conversation(tenant, req, tokens, prompt, history))
     in_reasoning = starts_in_reasoning(prompt)
     if req.stream:
         parser = StreamParser(starts_in_reasoning=in_reasoning, parse_tools=req.parse_tools)
@@ -377,7 +419,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt = req.prompt if not bos or req.prompt.startswith(bos) else bos + req.prompt
     tokens = await asyncio.to_thread(completion_prompt, engine.tokenizer, prompt, tenant,
                                      engine.n_ctx, req.sampling.max_tokens)
-    gen = _generation(request, tokens, req.sampling, "cmpl", "prompt", tenant)
+    gen = _generation(request, tokens, req.sampling, "cmpl", "prompt", tenant,
+                      seen=prompt_conversation(tenant, prompt, tokens))
     chunks = CompletionChunks(gen.request_id, engine.model_name, req.include_usage)
     if req.stream:
         return await _stream(request, gen, chunks)
@@ -393,13 +436,14 @@ def _parse_all(parser: StreamParser, text: str) -> Delta:
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """Anthropic Messages: the chat path, written as Messages events."""
-    req = parse_messages_request(await _json_body(request))
+    req = request.app[VOLATILE].apply(parse_messages_request(await _json_body(request)))
     engine, tenant = request.app[ENGINE], _tenant(request, None)
     prompt, tokens, history = await asyncio.to_thread(
         _tokenize_chat, engine, request.app[TEMPLATE], unbounded(req), tenant)
     sampling = fit_max_tokens(req.sampling, engine.n_ctx, len(tokens))
     window = sampling != req.sampling
-    gen = _generation(request, tokens, sampling, "msg", "messages", tenant, history)
+    gen = _generation(request, tokens, sampling, "msg", "messages", tenant, history,
+                      chat_conversation(tenant, req, tokens, prompt, history))
     parser = StreamParser(starts_in_reasoning=starts_in_reasoning(prompt),
                           parse_tools=req.parse_tools, make_id=new_tool_use_id)
     if req.stream:
@@ -412,7 +456,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request) -> web.Response:
     """Anthropic's ``count_tokens``: the prompt's length as rendered and tokenized here."""
-    req = parse_messages_request(await _json_body(request), count_only=True)
+    req = request.app[VOLATILE].apply(
+        parse_messages_request(await _json_body(request), count_only=True))
     _, tokens, _ = await asyncio.to_thread(_tokenize_chat, request.app[ENGINE],
                                            request.app[TEMPLATE], req, _tenant(request, None))
     return web.json_response({"input_tokens": len(tokens)})
@@ -423,11 +468,11 @@ async def responses(request: web.Request) -> web.StreamResponse:
     req = parse_responses_request(await _json_body(request))
     engine, tenant, store = request.app[ENGINE], _tenant(request, req.user), request.app[RESPONSES]
     history = store.history(req.previous_response_id, tenant) if req.previous_response_id else ()
-    chat = chat_request(req, history)
+    chat = request.app[VOLATILE].apply(chat_request(req, history))
     prompt, tokens, n_history = await asyncio.to_thread(
         _tokenize_chat, engine, request.app[TEMPLATE], chat, tenant)
     gen = _generation(request, tokens, chat.sampling, "resp", "input", tenant,
-                      n_history)
+                      n_history, chat_conversation(tenant, chat, tokens, prompt, n_history))
     parser = StreamParser(starts_in_reasoning=starts_in_reasoning(prompt),
                           parse_tools=req.parse_tools)
     head = response_head(gen.request_id, engine.model_name, req)
@@ -469,12 +514,20 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    text = format_metrics(request.app[ENGINE].metrics(), request.app[HTTP_COUNTS])
+    counts: dict[str, Any] = request.app[ENGINE].metrics()
+    if request.app[VOLATILE]:
+        counts = {**counts, "volatile_replacements": request.app[VOLATILE].counts()}
+    text = format_metrics(counts, request.app[HTTP_COUNTS])
     return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
 async def list_checkpoints(request: web.Request) -> web.Response:
     return web.json_response({"checkpoints": request.app[ENGINE].describe_checkpoints()})
+
+
+async def list_misses(request: web.Request) -> web.Response:
+    """The engine's last misses, newest first: where and why each request reused less."""
+    return web.json_response({"misses": request.app[ENGINE].recent_misses()})
 
 
 async def get_checkpoint(request: web.Request) -> web.Response:
@@ -487,7 +540,8 @@ async def get_checkpoint(request: web.Request) -> web.Response:
 
 def create_app(engine: EngineLike, *, admin: bool = True,
                template_path: str | Path | None = None,
-               limits: Limits | None = None, access: Access | None = None) -> web.Application:
+               limits: Limits | None = None, access: Access | None = None,
+               volatile: Sequence[VolatileRule] = (), page_size: int = 32) -> web.Application:
     """The app over a started engine; ``template_path`` overrides the chat template."""
     limits = limits or Limits()
     access = access or Access()
@@ -501,6 +555,8 @@ def create_app(engine: EngineLike, *, admin: bool = True,
                                        eos_token=engine.eos_token, override=template_path)
     app[HTTP_COUNTS] = Counter()
     app[RESPONSES] = ResponseStore()
+    app[SEEN] = SeenConversations(page=page_size)
+    app[VOLATILE] = Volatile(volatile)
     app[STARTED] = int(time.time())
     log.info("chat template: %s", app[TEMPLATE].origin)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -515,4 +571,5 @@ def create_app(engine: EngineLike, *, admin: bool = True,
     if admin and access.admin_routes:
         app.router.add_get("/admin/checkpoints", list_checkpoints)
         app.router.add_get("/admin/checkpoints/{id}", get_checkpoint)
+        app.router.add_get("/admin/misses", list_misses)
     return app

@@ -67,6 +67,9 @@ RULES: tuple[Rule, ...] = (
     Rule(r"misses\.(?P<cause>[^.]+)", Family(
         "statecache_misses_total", "counter",
         "Requests that reused less than an earlier request held, by cause.")),
+    Rule(r"volatile_replacements\.(?P<rule>.+)", Family(
+        "statecache_volatile_replacements_total", "counter",
+        "Volatile fragments replaced in message text, per [[server.volatile]] rule.")),
     Rule(r"tokens_prefilled", Family("statecache_prefilled_tokens_total", "counter",
                                      "Prompt tokens run through the model.")),
     Rule(r"tokens_reused", Family("statecache_reused_tokens_total", "counter",

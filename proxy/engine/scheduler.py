@@ -528,7 +528,7 @@ class Engine:
             return None
         if not job.use_cache:
             d = dataclasses.replace(d, cause="cache off")
-        elif d.token < 0 or d.token >= d.known:  # the text agreed: the state was gone
+        elif d.token < 0 or d.token > d.known:  # the text agreed: the state was gone
             d = dataclasses.replace(d, cause="evicted")
         self.counters[f"misses.{d.cause}"] += 1
         with self._cv:
