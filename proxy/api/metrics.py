@@ -92,7 +92,18 @@ RULES: tuple[Rule, ...] = (
                        ("step_lane_work", "Lanes served by engine steps, summed over steps."),
                        ("steps_multi_lane", "Engine steps that carried more than one lane."),
                        ("idle_saves", "Idle lanes whose state was saved in full."),
-                       ("cancelled_queued", "Requests whose client left while queued."))),
+                       ("cancelled_queued", "Requests whose client left while queued."),
+                       ("waits_for_shared_prefix", "Requests that waited for another one's "
+                        "checkpoint of a prefix they share."))),
+    Rule(r"pool\.disk_writes", Family("statecache_disk_writes_total", "counter",
+                                      "Checkpoints written to disk.")),
+    Rule(r"pool\.disk_write_errors", Family("statecache_disk_write_errors_total", "counter",
+                                            "Checkpoint writes to disk that failed.")),
+    Rule(r"pool\.direct_writes", Family("statecache_disk_direct_writes_total", "counter",
+                                        "States larger than the RAM budget sent straight to "
+                                        "disk.")),
+    Rule(r"pool\.write_queue", Family("statecache_disk_write_queue", "gauge",
+                                      "Checkpoints waiting for the background disk writer.")),
 )
 HTTP_FAMILY = Family("statecache_http_requests_total", "counter",
                      "HTTP requests answered, by route and status code.")

@@ -142,6 +142,9 @@ class Engine:
                  "steps of %d tokens", self.model_name, self.model.architecture,
                  self.memory.kind.value, self.model.fingerprint[:12], lanes,
                  f"{self.n_ctx:,}", why, step)
+        if self.pool is not None:
+            log.info("checkpoints: RAM %s, disk tier %s", format_size(cfg.cache.ram_budget),
+                     self.pool.disk_status)
 
     # -- the HTTP side ----------------------------------------------------------------
 
@@ -204,7 +207,8 @@ class Engine:
     def health(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "status": "ok", "model": self.model_name, "memory": self.memory.to_json(),
-            "lanes": len(self.exec.lanes), "n_ctx": self.n_ctx, "cache": self.pool is not None}
+            "lanes": len(self.exec.lanes), "n_ctx": self.n_ctx, "cache": self.pool is not None,
+            "disk": self.pool.disk_status if self.pool is not None else "cache off"}
         if self._dead is not None:
             body.update(status="error", ok=False, error=f"the engine stopped: {self._dead}")
         elif self._stopping:

@@ -44,7 +44,8 @@ def serve_process(model: Path, tmp: Path, config: str = "", *extra: str) -> Iter
     port = free_port()
     ckpt = tmp / "ckpt"
     cfg = tmp / "statecache.toml"
-    cfg.write_text(f'[cache]\ndisk_path = "{ckpt}"\n' + config)
+    cfg.write_text(f'[cache]\ndisk_path = "{ckpt}"\nsecret_path = "{tmp / "secret.key"}"\n'
+                   + config)
     proc = subprocess.Popen(
         [sys.executable, "-m", "proxy", "serve", "--config", str(cfg), "--model", str(model),
          "--port", str(port), *extra],
