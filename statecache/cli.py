@@ -40,6 +40,8 @@ def _parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     i.add_argument("--admin-key", metavar="KEY",
                    help=f"the proxy's server.admin_key (default: ${ADMIN_KEY_ENV}, "
                         "else from --config)")
+    i.add_argument("--misses", action="store_true",
+                   help="the proxy's last cache misses and why (GET /admin/misses)")
     _disk_args(i)
 
     v = sub.add_parser("verify", help="check the MAC of every disk checkpoint")
@@ -212,6 +214,8 @@ def _admin_key(args: argparse.Namespace) -> str:
 
 def _inspect(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/")
+    if args.misses:
+        return _misses(args, url)
     notes: list[str] = []
     try:
         proxy_rows: list[dict[str, Any]] = (
@@ -264,6 +268,43 @@ def _inspect(args: argparse.Namespace) -> int:
         for note in notes:
             print(note, file=out)
         _table(rows, out)
+    return EXIT_OK
+
+
+def _count(v: object) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else -1
+
+
+def _misses(args: argparse.Namespace, url: str) -> int:
+    """The proxy's recent misses, newest first; they live in its memory only."""
+    try:
+        body = _fetch(f"{url}/admin/misses", _admin_key(args))
+    except (PermissionError, OSError) as e:
+        print(f"statecache: error: proxy at {url}: {e}", file=sys.stderr)
+        return EXIT_PROBLEMS
+    if not isinstance(body, dict):
+        print(f"statecache: error: proxy at {url} has no /admin/misses (admin routes off?)",
+              file=sys.stderr)
+        return EXIT_PROBLEMS
+    rows = [r for r in body.get("misses", []) if isinstance(r, dict)]
+    out = sys.stdout
+    if args.json:
+        json.dump({"misses": rows}, out, indent=2, ensure_ascii=False)
+        out.write("\n")
+        return EXIT_OK
+    for r in rows:
+        when = time.strftime("%H:%M:%S", time.localtime(float(r.get("time") or 0)))
+        token, message = _count(r.get("token")), _count(r.get("message"))
+        where = f" at token {token:,}" if token >= 0 else ""
+        if message >= 0:
+            where += f" (message {message}, {r.get('role') or '?'})"
+        text = f": {r.get('old', '')!r} -> {r.get('new', '')!r}" if r.get("old") or \
+            r.get("new") else ""
+        print(f"{when}  {r.get('request_id', '')}  tenant {r.get('tenant', '')!r}  "
+              f"reused {max(_count(r.get('reused')), 0):,} of "
+              f"{max(_count(r.get('known')), 0):,}  {r.get('cause', '?')}{where}{text}",
+              file=out)
+    print(f"{len(rows)} miss(es)", file=out)
     return EXIT_OK
 
 

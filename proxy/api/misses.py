@@ -8,7 +8,8 @@ longest token prefix (prompt and reply). That gives a ``Divergence``: how many o
 tokens an earlier request held (``known``), the first token that differs, the message
 and role there, a short excerpt of each side, and a cause:
 
-- "new conversation": nothing earlier shares more than a page with it;
+- "new conversation": nothing earlier shares more than a page with it, or only its
+  system prompt and tools (its first user message differs: a subagent, a new task);
 - "system prompt changed", "tools changed", "earlier message edited": the first
   message that differs (or the tools);
 - "reasoning dropped": an assistant message that carried reasoning comes back without;
@@ -166,11 +167,13 @@ def _differs(old: Turn, new: Turn) -> bool:
     return old != new
 
 
-def _cause(old: Turn, new: Turn, k: int, tools_changed: bool) -> str:
+def _cause(old: Turn, new: Turn, k: int, tools_changed: bool, opening: bool) -> str:
     if tools_changed and not (k == 0 and "system" in (old.role, new.role)):
         return "tools changed"  # tools render with the system prompt, before the messages
     if "system" in (old.role, new.role):
         return "system prompt changed"
+    if opening and new.role == "user":
+        return "new conversation"  # it shares the system prompt and tools, as subagents do
     if old.role == new.role == "assistant":
         if (old.reasoning.strip() and not new.reasoning.strip()
                 and _words(old.content) == _words(new.content) and old.calls == new.calls):
@@ -189,7 +192,9 @@ def explain(seen: Conversation, conv: Conversation, common: int) -> Divergence:
     tools_changed = seen.tools != conv.tools
     for k, (old, new) in enumerate(zip(seen.turns, conv.turns, strict=False)):
         if _differs(old, new):
-            cause = _cause(old, new, k, tools_changed)
+            opening = k == len(conv.turns) - 1 and all(t.role == "system"
+                                                       for t in conv.turns[:k])
+            cause = _cause(old, new, k, tools_changed, opening)
             o, w = (_excerpts(seen.tools, conv.tools) if cause == "tools changed"
                     else _turn_excerpts(old, new))
             return Divergence(known, cause, common, k, new.role, o, w)

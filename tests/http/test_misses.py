@@ -9,6 +9,8 @@ is the replay point, the first turn's end and the reply's end.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import re
 from collections.abc import Iterator
@@ -17,10 +19,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from anthropic import AsyncAnthropic
 
 from proxy.api.app import ENGINE, TEMPLATE
 from proxy.api.openai import parse_chat_request
 from proxy.api.prompt import chat_prompt
+from statecache.cli import main as cli_main
+from statecache.config import load_config
 from tests.http.conftest import DoneLines, Server, serve
 
 pytestmark = pytest.mark.http
@@ -159,13 +164,14 @@ async def test_tools_changed(hybrid_path: Path, tmp_path: Path, done_lines: Done
 
 async def test_earlier_message_edited(hybrid_path: Path, tmp_path: Path,
                                       done_lines: DoneLines) -> None:
-    # A client edits the first user message and sends the conversation again: the
-    # engine starts from the end of the system prompt, the edit is far past it.
+    # A client edits the first user message and goes on: the engine starts from the end
+    # of the system prompt, the edit is far past it.
     ask = "Read tests/test_pool.py, then run it, then tell me which assertion fails. " * 3
     first = [{"role": "system", "content": SYSTEM_HEAD}, {"role": "user", "content": ask}]
-    edited = [first[0], {"role": "user", "content": ask.replace("tell me", "show me", 2)}]
     async with serve(hybrid_path, tmp_path / "ckpt", **BASE) as srv:
-        await chat(srv, first)
+        reply = await chat(srv, first)
+        edited = [first[0], {"role": "user", "content": ask.replace("tell me", "show me", 2)},
+                  reply, {"role": "user", "content": "And now?"}]
         await chat(srv, edited)
         at = parting(prompt_tokens(srv, first), prompt_tokens(srv, edited))
     miss = misses(done_lines)[1]
@@ -275,13 +281,16 @@ async def test_new_conversation(hybrid_path: Path, tmp_path: Path, done_lines: D
     # the engine counts no miss, since there was nothing to reuse.
     a = [{"role": "system", "content": SYSTEM_HEAD}, {"role": "user", "content": "Hi."}]
     b = [{"role": "system", "content": SYSTEM_TAIL}, {"role": "user", "content": "Hi."}]
+    subagent = [a[0], {"role": "user", "content": "Read the pool."}]  # the same system prompt
     async with serve(hybrid_path, tmp_path / "ckpt", **BASE) as srv:
         await chat(srv, a)
         await chat(srv, b)
+        await chat(srv, subagent)
     starts = [m[1] for m in map(re.compile(r"chatcmpl-\w+: (.*)").fullmatch, debug_log) if m]
     assert starts[0] == "new conversation"
     assert re.fullmatch(r"new conversation at token \d+", starts[1]), starts
-    assert [m["cause"] for m in misses(done_lines)] == [None, None]
+    assert re.fullmatch(r"new conversation at token \d+ \(message 1, user\): .*", starts[2])
+    assert [m["cause"] for m in misses(done_lines)][:2] == [None, None]
 
 
 # -- an edited system prompt falls back to the deepest checkpoint before the edit ---------
@@ -329,3 +338,87 @@ async def test_edited_system_prompt_reuses_pages_before_the_edit_in_a_fresh_lane
     miss = misses(done_lines)[2]
     assert (miss["cause"], miss["token"]) == ("system prompt changed", f"{at:,}")
     assert done_lines.rows[2][1] >= at // (4 * PAGE) * (4 * PAGE) > 0, done_lines.events
+
+
+# -- volatile fragments: Claude Code's billing line -------------------------------------
+
+BILLING = "x-anthropic-billing-header: cc_version=2.1.117.{}; cc_entrypoint=cli; cch={};"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+async def _two_claude_code_processes(srv: Server) -> None:
+    """The same task from two processes: only the billing line of system[0] differs."""
+    async with AsyncAnthropic(base_url=srv.url, api_key="unused", max_retries=0,
+                              timeout=120) as client:
+        for suffix, cch in (("48f", "71fea"), ("a03", "0aaa9")):
+            await client.messages.create(
+                model="statecache", max_tokens=8,
+                system=[{"type": "text", "text": BILLING.format(suffix, cch)},
+                        {"type": "text", "text": SYSTEM_HEAD}],
+                messages=[{"role": "user", "content": "Run the tests."}])
+
+
+async def test_billing_line_misses_without_the_rule(hybrid_path: Path, tmp_path: Path,
+                                                    done_lines: DoneLines) -> None:
+    async with serve(hybrid_path, tmp_path / "ckpt", **BASE) as srv:
+        await _two_claude_code_processes(srv)
+        assert await metric(srv, "statecache_volatile_replacements_total") == {}
+    miss = misses(done_lines)[1]
+    assert (miss["cause"], miss["message"], miss["role"]) == ("system prompt changed", "0",
+                                                              "system")
+    assert "48f" in (miss["text"] or "") and "a03" in (miss["text"] or "")
+    assert done_lines.rows[1][1] < int((miss["token"] or "0").replace(",", ""))
+
+
+async def test_billing_line_rule_from_the_agent_config(hybrid_path: Path, tmp_path: Path,
+                                                       done_lines: DoneLines) -> None:
+    # configs/hybrid-agent.toml's rule drops the line: the second process's prompt is
+    # the first one's, and it reuses all of it but the token it must decode.
+    rules = load_config(CONFIGS / "hybrid-agent.toml").server.volatile
+    async with serve(hybrid_path, tmp_path / "ckpt", server__volatile=[
+            {"pattern": r.pattern, "replace": r.replace, "name": r.name} for r in rules],
+            **BASE) as srv:
+        await _two_claude_code_processes(srv)
+        counted = await metric(srv, "statecache_volatile_replacements_total")
+    assert counted == {'rule="claude-code-billing"': 2.0}
+    (n1, _, _), (n2, cached, prefilled) = done_lines.rows
+    assert n1 == n2 and cached == n2 - 1 and prefilled == 1, done_lines.events
+    assert [m["cause"] for m in misses(done_lines)] == [None, None]
+
+
+async def test_inspect_misses(hybrid_path: Path, tmp_path: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    first, second = _edited_pair()
+    async with serve(hybrid_path, tmp_path / "ckpt", **BASE) as srv:
+        await chat(srv, first)
+        await chat(srv, second)
+        capsys.readouterr()
+        assert await asyncio.to_thread(cli_main, ["inspect", "--misses", "--url", srv.url]) == 0
+        table = capsys.readouterr().out
+        assert await asyncio.to_thread(
+            cli_main, ["inspect", "--misses", "--url", srv.url, "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)["misses"]
+    assert [r["cause"] for r in rows] == ["system prompt changed"]
+    assert f"reused 0 of {rows[0]['known']:,}  system prompt changed at token " \
+        f"{rows[0]['token']:,} (message 0, system): " in table
+    assert table.endswith("1 miss(es)\n")
+
+
+async def test_responses_and_completions_say_why(hybrid_path: Path, tmp_path: Path,
+                                                 done_lines: DoneLines) -> None:
+    # Responses: the instructions are the system prompt. Completions: the raw prompt is
+    # one message of role "prompt", compared as text.
+    async with serve(hybrid_path, tmp_path / "ckpt", **BASE) as srv:
+        for status in ("clean", "M proxy/api/app.py"):
+            await srv.client.responses.create(model="statecache", instructions=system(status),
+                                              input="Run the tests.", max_output_tokens=8,
+                                              temperature=0)
+        for status in ("clean", "M proxy/api/app.py"):
+            await srv.client.completions.create(model="statecache", prompt=system(status),
+                                                max_tokens=8, temperature=0)
+    found = misses(done_lines)
+    assert (found[1]["cause"], found[1]["message"], found[1]["role"]) == \
+        ("system prompt changed", "0", "system")
+    assert (found[3]["cause"], found[3]["message"], found[3]["role"]) == \
+        ("earlier message edited", "0", "prompt"), done_lines.events
+    assert "clean" in (found[3]["text"] or "")
