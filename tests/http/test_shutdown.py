@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from openai import OpenAI
 
 from tests.http.proc import open_stream, serve_process, sse_events
 
@@ -96,3 +97,35 @@ def test_client_leaving_while_queued_is_never_started(hybrid_path: Path,
         out = p.output()
     assert "left while queued" in out, out
     assert out.count("Started ·") == 1, out
+
+
+def test_sigkill_after_a_turn_loses_seconds_not_the_session(hybrid_path: Path,
+                                                             tmp_path: Path) -> None:
+    # An idle lane is saved in full after engine.idle_save_s and the pool's writer
+    # puts full states on disk at once: a killed proxy's successor resumes the session.
+    conf = "[server]\nlanes = 1\n[engine]\nidle_save_s = 0.5\n"
+    messages: list[dict[str, str]] = [{"role": "user", "content": "Remember this. " * 20}]
+    with serve_process(hybrid_path, tmp_path, conf) as p:
+        client = OpenAI(base_url=f"{p.url}/v1", api_key="unused", max_retries=0)
+        r1 = client.chat.completions.create(model="x", messages=messages,  # type: ignore[arg-type]
+                                            max_tokens=16, temperature=0)
+        client.close()
+        deadline = time.monotonic() + 30
+        while not list((tmp_path / "ckpt").glob("*.ckpt")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # the idle save and its write
+        p.proc.kill()
+        p.proc.wait()
+    assert r1.usage is not None
+    messages += [{"role": "assistant", "content": r1.choices[0].message.content or "",
+                  "reasoning_content": (r1.choices[0].message.model_extra or {}).get(
+                      "reasoning_content") or ""},
+                 {"role": "user", "content": "And now?"}]
+    with serve_process(hybrid_path, tmp_path, conf) as p:
+        client = OpenAI(base_url=f"{p.url}/v1", api_key="unused", max_retries=0)
+        r2 = client.chat.completions.create(model="x", messages=messages,  # type: ignore[arg-type]
+                                            max_tokens=4, temperature=0)
+        client.close()
+    assert r2.usage is not None and r2.usage.prompt_tokens_details is not None
+    held = r1.usage.prompt_tokens + r1.usage.completion_tokens
+    assert (r2.usage.prompt_tokens_details.cached_tokens or 0) >= held - 32
