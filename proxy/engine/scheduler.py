@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -36,12 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
-from proxy.engine.binding import LLAMA_CPP_VERSION, Context, ContextParams, Model
+from proxy.engine.binding import Context, ContextParams, Model
 from proxy.engine.executor import Executor, Job, Work
+from proxy.engine.outbox import Outbox
+from proxy.engine.sizing import choose_n_ctx, state_format
 from proxy.engine.splice import ReplyMemory
-from proxy.engine.steps import StepTimer
+from proxy.engine.steps import StepTimer, plan_step
 from proxy.engine.tokens import Tokenizer
 from proxy.engine.types import (
     Divergence,
@@ -60,39 +60,11 @@ from statecache.sizes import format_size
 log = logging.getLogger("statecache")
 
 MAX_SKIPS = 2  # admissions that may pass a waiting request over
-MAX_STARVED = 2  # steps a prefill may get nothing before it goes first
 MAX_MISSES = 100  # kept for GET /admin/misses
 
 
 class EngineDead(RuntimeError):
     """The engine thread stopped; nothing can be generated (HTTP 500)."""
-
-
-def state_format(ctx_params: ContextParams) -> int:
-    """Version of the bytes llama.cpp writes: states of another build never load."""
-    key = f"{LLAMA_CPP_VERSION}|swa_full={ctx_params.swa_full}|kv=f16"
-    return xxhash.xxh32_intdigest(key.encode()) & 0x7FFFFFFF
-
-
-def choose_n_ctx(model: Model, cfg: Config) -> tuple[int, str]:
-    """Tokens per lane, and why: the configured value, or the model's training context
-    capped so that the KV of all lanes fits ``model.kv_budget``."""
-    mc, lanes = cfg.model, cfg.server.lanes
-    train = model.n_ctx_train or 8192
-    if mc.n_ctx:
-        return min(mc.n_ctx, train), "configured"
-    probe = ContextParams(n_ctx=512, n_seq_max=1, n_batch=64, n_ubatch=64, threads=1)
-    with Context(model, probe) as ctx:
-        per_token = max(ctx.describe_memory().bytes_per_token, 1)
-    fit = mc.kv_budget // (lanes * per_token)
-    n = int(min(train, fit)) // 256 * 256
-    if n < 512:
-        raise ValueError(f"model.kv_budget {format_size(mc.kv_budget)} holds only {fit} tokens "
-                         f"per lane at {format_size(per_token)} a token; raise it or set n_ctx")
-    why = (f"training context {train:,}" if n >= train else
-           f"kv_budget {format_size(mc.kv_budget)} / {lanes} lanes / {format_size(per_token)} "
-           "a token")
-    return n, why
 
 
 class Engine:
@@ -129,8 +101,8 @@ class Engine:
         self.bos_token = self.model.token_text(self.model.bos) if self.model.bos >= 0 else ""
         self.eos_token = self.model.token_text(self.model.eos) if self.model.eos >= 0 else ""
         self._cv = threading.Condition()
-        self._waiting: collections.deque[tuple[Job, _Outbox]] = collections.deque()
-        self._active: list[tuple[Job, _Outbox]] = []
+        self._waiting: collections.deque[tuple[Job, Outbox]] = collections.deque()
+        self._active: list[tuple[Job, Outbox]] = []
         self._stopping = False
         self._dead: str | None = None
         self._misses: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_MISSES)
@@ -159,7 +131,7 @@ class Engine:
         job = Job(req=req, prompt=np.asarray(req.prompt_tokens, dtype=np.int32),
                   use_cache=self.pool is not None and req.use_cache,
                   t_submit=time.perf_counter())
-        box = _Outbox(asyncio.get_running_loop())
+        box = Outbox(asyncio.get_running_loop())
         with self._cv:
             if self._dead is not None:
                 raise EngineDead(f"the engine stopped: {self._dead}")
@@ -300,12 +272,12 @@ class Engine:
                 log.info("request %s left while queued", job.req.request_id)
             self._waiting = collections.deque(w for w in self._waiting if not w[0].cancelled)
 
-    def _choose_admissions(self) -> list[tuple[Job, _Outbox]]:
+    def _choose_admissions(self) -> list[tuple[Job, Outbox]]:
         """Which waiting requests start now (called with the lock held)."""
         free = [ln for ln in self.exec.lanes.free()]
         if self._stopping:
             return []
-        out: list[tuple[Job, _Outbox]] = []
+        out: list[tuple[Job, Outbox]] = []
         while free and self._waiting:
             ready = [w for w in self._waiting if self._may_start(w[0])]
             if not ready:
@@ -322,13 +294,13 @@ class Engine:
             free.pop()  # which lane it takes is the planner's choice
         return out
 
-    def _pick(self, ready: list[tuple[Job, _Outbox]], free: list[Any]
-              ) -> tuple[Job, _Outbox] | None:
+    def _pick(self, ready: list[tuple[Job, Outbox]], free: list[Any]
+              ) -> tuple[Job, Outbox] | None:
         oldest = ready[0]
         if oldest[0].skipped >= MAX_SKIPS:
             return oldest
 
-        def held(w: tuple[Job, _Outbox]) -> int:  # prompt tokens a free lane holds
+        def held(w: tuple[Job, Outbox]) -> int:  # prompt tokens a free lane holds
             job = w[0]
             return max((ln.common(job.prompt, job.req.tenant) for ln in free), default=0)
 
@@ -364,7 +336,7 @@ class Engine:
         self.counters["waits_for_shared_prefix"] += 1
         return True
 
-    def _admit(self, job: Job, box: _Outbox) -> None:
+    def _admit(self, job: Job, box: Outbox) -> None:
         if job.cancelled:
             return
         with self._cv:
@@ -413,7 +385,7 @@ class Engine:
 
     # one step ---------------------------------------------------------------------
 
-    def _step(self, active: list[tuple[Job, _Outbox]]) -> None:
+    def _step(self, active: list[tuple[Job, Outbox]]) -> None:
         for job, _ in active:
             if job.cancelled and not job.done:
                 job.finish_reason = "cancelled"
@@ -444,31 +416,12 @@ class Engine:
             self._dispatch(job, box)
 
     def _plan_step(self, jobs: list[Job]) -> list[Work]:
-        """Decode tokens first, then prefill chunks under the step's budget."""
-        works: list[Work] = []
-        decoding = [j for j in jobs if not j.prefilling]
-        for job in decoding:
-            w = self.exec.work_for(job, 1)
-            assert w is not None
-            works.append(w)
-        budget = self.step_tokens - len(works)
-        if decoding:
-            budget = min(budget, self.timer.prefill_allowance(
-                self.cfg.engine.decode_latency_factor, len(decoding),
-                self.cfg.engine.min_prefill_chunk, budget))
-        prefilling = sorted((j for j in jobs if j.prefilling),
-                            key=lambda j: (j.starved < MAX_STARVED, len(j.prompt) - j.pos))
-        for job in prefilling:
-            w = self.exec.work_for(job, min(budget, self.prefill_chunk)) if budget > 0 else None
-            if w is None:
-                job.starved += 1
-                continue
-            job.starved = 0
-            works.append(w)
-            budget -= w.n
-        return works
+        ec = self.cfg.engine
+        return plan_step(jobs, self.exec, self.timer, step_tokens=self.step_tokens,
+                         prefill_chunk=self.prefill_chunk, factor=ec.decode_latency_factor,
+                         min_chunk=ec.min_prefill_chunk)
 
-    def _dispatch(self, job: Job, box: _Outbox) -> None:
+    def _dispatch(self, job: Job, box: Outbox) -> None:
         if job.deltas or job.logprobs:
             text = "".join(t for t, _ in job.deltas)
             ids = tuple(i for _, d in job.deltas for i in d)
@@ -488,7 +441,7 @@ class Engine:
             self.tokenizer.remember_reply(job.req.tenant, job.generated)
         self._account(job, box)
 
-    def _account(self, job: Job, box: _Outbox) -> None:
+    def _account(self, job: Job, box: Outbox) -> None:
         s = job.stats
         now = time.perf_counter()
         completion = len(job.generated) - (1 if job.generated and
@@ -547,55 +500,3 @@ class Engine:
         """The last misses, newest first (``GET /admin/misses``)."""
         with self._cv:
             return list(reversed(self._misses))
-
-
-class _Outbox:
-    """Hands events from the engine thread to one request's coroutine.
-
-    Events pile up in a list; the loop is woken once for however many arrive before
-    it runs, so a slow reader costs one wake-up per batch, not one per token.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._items: list[Event | BaseException] = []
-        self._lock = threading.Lock()
-        self._scheduled = False
-        self._ready = asyncio.Event()
-
-    def put(self, ev: Event | BaseException) -> None:
-        with self._lock:
-            self._items.append(ev)
-            if self._scheduled:
-                return
-            self._scheduled = True
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
-            self.loop.call_soon_threadsafe(self._wake)
-
-    def _wake(self) -> None:
-        with self._lock:
-            self._scheduled = False
-        self._ready.set()
-
-    async def get(self) -> list[Event | BaseException]:
-        """Every event so far (at least one), consecutive token events merged."""
-        while True:
-            with self._lock:
-                items, self._items = self._items, []
-                if not items:
-                    self._ready.clear()
-            if items:
-                return _merge_tokens(items)
-            await self._ready.wait()
-
-
-def _merge_tokens(items: list[Event | BaseException]) -> list[Event | BaseException]:
-    out: list[Event | BaseException] = []
-    for ev in items:
-        prev = out[-1] if out else None
-        if isinstance(ev, TokenEvent) and isinstance(prev, TokenEvent):
-            out[-1] = TokenEvent(prev.text + ev.text, prev.token_ids + ev.token_ids,
-                                 prev.logprobs + ev.logprobs)
-        else:
-            out.append(ev)
-    return out

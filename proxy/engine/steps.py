@@ -1,4 +1,4 @@
-"""Measured step times, to size a step's prefill while streams are decoding.
+"""What goes into one engine step, and measured step times to size it.
 
 A step costs about ``a(d) + b * p``: ``a(d)`` a decode-only step of ``d`` lanes, ``b``
 one prefill token. Both are moving averages of what the steps took, so the sizes
@@ -8,9 +8,14 @@ follow the model, the machine and the load.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from proxy.engine.executor import Executor, Job, Work
 
 ALPHA = 0.2  # weight of the newest measurement
 MIN_SAMPLE = 32  # prefill tokens a step needs to tell us the cost of one
+MAX_STARVED = 2  # steps a prefill may get nothing before it goes first
 
 
 @dataclass(slots=True)
@@ -49,3 +54,30 @@ class StepTimer:
             return min(min_chunk, budget)
         fit = int((factor - 1.0) * a / self.per_token_s)
         return max(min(fit, budget), min(min_chunk, budget))
+
+
+def plan_step(jobs: list[Job], executor: Executor, timer: StepTimer, *, step_tokens: int,
+              prefill_chunk: int, factor: float, min_chunk: int) -> list[Work]:
+    """One step's work: a token for every decoding lane first, then prefill chunks under
+    the step's budget, shortest remaining prompt first (a prefill that got nothing for
+    ``MAX_STARVED`` steps goes first)."""
+    works: list[Work] = []
+    decoding = [j for j in jobs if not j.prefilling]
+    for job in decoding:
+        w = executor.work_for(job, 1)
+        assert w is not None
+        works.append(w)
+    budget = step_tokens - len(works)
+    if decoding:
+        budget = min(budget, timer.prefill_allowance(factor, len(decoding), min_chunk, budget))
+    prefilling = sorted((j for j in jobs if j.prefilling),
+                        key=lambda j: (j.starved < MAX_STARVED, len(j.prompt) - j.pos))
+    for job in prefilling:
+        w = executor.work_for(job, min(budget, prefill_chunk)) if budget > 0 else None
+        if w is None:
+            job.starved += 1
+            continue
+        job.starved = 0
+        works.append(w)
+        budget -= w.n
+    return works
