@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 ALPHA = 0.2  # weight of the newest measurement
 MIN_SAMPLE = 32  # prefill tokens a step needs to tell us the cost of one
 MAX_STARVED = 2  # steps a prefill may get nothing before it goes first
+SHORT_PREFILL = 256  # prompt tokens left that count as close to the first token
 
 
 @dataclass(slots=True)
@@ -58,9 +59,12 @@ class StepTimer:
 
 def plan_step(jobs: list[Job], executor: Executor, timer: StepTimer, *, step_tokens: int,
               prefill_chunk: int, factor: float, min_chunk: int) -> list[Work]:
-    """One step's work: a token for every decoding lane first, then prefill chunks under
-    the step's budget, shortest remaining prompt first (a prefill that got nothing for
-    ``MAX_STARVED`` steps goes first)."""
+    """One step's work: a token for every decoding lane first, then the prefills that are
+    close to their first token (shortest first: a short request behind a long one does
+    not wait for it), then the long prefills. While anything in the step waits on its
+    latency (a decoding lane, a short prefill), the long prefills get only what keeps
+    the step within ``factor`` times a decode-only step; a long prefill that got nothing
+    for ``MAX_STARVED`` steps goes first among them."""
     works: list[Work] = []
     decoding = [j for j in jobs if not j.prefilling]
     for job in decoding:
@@ -68,16 +72,25 @@ def plan_step(jobs: list[Job], executor: Executor, timer: StepTimer, *, step_tok
         assert w is not None
         works.append(w)
     budget = step_tokens - len(works)
-    if decoding:
-        budget = min(budget, timer.prefill_allowance(factor, len(decoding), min_chunk, budget))
-    prefilling = sorted((j for j in jobs if j.prefilling),
-                        key=lambda j: (j.starved < MAX_STARVED, len(j.prompt) - j.pos))
-    for job in prefilling:
-        w = executor.work_for(job, min(budget, prefill_chunk)) if budget > 0 else None
-        if w is None:
-            job.starved += 1
-            continue
-        job.starved = 0
-        works.append(w)
-        budget -= w.n
+    prefilling = sorted((j for j in jobs if j.prefilling), key=lambda j: len(j.prompt) - j.pos)
+    short = [j for j in prefilling if len(j.prompt) - j.pos <= SHORT_PREFILL]
+    long = sorted((j for j in prefilling if len(j.prompt) - j.pos > SHORT_PREFILL),
+                  key=lambda j: (j.starved < MAX_STARVED, len(j.prompt) - j.pos))
+    for job in short:
+        budget -= _add(works, job, executor, min(budget, prefill_chunk))
+    if decoding or short:
+        budget = min(budget, timer.prefill_allowance(factor, max(len(decoding), 1), min_chunk,
+                                                     budget))
+    for job in long:
+        budget -= _add(works, job, executor, min(budget, prefill_chunk))
     return works
+
+
+def _add(works: list[Work], job: Job, executor: Executor, budget: int) -> int:
+    w = executor.work_for(job, budget) if budget > 0 else None
+    if w is None:
+        job.starved += 1
+        return 0
+    job.starved = 0
+    works.append(w)
+    return w.n
