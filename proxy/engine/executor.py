@@ -162,15 +162,26 @@ class Executor:
                                 match_depth=match_depth, page=self.page,
                                 every_pages=self.cfg.cache.periodic_pages)
         kind = self.publish_kind()
-        out = [(n, r, Kind.FULL if r is Role.BRANCH else kind) for n, r in points
-               if not (kind is Kind.FULL and r is Role.PERIODIC)]  # full states grow: skip
+        first = self._first_turn_end(job)
+        out: list[tuple[int, Role, Kind]] = []
+        for n, r in points:
+            if r is Role.PERIODIC and n <= first:
+                # inside the first turn (an agent's system prompt), periodic points are
+                # FULL: a prompt edited further on starts here in any lane
+                if not self._pool_has_full(job, chain, n):
+                    out.append((n, r, Kind.FULL))
+            elif r is Role.BRANCH:
+                out.append((n, r, Kind.FULL))
+            elif not (kind is Kind.FULL and r is Role.PERIODIC):  # full states grow: skip
+                out.append((n, r, kind))
         if kind is Kind.PARTIAL and limit > job.reuse and (not out or out[-1][0] < limit):
             # a lane that cannot roll back keeps the state one token short of the
             # prompt too, so a repeated or regenerated request reuses all of it
             out.append((limit, Role.REPLAY, Kind.PARTIAL))
-        first = self._first_turn_point(job, chain)
-        if first:
-            self.share_point(job, first, out)
+        # the first turn's end in FULL: every subagent starts there, in any lane
+        at = (first // self.page) * self.page
+        if at > job.reuse and at >= 2 * self.page and not self._pool_has_full(job, chain, at):
+            self.share_point(job, at, out)
         return out
 
     def reusable_now(self, job: Job) -> int:
@@ -198,24 +209,20 @@ class Executor:
                 return
         self._publish(job, Role.BRANCH, Kind.FULL)
 
-    def _first_turn_point(self, job: Job, chain: PageChain | None) -> int:
-        """The last whole page of the prompt's first turn (the system prompt and tools of
-        an agent), unless the pool already holds it in full: every subagent starts
-        there, in whatever lane it gets."""
-        assert self.pool is not None and chain is not None
+    def _first_turn_end(self, job: Job) -> int:
+        """Tokens of the prompt's first turn, up to its first end-of-turn token (0: none)."""
         hits = np.flatnonzero(np.isin(job.prompt[: len(job.prompt) - 1], self._eog))
-        if not hits.size:
-            return 0
-        at = ((int(hits[0]) + 1) // self.page) * self.page
-        if at <= job.reuse or at < 2 * self.page:
-            return 0
-        lease = self.pool.lookup(job.prompt, chain, kind=Kind.FULL, max_n=at,
+        return int(hits[0]) + 1 if hits.size else 0
+
+    def _pool_has_full(self, job: Job, chain: PageChain | None, n: int) -> bool:
+        """Whether the pool holds the FULL state after the prompt's first ``n`` tokens."""
+        assert self.pool is not None and chain is not None
+        lease = self.pool.lookup(job.prompt, chain, kind=Kind.FULL, max_n=n,
                                  tenant=job.req.tenant)
-        if lease is not None:
-            lease.close()
-            if lease.record.n == at:
-                return 0
-        return at
+        if lease is None:
+            return False
+        lease.close()
+        return lease.record.n == n
 
     def share_point(self, job: Job, shared: int,
                     points: list[tuple[int, Role, Kind]] | None = None) -> int:

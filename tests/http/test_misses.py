@@ -317,11 +317,6 @@ async def test_edited_system_prompt_reuses_pages_before_the_edit_in_its_lane(
     assert (miss["cause"], miss["token"]) == ("system prompt changed", f"{at:,}")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine: a fresh lane starts only from FULL checkpoints, and before the first turn's "
-    "end there are none: on a hybrid, periodic checkpoints are PARTIAL (usable only in "
-    "the lane that made them) and hand-off converts only the replay points to FULL; on "
-    "SWA/attention models periodic points are skipped. Reuse falls to zero."))
 async def test_edited_system_prompt_reuses_pages_before_the_edit_in_a_fresh_lane(
         hybrid_path: Path, tmp_path: Path, done_lines: DoneLines) -> None:
     # One lane: another conversation takes it between the two, as a new agent process
