@@ -94,6 +94,29 @@ class CacheConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class SamplingConfig:
+    """Sampling defaults; a GGUF's ``general.sampling.*`` values override them (unless
+    ``model_defaults`` is false), and a request's own fields override both."""
+
+    temperature: float = 0.8  # 0: greedy
+    top_k: int = 40  # 0: off
+    top_p: float = 0.95  # 1: off
+    min_p: float = 0.05  # 0: off
+    typical_p: float = 1.0  # 1: off
+    repeat_penalty: float = 1.0  # 1: off
+    repeat_last_n: int = 64  # tokens the penalties look back over; -1: the whole context
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    dry_multiplier: float = 0.0  # 0: DRY off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    xtc_probability: float = 0.0  # 0: XTC off
+    xtc_threshold: float = 0.1
+    model_defaults: bool = True  # apply the GGUF's general.sampling.* values
+
+
+@dataclass(slots=True, frozen=True)
 class LogConfig:
     level: str = "info"
     llama_verbose: bool = False
@@ -106,6 +129,7 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
 _SECTIONS: dict[str, type[Any]] = {
@@ -114,6 +138,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "cache": CacheConfig,
     "engine": EngineConfig,
     "log": LogConfig,
+    "sampling": SamplingConfig,
 }
 # (key, lowest, highest) checked after conversion
 _RANGES: tuple[tuple[str, float, float | None], ...] = (
@@ -138,6 +163,21 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("server.parse_concurrency", 1, None),
     ("cache.page_size", 1, None),
     ("cache.periodic_pages", 0, None),
+    ("sampling.temperature", 0, None),
+    ("sampling.top_k", 0, None),
+    ("sampling.top_p", 0, 1),
+    ("sampling.min_p", 0, 1),
+    ("sampling.typical_p", 0, 1),
+    ("sampling.repeat_penalty", 0, None),
+    ("sampling.repeat_last_n", -1, None),
+    ("sampling.presence_penalty", -2, 2),
+    ("sampling.frequency_penalty", -2, 2),
+    ("sampling.dry_multiplier", 0, None),
+    ("sampling.dry_base", 1, None),
+    ("sampling.dry_allowed_length", 0, None),
+    ("sampling.dry_penalty_last_n", -1, None),
+    ("sampling.xtc_probability", 0, 1),
+    ("sampling.xtc_threshold", 0, 1),
 )
 _PATHS = (
     "model.path",

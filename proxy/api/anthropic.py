@@ -16,7 +16,11 @@ Mapping:
   text; ``redacted_thinking`` is opaque and dropped.
 - ``tools`` (``name``, ``description``, ``input_schema``) become function tools;
   Anthropic's server tools (web search, bash, text editor, computer use ...) are
-  rejected by name. ``tool_choice`` any/tool/none map to required/function/none.
+  rejected by name. ``tool_choice`` any/tool/none map to required/function/none (a
+  grammar forces the call, proxy/api/structured.py); ``disable_parallel_tool_use``
+  allows one call at most.
+- ``output_config.format`` (``{"type": "json_schema", "schema": ...}``) constrains the
+  reply to JSON that validates against the schema; ``output_config.effort`` is ignored.
 - ``thinking: {"type": "disabled"}`` sets the template's ``enable_thinking`` to false.
 - ``cache_control`` is accepted anywhere and ignored: everything is cached.
 - ``metadata`` is accepted and ignored; in particular ``metadata.user_id`` is not the
@@ -46,6 +50,9 @@ from proxy.api.openai import (
     _opt_str,
     _template_kwargs,
     _type_name,
+    constrained,
+    constraint,
+    json_format,
 )
 
 MAX_STOP_SEQUENCES = 16
@@ -219,6 +226,24 @@ def _tools(v: object) -> tuple[Mapping[str, Any], ...] | None:
     return tuple(_tool(t, f"tools[{k}]") for k, t in enumerate(v)) or None
 
 
+def _parallel(v: object) -> bool:
+    """False when the tool choice asks for one tool use at most."""
+    if not isinstance(v, dict):
+        return True
+    return not _opt_bool(v, "disable_parallel_tool_use", "tool_choice.disable_parallel_tool_use")
+
+
+def _output_format(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    config = body.get("output_config")
+    if config is None:
+        return None
+    fmt = _obj(config, "output_config").get("format")
+    if fmt is not None and _obj(fmt, "output_config.format").get("type") != "json_schema":
+        raise ApiError("'output_config.format.type' must be 'json_schema'",
+                       "output_config.format.type")
+    return json_format(fmt, "output_config.format", nested=False)
+
+
 def _tool_choice(v: object) -> str | Mapping[str, Any] | None:
     if v is None:
         return None
@@ -262,9 +287,7 @@ def _sampling(body: Mapping[str, Any], need_max_tokens: bool) -> Sampling:
         raise ApiError("'max_tokens' is required", "max_tokens")
     temperature = _opt_float(body, "temperature", 0.0, 1.0)
     top_p = _opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
-    return Sampling(temperature=1.0 if temperature is None else temperature,
-                    top_p=1.0 if top_p is None else top_p,
-                    top_k=_opt_int(body, "top_k", lo=0) or 0,
+    return Sampling(temperature=temperature, top_p=top_p, top_k=_opt_int(body, "top_k", lo=0),
                     max_tokens=max_tokens, stop=_stop_sequences(body))
 
 
@@ -296,13 +319,18 @@ def parse_messages_request(body: object, *, count_only: bool = False) -> ChatReq
     if system is not None:
         messages.insert(0, ChatMessage(role="system", content=_texts(system, "system")))
     kwargs = {**_thinking_kwargs(body.get("thinking")), **_template_kwargs(body)}
+    tools, choice = _tools(body.get("tools")), _tool_choice(body.get("tool_choice"))
+    grammar = constraint(json_schema=_output_format(body),
+                         json_path="output_config.format.schema", tools=tools,
+                         tool_choice=choice, parallel=_parallel(body.get("tool_choice")),
+                         params_key="input_schema")
     return ChatRequest(
         model=body.get("model") or "",
         messages=tuple(messages),
-        tools=_tools(body.get("tools")),
-        tool_choice=_tool_choice(body.get("tool_choice")),
+        tools=tools,
+        tool_choice=choice,
         template_kwargs=kwargs,
-        sampling=_sampling(body, need_max_tokens=not count_only),
+        sampling=constrained(_sampling(body, need_max_tokens=not count_only), grammar),
         stream=bool(_opt_bool(body, "stream")) and not count_only,
         include_usage=True,
         user=None,

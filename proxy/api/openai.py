@@ -17,11 +17,20 @@ Choices where OpenAI leaves room:
 - ``tool_choice``: ``"none"`` only turns off tool-call extraction (tools stay in the
   prompt so its prefix, and so the cache, does not change with the choice); ``"auto"``
   is the default.
-- Fields the sampler cannot act on yet are refused by name (400) when set to anything
-  but their default, never accepted and ignored: ``logit_bias``, ``presence_penalty``,
-  ``frequency_penalty``, ``repetition_penalty``/``repeat_penalty``, a
-  ``response_format`` other than text, a forced ``tool_choice`` ("required" or a
-  named function), ``parallel_tool_calls: false`` with tools; for completions also
+- Sampling runs on llama.cpp's sampler chain (proxy/engine/sampling.py): OpenAI's
+  ``temperature``, ``top_p``, ``seed``, ``stop``, ``logit_bias`` (token id -> bias in
+  [-100, 100]; ``false`` bans it, as llama-server reads it), ``presence_penalty``,
+  ``frequency_penalty``, ``logprobs``; llama-server's ``top_k``, ``min_p``,
+  ``typical_p``, ``repeat_penalty`` (``repetition_penalty`` too), ``repeat_last_n``,
+  ``dry_*``, ``xtc_*``, ``grammar`` (GBNF) and ``json_schema``. A field left out takes
+  the ``[sampling]`` config's value, or the model's own recommendation in its GGUF.
+- ``response_format`` json_object / json_schema and a forced ``tool_choice``
+  ("required" or a named function) constrain the reply with a grammar
+  (proxy/api/structured.py); ``parallel_tool_calls: false`` allows one call at most.
+  A schema the grammar cannot enforce is a 400 naming the part.
+- Fields that would not act are refused by name (400) when set to anything but their
+  default, never accepted and ignored: llama-server's ``mirostat``, ``ignore_eos``,
+  ``n_probs``, ``top_n_sigma``, ``dynatemp_range``, ``samplers``; for completions
   ``echo``, ``best_of`` > 1 and ``suffix``.
 """
 
@@ -33,6 +42,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.api.reply import THINK_CLOSE, THINK_OPEN
+from proxy.api.structured import ANY_OBJECT, reply_grammar
+from proxy.engine.binding import check_grammar
+from proxy.engine.grammar import SchemaError
 from proxy.engine.types import SamplingParams
 
 # Template variables the renderer sets itself; chat_template_kwargs may not replace them.
@@ -47,6 +60,9 @@ MAX_STOP = 4
 MIN_TEMPERATURE = 1e-6
 MAX_SEED = 2**64 - 1
 NOT_YET = "is not supported by this server yet; leave it out or send its default"
+MAX_LOGIT_BIAS = 1024
+MAX_GRAMMAR = 256 * 1024
+MAX_BREAKERS = 32
 
 
 class ApiError(ValueError):
@@ -77,23 +93,42 @@ class ChatMessage:
 
 @dataclass(slots=True, frozen=True)
 class Sampling:
-    """Sampling fields as sent; ``max_tokens`` stays None until the prompt length is known."""
+    """Sampling fields as sent (None: not sent, the server's default applies);
+    ``max_tokens`` stays None until the prompt length is known."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: tuple[str, ...] | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
     seed: int | None = None
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str = ""
+    reasoning: tuple[str, str] | None = None
 
     def to_params(self, max_tokens: int) -> SamplingParams:
         # Every API's parser builds a Sampling: a vanishing temperature is greedy for all.
-        temperature = 0.0 if self.temperature < MIN_TEMPERATURE else self.temperature
-        return SamplingParams(temperature=temperature, top_p=self.top_p, top_k=self.top_k,
-                              min_p=self.min_p, seed=self.seed, max_tokens=max_tokens,
-                              stop=self.stop, logprobs=self.logprobs)
+        t = self.temperature
+        values = {f: getattr(self, f) for f in _SHARED}
+        values["temperature"] = 0.0 if t is not None and t < MIN_TEMPERATURE else t
+        return SamplingParams(**values, max_tokens=max_tokens)
+
+
+_SHARED = tuple(f.name for f in dataclasses.fields(Sampling) if f.name != "max_tokens")
 
 
 @dataclass(slots=True, frozen=True)
@@ -189,9 +224,9 @@ def _seed(body: Mapping[str, Any]) -> int | None:
     return None if seed == -1 else seed
 
 
-def _temperature(body: Mapping[str, Any]) -> float:
-    t = _pick(_opt_float(body, "temperature", 0.0, 2.0), Sampling().temperature)
-    return 0.0 if t < MIN_TEMPERATURE else t
+def _temperature(body: Mapping[str, Any]) -> float | None:
+    t = _opt_float(body, "temperature", 0.0, 2.0)
+    return 0.0 if t is not None and t < MIN_TEMPERATURE else t
 
 
 def _set(body: Mapping[str, Any], key: str, default: object) -> bool:
@@ -200,28 +235,141 @@ def _set(body: Mapping[str, Any], key: str, default: object) -> bool:
 
 
 def refuse_unsupported(body: Mapping[str, Any]) -> None:
-    """400 for a sampling field set to a value the sampler cannot honour yet."""
-    for key, default in (("logit_bias", {}), ("presence_penalty", 0), ("frequency_penalty", 0),
-                         ("repetition_penalty", 1), ("repeat_penalty", 1)):
+    """400 for a llama-server sampling field that would not act here."""
+    for key, default in (("mirostat", 0), ("ignore_eos", False), ("n_probs", 0),
+                         ("top_n_sigma", -1), ("dynatemp_range", 0), ("samplers", None)):
         if _set(body, key, default):
             raise ApiError(f"'{key}' {NOT_YET}", key)
 
 
 def parse_sampling(body: Mapping[str, Any]) -> Sampling:
+    """The sampling fields both endpoints share (chat adds its constraints later)."""
     refuse_unsupported(body)
     top_k = _opt_int(body, "top_k", lo=-1)
     max_tokens = _opt_int(body, "max_tokens", lo=1)
     max_completion = _opt_int(body, "max_completion_tokens", lo=1)
-    d = Sampling()
     return Sampling(
         temperature=_temperature(body),
-        top_p=_pick(_opt_float(body, "top_p", 0.0, 1.0, lo_open=True), d.top_p),
-        top_k=0 if top_k is None or top_k == -1 else top_k,
-        min_p=_pick(_opt_float(body, "min_p", 0.0, 1.0), d.min_p),
+        top_p=_opt_float(body, "top_p", 0.0, 1.0, lo_open=True),
+        top_k=0 if top_k == -1 else top_k,
+        min_p=_opt_float(body, "min_p", 0.0, 1.0),
+        typical_p=_opt_float(body, "typical_p", 0.0, 1.0, lo_open=True),
+        repeat_penalty=_repeat_penalty(body),
+        repeat_last_n=_opt_int(body, "repeat_last_n", lo=-1),
+        presence_penalty=_opt_float(body, "presence_penalty", -2.0, 2.0),
+        frequency_penalty=_opt_float(body, "frequency_penalty", -2.0, 2.0),
+        dry_multiplier=_opt_float(body, "dry_multiplier", 0.0, 100.0),
+        dry_base=_opt_float(body, "dry_base", 1.0, 100.0),
+        dry_allowed_length=_opt_int(body, "dry_allowed_length", lo=0),
+        dry_penalty_last_n=_opt_int(body, "dry_penalty_last_n", lo=-1),
+        dry_sequence_breakers=_breakers(body),
+        xtc_probability=_opt_float(body, "xtc_probability", 0.0, 1.0),
+        xtc_threshold=_opt_float(body, "xtc_threshold", 0.0, 1.0),
         seed=_seed(body),
         max_tokens=max_completion if max_completion is not None else max_tokens,
         stop=_stop(body),
+        logit_bias=_logit_bias(body),
+        **_grammar(body),
     )
+
+
+def _repeat_penalty(body: Mapping[str, Any]) -> float | None:
+    """llama-server's ``repeat_penalty``, or vLLM's name for it."""
+    key = "repeat_penalty" if body.get("repeat_penalty") is not None else "repetition_penalty"
+    return _opt_float(body, key, 0.0, 100.0, lo_open=True)
+
+
+def _breakers(body: Mapping[str, Any]) -> tuple[str, ...] | None:
+    v = body.get("dry_sequence_breakers")
+    if v is None:
+        return None
+    if (not isinstance(v, list) or len(v) > MAX_BREAKERS
+            or not all(isinstance(s, str) and s for s in v)):
+        raise ApiError(f"'dry_sequence_breakers' must be a list of at most {MAX_BREAKERS} "
+                       "non-empty strings", "dry_sequence_breakers")
+    return tuple(v)
+
+
+def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias}; ``false`` bans the token (llama-server's reading)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise ApiError("'logit_bias' must be an object mapping token ids to biases",
+                       "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise ApiError(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    out: list[tuple[int, float]] = []
+    for key, bias in v.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()
+                and int(key) < 2**31):
+            raise ApiError(f"'logit_bias' keys must be token ids (non-negative integers), "
+                           f"got {key!r}", "logit_bias")
+        if bias is False:
+            out.append((int(key), float("-inf")))
+            continue
+        if (not isinstance(bias, int | float) or isinstance(bias, bool)
+                or not -100 <= bias <= 100):
+            raise ApiError(f"'logit_bias' values must be numbers in [-100, 100] (or false), "
+                           f"got {bias!r} for token {key}", "logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(out)
+
+
+def _grammar(body: Mapping[str, Any]) -> dict[str, Any]:
+    """llama-server's ``grammar`` (GBNF: the whole reply must match it) or ``json_schema``
+    (the reply, after any reasoning, is JSON that validates): Sampling's fields."""
+    text = _opt_str(body, "grammar")
+    schema = body.get("json_schema")
+    if text and schema is not None:
+        raise ApiError("give either 'grammar' or 'json_schema', not both", "json_schema")
+    if schema is not None:
+        if not isinstance(schema, dict):
+            raise ApiError("'json_schema' must be an object (a JSON schema)", "json_schema")
+        return {"grammar": constraint(json_schema=schema, json_path="json_schema"),
+                "reasoning": (THINK_OPEN, THINK_CLOSE)}
+    if not text:
+        return {}
+    if len(text) > MAX_GRAMMAR:
+        raise ApiError(f"'grammar' may be at most {MAX_GRAMMAR:,} characters", "grammar")
+    try:
+        check_grammar(text)
+    except ValueError as e:
+        raise ApiError(f"'grammar': {e}", "grammar") from None
+    return {"grammar": text}
+
+
+def constraint(*, json_schema: Mapping[str, Any] | None, json_path: str,
+               tools: tuple[Mapping[str, Any], ...] | None = None, tool_choice: object = None,
+               parallel: bool = True, params_key: str = "function.parameters") -> str:
+    """``structured.reply_grammar`` with its errors as 400s naming the field at fault."""
+    try:
+        return reply_grammar(json_schema=json_schema, json_path=json_path, tools=tools,
+                             tool_choice=tool_choice, parallel=parallel,
+                             params_key=params_key)
+    except SchemaError as e:
+        raise ApiError(str(e), _top(e.path)) from None
+
+
+def _top(path: str) -> str:
+    """The request field a JSON path starts with ("response_format.json_schema" ->
+    "response_format")."""
+    for i, c in enumerate(path):
+        if c in ".[":
+            return path[:i]
+    return path
+
+
+def constrained(sampling: Sampling, grammar: str) -> Sampling:
+    """``sampling`` with the reply grammar of a chat request (structured output or a
+    forced tool call), which a thinking template's reasoning may precede."""
+    if not grammar:
+        return sampling
+    if sampling.grammar:
+        raise ApiError("'grammar' and 'json_schema' cannot be combined with "
+                       "'response_format' or a forced 'tool_choice'", "grammar")
+    return dataclasses.replace(sampling, grammar=grammar, reasoning=(THINK_OPEN, THINK_CLOSE))
 
 
 MAX_TOP_LOGPROBS = 20
@@ -352,22 +500,39 @@ def _tools(v: object) -> tuple[Mapping[str, Any], ...] | None:
 
 
 def _tool_choice(v: object) -> str | Mapping[str, Any] | None:
-    if v is None or v in ("none", "auto"):
+    if v is None or v in ("none", "auto", "required"):
         return v
-    if v == "required" or (isinstance(v, dict) and v.get("type") == "function"):
-        raise ApiError(f"a forced 'tool_choice' {NOT_YET} (use 'auto' or 'none')",
-                       "tool_choice")
+    fn = v.get("function") if isinstance(v, dict) else None
+    if isinstance(v, dict) and v.get("type") == "function" and isinstance(fn, dict) \
+            and isinstance(fn.get("name"), str):
+        return {"type": "function", "function": {"name": fn["name"]}}
     raise ApiError("'tool_choice' must be 'none', 'auto', 'required' or "
-                   "{\"type\": \"function\", ...}", "tool_choice")
+                   "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
 
 
-def _refuse_chat_only(body: Mapping[str, Any]) -> None:
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(f"'response_format' other than {{\"type\": \"text\"}} {NOT_YET}",
-                       "response_format")
-    if body.get("parallel_tool_calls") is False and body.get("tools"):
-        raise ApiError(f"'parallel_tool_calls': false {NOT_YET}", "parallel_tool_calls")
+def json_format(fmt: object, param: str, *, nested: bool = True) -> Mapping[str, Any] | None:
+    """The JSON schema a reply format asks for: None for text, any object for
+    json_object; ``nested``: json_schema's schema sits in a "json_schema" object (chat's
+    ``response_format``), else beside "type" (Responses' ``text.format``)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ANY_OBJECT
+    if kind == "json_schema":
+        assert isinstance(fmt, dict)
+        spec, where = (fmt.get("json_schema"), f"{param}.json_schema") if nested \
+            else (fmt, param)
+        if not isinstance(spec, dict):
+            raise ApiError(f"'{where}' must be an object with the 'schema'", where)
+        schema = spec.get("schema", ANY_OBJECT)
+        if not isinstance(schema, dict):
+            raise ApiError(f"'{where}.schema' must be an object (a JSON schema)",
+                           f"{where}.schema")
+        return schema
+    raise ApiError(f"'{param}.type' must be 'text', 'json_object' or 'json_schema'", param)
 
 
 def _refuse_completion_only(body: Mapping[str, Any]) -> None:
@@ -394,14 +559,20 @@ def parse_chat_request(body: object) -> ChatRequest:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError("'messages' must be a non-empty list", "messages")
-    _refuse_chat_only(body)
+    tools, choice = _tools(body.get("tools")), _tool_choice(body.get("tool_choice"))
+    parallel = _opt_bool(body, "parallel_tool_calls")
+    sampling = dataclasses.replace(parse_sampling(body), logprobs=_chat_logprobs(body))
+    grammar = constraint(json_schema=json_format(body.get("response_format"),
+                                                 "response_format"),
+                         json_path="response_format.json_schema.schema", tools=tools,
+                         tool_choice=choice, parallel=parallel is not False)
     return ChatRequest(
         model=body.get("model") or "",
         messages=tuple(_message(m, i) for i, m in enumerate(msgs)),
-        tools=_tools(body.get("tools")),
-        tool_choice=_tool_choice(body.get("tool_choice")),
+        tools=tools,
+        tool_choice=choice,
         template_kwargs=_template_kwargs(body),
-        sampling=dataclasses.replace(parse_sampling(body), logprobs=_chat_logprobs(body)),
+        sampling=constrained(sampling, grammar),
         stream=stream,
         include_usage=usage,
         user=body.get("user"),

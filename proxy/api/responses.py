@@ -19,9 +19,12 @@ Mapping:
 - Only ``function`` tools, and ``namespace`` tools (groups of functions, which the Codex
   CLI sends): their functions are offered by their own names and a call of one carries
   its ``namespace``. Hosted tools (web search, file search, computer use, code
-  interpreter, MCP, ...) are rejected by type. ``tool_choice`` as in chat.
+  interpreter, MCP, ...) are rejected by type. ``tool_choice`` and
+  ``parallel_tool_calls`` as in chat: a forced choice is a grammar.
+- ``text.format`` json_object / json_schema constrains the reply to JSON (as chat's
+  ``response_format``); ``text.verbosity`` is accepted.
 - ``reasoning.effort: "none"`` sets the template's ``enable_thinking`` to false.
-- ``text``, ``include``, ``metadata``, ``prompt_cache_key``, ``truncation`` are accepted;
+- ``include``, ``metadata``, ``prompt_cache_key``, ``truncation`` are accepted;
   ``background``, ``conversation`` and ``prompt`` are rejected.
 """
 
@@ -44,6 +47,9 @@ from proxy.api.openai import (
     _opt_str,
     _template_kwargs,
     _type_name,
+    constrained,
+    constraint,
+    json_format,
 )
 
 # Reasoning sent back in ``encrypted_content`` is ours only with this prefix.
@@ -276,11 +282,16 @@ def _reasoning_effort(body: Mapping[str, Any]) -> str | None:
 
 
 def _sampling(body: Mapping[str, Any]) -> Sampling:
-    temperature = _opt_float(body, "temperature", 0.0, 2.0)
-    top_p = _opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
-    return Sampling(temperature=1.0 if temperature is None else temperature,
-                    top_p=1.0 if top_p is None else top_p,
+    return Sampling(temperature=_opt_float(body, "temperature", 0.0, 2.0),
+                    top_p=_opt_float(body, "top_p", 0.0, 1.0, lo_open=True),
                     max_tokens=_opt_int(body, "max_output_tokens", lo=1))
+
+
+def _text_format(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    text = body.get("text")
+    if text is None:
+        return None
+    return json_format(_obj(text, "text").get("format"), "text.format", nested=False)
 
 
 def parse_responses_request(body: object) -> ResponsesRequest:
@@ -296,6 +307,10 @@ def parse_responses_request(body: object) -> ResponsesRequest:
               **_template_kwargs(body)}
     store = _opt_bool(body, "store")
     parallel = _opt_bool(body, "parallel_tool_calls")
+    choice = _tool_choice(body.get("tool_choice"))
+    grammar = constraint(json_schema=_text_format(body), json_path="text.format.schema",
+                         tools=tools, tool_choice=choice, parallel=parallel is not False,
+                         params_key="parameters")
     return ResponsesRequest(
         model=_opt_str(body, "model") or "",
         instructions=_opt_str(body, "instructions"),
@@ -304,10 +319,10 @@ def parse_responses_request(body: object) -> ResponsesRequest:
         tools=tools,
         tools_json=tuple(body.get("tools") or ()),
         namespaces=namespaces,
-        tool_choice=_tool_choice(body.get("tool_choice")),
+        tool_choice=choice,
         parallel_tool_calls=True if parallel is None else parallel,
         template_kwargs=kwargs,
-        sampling=_sampling(body),
+        sampling=constrained(_sampling(body), grammar),
         stream=bool(_opt_bool(body, "stream")),
         store=True if store is None else store,
         user=_opt_str(body, "user"),

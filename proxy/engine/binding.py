@@ -11,9 +11,11 @@ import enum
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # llama.cpp's CPU backend runs its threads under OpenMP, whose workers spin for a while
 # after each graph: in a server they take the cores that the event loop and the engine's
@@ -546,3 +548,228 @@ def supports_rs_rollback(model: Model) -> bool:
         return int(_ll.llama_n_rs_seq(ptr)) > 0
     finally:
         _ll.llama_free(ptr)
+
+
+# -- sampling ---------------------------------------------------------------------
+
+# llama_token_data as numpy sees it: the candidates a grammar-constrained sample builds.
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+MAX_GRAMMAR_NESTING = 1024  # llama.cpp's grammar parser recurses per parenthesis (30,000 crash)
+
+
+def _nesting(text: str) -> int:
+    """Deepest parenthesis nesting of a GBNF text, outside literals, classes and comments."""
+    depth = deepest = 0
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in "\"[":
+            end = '"' if c == '"' else "]"
+            i += 1
+            while i < n and text[i] != end:
+                i += 2 if text[i] == "\\" else 1
+        elif c == "#":
+            while i < n and text[i] != "\n":
+                i += 1
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        i += 1
+    return deepest
+
+
+def check_grammar(text: str, root: str = "root") -> None:
+    """ValueError unless llama.cpp parses ``text`` as a GBNF grammar with rule ``root``.
+
+    Parsed without a vocabulary (nothing model-specific is needed), so token references
+    (``<[id]>``) are refused here. llama.cpp prints its own parse error on stderr.
+    """
+    if _nesting(text) > MAX_GRAMMAR_NESTING:
+        raise ValueError(f"the grammar nests parentheses deeper than {MAX_GRAMMAR_NESTING}")
+    ptr = _ll.llama_sampler_init_grammar(None, text.encode("utf-8"), root.encode("utf-8"))
+    if not ptr:
+        raise ValueError(f"llama.cpp cannot parse the grammar (a GBNF syntax error, an "
+                         f"undefined rule, left recursion, or no '{root}' rule)")
+    _ll.llama_sampler_free(ptr)
+
+
+class SchemaRules:
+    """llama.cpp's JSON-schema-to-GBNF converter (llama-cpp-python's port of it): the rules
+    of one grammar, for one or more schemas. Whatever the converter raises passes through
+    (the caller names the part at fault)."""
+
+    def __init__(self, prop_order: Sequence[str] = ()) -> None:
+        from llama_cpp.llama_grammar import SchemaConverter
+
+        self._conv = SchemaConverter(prop_order={k: i for i, k in enumerate(prop_order)},
+                                     allow_fetch=False, dotall=False, raw_pattern=False)
+
+    def add(self, schema: dict[str, Any], name: str, url: str) -> str:
+        """Rules for ``schema`` (its local ``$ref``s resolved under ``url``); returns the
+        name of the rule that matches it. ``schema`` is rewritten in place."""
+        return str(self._conv.visit(self._conv.resolve_refs(schema, url), name))
+
+    def text(self) -> str:
+        rules = self._conv._rules
+        if rules.get("char") == _PORTED_CHAR:
+            rules["char"] = _JSON_CHAR
+        return str(self._conv.format_grammar())
+
+
+# The port's string character lets control characters through, which JSON forbids in a
+# string (llama.cpp's own converter excludes them): its rule is replaced by this one.
+_PORTED_CHAR = r'[^"\\] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+_JSON_CHAR = (r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] '
+              r'[0-9a-fA-F] [0-9a-fA-F])')
+
+
+class SamplerChain:
+    """One request's llama.cpp sampler chain (seeded), with its grammar kept apart.
+
+    Stages are added in order (``add``); the chain ends with ``dist`` or ``greedy``.
+    With a grammar, a token is sampled as llama.cpp's common sampler does: the chain
+    alone first, and only if the grammar rejects that token, again over the candidates
+    the grammar allows, so the grammar costs one check per token. Engine thread only;
+    ``close`` frees it (garbage collection does too).
+    """
+
+    def __init__(self, model: Model) -> None:
+        params = _ll.llama_sampler_chain_default_params()
+        params.no_perf = True
+        self._chain = _ll.llama_sampler_chain_init(params)
+        if not self._chain:
+            raise LlamaError("llama.cpp could not create a sampler chain")
+        self._vocab = model._vocab
+        self._n_vocab = model.n_vocab
+        self._grammar: object | None = None
+        self._free = weakref.finalize(self, _free_samplers, [self._chain])
+        self._cur: np.ndarray | None = None  # candidates, made on the first constrained sample
+        self._ids = np.empty(0, dtype=np.int32)
+        self._one = np.zeros(1, dtype=_TOKEN_DATA)
+        self.stages: list[str] = []
+
+    def _add(self, name: str, ptr: object) -> None:
+        if not ptr:
+            raise LlamaError(f"llama.cpp could not create the {name} sampler")
+        _ll.llama_sampler_chain_add(self._chain, ptr)
+        self.stages.append(name)
+
+    def logit_bias(self, biases: Sequence[tuple[int, float]]) -> None:
+        arr = (_ll.llama_logit_bias * len(biases))(
+            *(_ll.llama_logit_bias(int(t), float(b)) for t, b in biases))
+        self._add("logit_bias", _ll.llama_sampler_init_logit_bias(self._n_vocab, len(biases), arr))
+
+    def penalties(self, last_n: int, repeat: float, frequency: float, presence: float) -> None:
+        self._add("penalties", _ll.llama_sampler_init_penalties(
+            self._n_vocab, last_n, repeat, frequency, presence))
+
+    def dry(self, multiplier: float, base: float, allowed_length: int, last_n: int,
+            breakers: Sequence[str]) -> None:
+        arr = (ctypes.c_char_p * len(breakers))(*(b.encode("utf-8") for b in breakers))
+        self._add("dry", _ll.llama_sampler_init_dry(self._vocab, multiplier, base,
+                                                    allowed_length, last_n, arr, len(breakers)))
+
+    def top_k(self, k: int) -> None:
+        self._add("top_k", _ll.llama_sampler_init_top_k(k))
+
+    def typical(self, p: float) -> None:
+        self._add("typical", _ll.llama_sampler_init_typical(p, 1))
+
+    def top_p(self, p: float) -> None:
+        self._add("top_p", _ll.llama_sampler_init_top_p(p, 1))
+
+    def min_p(self, p: float) -> None:
+        self._add("min_p", _ll.llama_sampler_init_min_p(p, 1))
+
+    def xtc(self, probability: float, threshold: float, seed: int) -> None:
+        self._add("xtc", _ll.llama_sampler_init_xtc(probability, threshold, 1, seed))
+
+    def temperature(self, t: float) -> None:
+        self._add("temp", _ll.llama_sampler_init_temp(t))
+
+    def dist(self, seed: int) -> None:
+        self._add("dist", _ll.llama_sampler_init_dist(seed))
+
+    def greedy(self) -> None:
+        self._add("greedy", _ll.llama_sampler_init_greedy())
+
+    def grammar(self, text: str, root: str = "root") -> None:
+        """Constrain every sampled token to ``text`` (GBNF) from rule ``root``."""
+        if _nesting(text) > MAX_GRAMMAR_NESTING:
+            raise ValueError(f"the grammar nests parentheses deeper than {MAX_GRAMMAR_NESTING}")
+        ptr = _ll.llama_sampler_init_grammar(self._vocab, text.encode("utf-8"),
+                                             root.encode("utf-8"))
+        if not ptr:
+            raise ValueError("llama.cpp cannot parse the grammar")
+        self._free.detach()
+        self._grammar = ptr
+        self._free = weakref.finalize(self, _free_samplers, [self._chain, ptr])
+
+    def accept(self, token: int) -> None:
+        """Record a token the context consumed that this chain did not sample (the prompt's,
+        for the penalties); never passed to the grammar."""
+        _ll.llama_sampler_accept(self._chain, token)
+
+    def sample(self, ctx: Context, row: int) -> int:
+        """Sample and accept the next token from output row ``row`` of the last decode."""
+        if self._grammar is None:
+            return int(_ll.llama_sampler_sample(self._chain, ctx._ptr, row))
+        logits = ctx.logits_view(row)
+        tok = self._select(logits, with_grammar=False)
+        if not self.allows(tok):
+            tok = self._select(logits, with_grammar=True)
+        if not self.allows(tok):
+            raise RuntimeError("the grammar allows no token here")
+        _ll.llama_sampler_accept(self._grammar, tok)
+        _ll.llama_sampler_accept(self._chain, tok)
+        return tok
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar (if any) allows ``token`` next."""
+        if self._grammar is None:
+            return True
+        one = self._one
+        one["id"], one["logit"], one["p"] = token, 0.0, 0.0
+        _ll.llama_sampler_apply(self._grammar, ctypes.byref(_candidates(one)))
+        return bool(np.isfinite(one["logit"][0]))
+
+    def accept_grammar(self, token: int) -> None:
+        """Advance the grammar over ``token`` (tests walk a text through it); ValueError if
+        the grammar does not allow it (llama.cpp would abort the process)."""
+        if not self.allows(token):
+            raise ValueError(f"the grammar does not allow token {token} here")
+        if self._grammar is not None:
+            _ll.llama_sampler_accept(self._grammar, token)
+
+    def _select(self, logits: np.ndarray, *, with_grammar: bool) -> int:
+        if self._cur is None:
+            self._cur = np.zeros(self._n_vocab, dtype=_TOKEN_DATA)
+            self._ids = np.arange(self._n_vocab, dtype=np.int32)
+        cur = self._cur
+        cur["id"] = self._ids  # the samplers reorder the candidates
+        cur["logit"] = logits
+        cur["p"] = 0.0
+        arr = _candidates(cur)
+        if with_grammar:
+            _ll.llama_sampler_apply(self._grammar, ctypes.byref(arr))
+        _ll.llama_sampler_apply(self._chain, ctypes.byref(arr))
+        if not 0 <= arr.selected < arr.size:
+            raise RuntimeError("the sampler chain selected no token")
+        # the samplers may point data elsewhere (a sorted copy): read the selected entry there
+        return int(arr.data[arr.selected].id)
+
+    def close(self) -> None:
+        self._free()
+
+
+def _candidates(buf: np.ndarray) -> Any:
+    return _ll.llama_token_data_array(
+        data=buf.ctypes.data_as(_ll.llama_token_data_p), size=len(buf), selected=-1,
+        sorted=False)
+
+
+def _free_samplers(ptrs: list[object]) -> None:
+    for p in ptrs:
+        _ll.llama_sampler_free(p)

@@ -37,7 +37,7 @@ from proxy.engine.binding import FLAGS_FULL, FLAGS_PARTIAL, Context, MemoryInfo,
 from proxy.engine.detok import TextStream
 from proxy.engine.lanes import Lane, LaneSet
 from proxy.engine.planner import Plan, Source, make_plan, publish_points
-from proxy.engine.sampling import Sampler
+from proxy.engine.sampling import Sampler, make_sampler
 from proxy.engine.types import GenerationRequest, RequestStats, TokenLogprob
 from statecache.config import Config
 from statecache.pages import PageChain
@@ -149,7 +149,7 @@ class Executor:
             raise RuntimeError("lane does not hold the prefix it was planned to")
         if job.use_cache and self.pool is not None:
             job.publish = self._publish_plan(job, plan.match_depth, chain)
-        job.sampler = Sampler(job.req.sampling)
+        job.sampler = make_sampler(self.model, job.req.sampling, self.cfg.sampling, job.prompt)
         job.stream = TextStream(job.req.sampling.stop)
         self.counters[f"plan_{job.stats.source}"] += 1
         job.stats.plan_s = time.perf_counter() - t_plan
@@ -441,19 +441,14 @@ class Executor:
         """Sample the next token and decide whether the request is done."""
         assert job.sampler is not None and job.stream is not None
         k = job.req.sampling.logprobs
-        if job.sampler.params.greedy and k is None:
-            tok = int(np.argmax(self.ctx.logits_view(row)))  # no copy of the vocabulary
-            logits = None
-        else:
-            logits = self.ctx.logits(row)
-            tok = job.sampler(logits)
-        if k is not None:
-            assert logits is not None
-            job.logprobs.append(self._logprob(logits, tok, k))
+        tok = job.sampler.sample(self.ctx, row)
+        if k is not None:  # of the model's own distribution, before the sampler's changes
+            job.logprobs.append(self._logprob(self.ctx.logits_view(row), tok, k))
         job.generated.append(tok)
         job.pending = tok
         if self.model.is_eog(tok):
             job.finish_reason = "stop"
+            job.sampler.close()
             tail = job.stream.finish()
             if tail:
                 job.deltas.append((tail, ()))
@@ -468,10 +463,13 @@ class Executor:
             tail = job.stream.finish()
             if tail:
                 job.deltas.append((tail, ()))
+        if job.finish_reason:
+            job.sampler.close()  # its chain is freed with the request (or when collected)
 
     def _logprob(self, logits: np.ndarray, tok: int, k: int) -> TokenLogprob:
         x = logits.astype(np.float64)
-        lse = float(np.logaddexp.reduce(x))
+        top_logit = float(x.max())
+        lse = top_logit + float(np.log(np.exp(x - top_logit).sum()))
         top: tuple[tuple[str, float], ...] = ()
         if k > 0:
             idx = np.argpartition(-x, k - 1)[:k]

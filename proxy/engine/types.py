@@ -7,18 +7,39 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    min_p: float = 0.0
-    seed: int | None = None
+    """A request's sampling fields. None: not set, so the ``[sampling]`` config and the
+    model's own recommendation apply (proxy/engine/sampling.py resolves them)."""
+
+    temperature: float | None = None  # 0: greedy
+    top_p: float | None = None
+    top_k: int | None = None  # 0: off
+    min_p: float | None = None
+    typical_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None  # -1: the whole context
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: tuple[str, ...] | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    seed: int | None = None  # None: random
     max_tokens: int = 512
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: off; k: the chosen token's and k alternatives'
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias); -inf bans the token
+    grammar: str = ""  # GBNF with a rule "root" that the whole reply must match
+    # (open, close) of the template's reasoning block: when the prompt leaves the reply
+    # inside one, the reply may reason first and the grammar applies after ``close``
+    reasoning: tuple[str, str] | None = None
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        """Whether the request itself asks for greedy decoding."""
+        return (self.temperature is not None and self.temperature <= 0.0) or self.top_k == 1
 
 
 MISS_CAUSES = ("new conversation", "system prompt changed", "tools changed",

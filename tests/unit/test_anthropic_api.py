@@ -111,14 +111,16 @@ def test_sampling_tool_choice_and_thinking() -> None:
     req = parse_messages_request({
         "max_tokens": 10, "messages": [USER], "temperature": 0, "top_p": 0.5, "top_k": 3,
         "stop_sequences": ["END"], "stream": True, "metadata": {"user_id": "u"},
-        "tool_choice": {"type": "any"}, "thinking": {"type": "disabled"}})
+        "tool_choice": {"type": "any"}, "thinking": {"type": "disabled"},
+        "tools": ANTHROPIC["tools"]})
     s = req.sampling
     assert (s.temperature, s.top_p, s.top_k, s.stop, s.max_tokens) == (0.0, 0.5, 3, ("END",), 10)
     assert req.stream and req.tool_choice == "required" and req.user is None
     assert dict(req.template_kwargs) == {"enable_thinking": False}
     tool = parse_messages_request({"max_tokens": 1, "messages": [USER],
-                                   "tool_choice": {"type": "tool", "name": "f"}})
-    assert tool.tool_choice == {"type": "function", "function": {"name": "f"}}
+                                   "tool_choice": {"type": "tool", "name": "read_file"},
+                                   "tools": ANTHROPIC["tools"]})
+    assert tool.tool_choice == {"type": "function", "function": {"name": "read_file"}}
     none = parse_messages_request({"max_tokens": 1, "messages": [USER],
                                    "tool_choice": {"type": "none"}, "tools": ANTHROPIC["tools"]})
     assert not none.parse_tools

@@ -9,9 +9,7 @@ from proxy.engine.binding import MemoryInfo, MemoryKind
 from proxy.engine.detok import TextStream
 from proxy.engine.lanes import Lane
 from proxy.engine.planner import can_truncate, publish_points
-from proxy.engine.sampling import Sampler
 from proxy.engine.splice import aligned_replies, tokenize_spliced
-from proxy.engine.types import SamplingParams
 from statecache.records import Kind, Role
 from tests.unit.conftest import PoolFactory, put
 
@@ -104,19 +102,6 @@ def test_text_stream_holds_split_characters_and_stop_strings() -> None:
     assert s.feed(b"Ox") == "STOx"
     assert s.feed(b"yySTOPzz") == "yy" and s.stopped
     assert s.feed(b"more") == "" and s.finish() == ""
-
-
-def test_sampler_greedy_seeded_and_filters() -> None:
-    logits = np.array([0.0, 5.0, 4.9, -3.0], dtype=np.float32)
-    assert Sampler(SamplingParams(temperature=0))(logits) == 1
-    draws = [Sampler(SamplingParams(temperature=1.0, seed=7))(logits) for _ in range(3)]
-    assert len(set(draws)) == 1  # same seed, same draw
-    top1 = Sampler(SamplingParams(temperature=1.0, top_k=1, seed=1))
-    assert {top1(logits) for _ in range(20)} == {1}
-    nucleus = Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=3))
-    assert {nucleus(logits) for _ in range(50)} <= {1, 2}
-    minp = Sampler(SamplingParams(temperature=1.0, min_p=0.5, seed=4))
-    assert {minp(logits) for _ in range(50)} <= {1, 2}
 
 
 # -- pool calls made by the planner and executor ---------------------------------------

@@ -58,7 +58,7 @@ def test_full_chat_request_parses() -> None:
     assert req.tools == tuple(tools) and req.parse_tools
     assert req.template_kwargs == {"enable_thinking": False}
     assert req.sampling == Sampling(temperature=0.0, top_p=0.5, top_k=0, min_p=0.1, seed=3,
-                                    max_tokens=20, stop=("END",))
+                                    max_tokens=20, stop=("END",), presence_penalty=0.0)
     assert (req.stream, req.include_usage, req.user) == (True, True, "alice")
     params = req.sampling.to_params(20)
     assert params.greedy and params.max_tokens == 20 and params.stop == ("END",)
@@ -206,19 +206,15 @@ def test_a_vanishing_temperature_is_greedy() -> None:
     assert Sampling(temperature=1e-320).to_params(4).greedy
 
 
+# llama-server fields that would not act here (the OpenAI ones all act now:
+# tests/unit/test_sampling.py)
 REFUSED_CHAT = [
-    ({"logit_bias": {"12": 5}}, "logit_bias"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": -1}, "frequency_penalty"),
-    ({"repetition_penalty": 1.1}, "repetition_penalty"),
-    ({"repeat_penalty": 1.3}, "repeat_penalty"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"parallel_tool_calls": False,
-      "tools": [{"type": "function", "function": {"name": "f"}}]}, "parallel_tool_calls"),
+    ({"mirostat": 2}, "mirostat"),
+    ({"ignore_eos": True}, "ignore_eos"),
+    ({"n_probs": 3}, "n_probs"),
+    ({"top_n_sigma": 1.5}, "top_n_sigma"),
+    ({"dynatemp_range": 0.5}, "dynatemp_range"),
+    ({"samplers": ["top_k"]}, "samplers"),
 ]
 
 
@@ -234,8 +230,7 @@ def test_fields_the_sampler_cannot_honour_are_refused_by_name(
     ({"echo": True}, "echo"),
     ({"best_of": 3}, "best_of"),
     ({"suffix": "end"}, "suffix"),
-    ({"logit_bias": {"1": -100}}, "logit_bias"),
-    ({"frequency_penalty": 1}, "frequency_penalty"),
+    ({"mirostat": 1}, "mirostat"),
 ])
 def test_completion_fields_not_supported_are_refused_by_name(
         fields: dict[str, Any], param: str) -> None:

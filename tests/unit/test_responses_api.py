@@ -110,6 +110,7 @@ def test_sampling_and_options() -> None:
         "input": "x", "max_output_tokens": 20, "temperature": 0, "top_p": 0.5,
         "store": False, "parallel_tool_calls": False, "stream": True, "user": "u",
         "reasoning": {"effort": "none"}, "tool_choice": {"type": "function", "name": "f"},
+        "tools": [{"type": "function", "name": "f"}],
         "metadata": {"k": "v"}, "text": {"format": {"type": "text"}}, "truncation": "auto"})
     s = req.sampling
     assert (s.max_tokens, s.temperature, s.top_p) == (20, 0.0, 0.5)

@@ -1,0 +1,115 @@
+"""Grammars for structured output and forced tool calls, in the format reply.py parses.
+
+- JSON output (``response_format`` json_object / json_schema, Anthropic's
+  ``output_config.format``, Responses' ``text.format``): the reply is one JSON value that
+  validates against the schema (json_object: any JSON object).
+- Forced tool calls (``tool_choice`` "required" or a named function): the reply is
+  ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` blocks, one line apart
+  (as the ChatML and Gemma templates here write them), whose arguments validate against
+  the tool's parameters; several when parallel tool calls are allowed, else exactly one.
+- ``parallel_tool_calls: false`` with tools the model may call or not: free text (that
+  does not open a call) and at most one call, which must validate.
+- JSON output while tools may be called: either the JSON or the calls.
+
+A thinking template's reasoning may come first: the engine lets the reply reason until
+``</think>`` when the prompt leaves it inside a ``<think>`` block (``REASONING``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from proxy.api.reply import CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN
+from proxy.engine.grammar import SchemaError, SchemaPart, literal, schema_rules, text_without
+
+REASONING = (THINK_OPEN, THINK_CLOSE)
+ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
+# Omitted parameters mean a function without any (OpenAI's rule): arguments are {}.
+NO_PARAMETERS: Mapping[str, Any] = {"type": "object", "properties": {}}
+
+
+def forced_tool(tool_choice: object) -> str | None:
+    """The name a ``{"type": "function", "function": {"name": ...}}`` choice forces."""
+    if isinstance(tool_choice, Mapping):
+        fn = tool_choice.get("function")
+        if isinstance(fn, Mapping) and isinstance(fn.get("name"), str):
+            return str(fn["name"])
+    return None
+
+
+def reply_grammar(*, json_schema: Mapping[str, Any] | None, json_path: str,
+                  tools: Sequence[Mapping[str, Any]] | None, tool_choice: object,
+                  parallel: bool, tools_path: str = "tools",
+                  params_key: str = "function.parameters",
+                  choice_path: str = "tool_choice") -> str:
+    """The GBNF (rule ``root``) a reply must match, or "" when nothing constrains it.
+    SchemaError names the part of the request at fault."""
+    name = forced_tool(tool_choice)
+    forced = tool_choice == "required" or name is not None
+    offered = tools if tool_choice != "none" else None
+    if forced and not tools:
+        raise SchemaError(choice_path, "a forced tool call needs 'tools'")
+    if forced and json_schema is not None:
+        raise SchemaError(json_path, "cannot be combined with a forced tool call (the "
+                          "reply is the call)")
+    callable_ = _callable(tools or (), name, tools_path, choice_path) if offered else []
+    if json_schema is None and not forced and (parallel or not callable_):
+        return ""
+    parts = [SchemaPart(_call_schema(t), f"{tools_path}[{k}].{params_key}",
+                        f"call-{k}") for k, t in callable_]
+    if json_schema is not None:
+        parts.append(SchemaPart(json_schema, json_path, "json-reply"))
+    names, rules = schema_rules(parts, prop_order=("name", "arguments"))
+    out = [rules]
+    if callable_:
+        calls = names[:len(callable_)]
+        out.append(f"tool-call ::= {' | '.join(calls)}")
+        out.append(f"tool-call-block ::= {literal(CALL_OPEN + chr(10))} tool-call "
+                   f"{literal(chr(10) + CALL_CLOSE)}")
+        many = f" ( {literal(chr(10))} tool-call-block )*" if parallel else ""
+        out.append(f"tool-calls ::= tool-call-block{many}")
+    if forced:
+        out.append("root ::= tool-calls")
+    elif json_schema is not None:
+        out.append(f"root ::= {names[-1]}" + (" | tool-calls" if callable_ else ""))
+    else:  # parallel_tool_calls false: text, then at most one call
+        out.append(text_without("free-text", CALL_OPEN))
+        out.append("root ::= free-text tool-call-block?")
+    return "\n".join(out)
+
+
+def _callable(tools: Sequence[Mapping[str, Any]], name: str | None, tools_path: str,
+              choice_path: str) -> list[tuple[int, Mapping[str, Any]]]:
+    """(index, tool) of the tools the reply may call."""
+    out = [(k, t) for k, t in enumerate(tools) if name is None or _name(t) == name]
+    if name is not None and not out:
+        raise SchemaError(choice_path, f"no tool named {name!r} among '{tools_path}'")
+    return out
+
+
+def _name(tool: Mapping[str, Any]) -> str:
+    return str(tool["function"]["name"])
+
+
+def _call_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON of one call of ``tool``, as reply.py reads it: name, then arguments."""
+    params = tool["function"].get("parameters")
+    if params is None:
+        params = NO_PARAMETERS
+    if not isinstance(params, Mapping):
+        raise SchemaError("tools", f"the parameters of {_name(tool)!r} must be an object")
+    return {"type": "object",
+            "properties": {"name": {"const": _name(tool)},
+                           "arguments": _rebase(params, "/properties/arguments")},
+            "required": ["name", "arguments"]}
+
+
+def _rebase(node: Any, at: str) -> Any:
+    """``node`` with its local ``$ref``s pointing into it where it now sits (``at``)."""
+    if isinstance(node, Mapping):
+        return {k: (f"#{at}{v[1:]}" if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else _rebase(v, at)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rebase(v, at) for v in node]
+    return node
