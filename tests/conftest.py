@@ -12,9 +12,9 @@ MODELS = ROOT / "models"
 
 @pytest.fixture(scope="session")
 def gemma_path() -> Path:
-    from proxy.models import default_model_path
+    from proxy.models import gemma_model_path
 
-    return default_model_path()
+    return gemma_model_path()
 
 
 def _synth(name: str) -> Path:
