@@ -526,13 +526,13 @@ def json_format(fmt: object, param: str, *, nested: bool = True) -> Mapping[str,
         spec, where = (fmt.get("json_schema"), f"{param}.json_schema") if nested \
             else (fmt, param)
         if not isinstance(spec, dict):
-            raise ApiError(f"'{where}' must be an object with the 'schema'", where)
+            raise ApiError(f"'{where}' must be an object with the 'schema'", _top(param))
         schema = spec.get("schema", ANY_OBJECT)
         if not isinstance(schema, dict):
-            raise ApiError(f"'{where}.schema' must be an object (a JSON schema)",
-                           f"{where}.schema")
+            raise ApiError(f"'{where}.schema' must be an object (a JSON schema)", _top(param))
         return schema
-    raise ApiError(f"'{param}.type' must be 'text', 'json_object' or 'json_schema'", param)
+    raise ApiError(f"'{param}.type' must be 'text', 'json_object' or 'json_schema'",
+                   _top(param))
 
 
 def _refuse_completion_only(body: Mapping[str, Any]) -> None:

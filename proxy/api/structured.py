@@ -21,7 +21,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from proxy.api.reply import CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN
-from proxy.engine.grammar import SchemaError, SchemaPart, literal, schema_rules, text_without
+from proxy.engine.grammar import (
+    SchemaError,
+    SchemaPart,
+    check_schema,
+    literal,
+    schema_rules,
+    text_without,
+)
 
 REASONING = (THINK_OPEN, THINK_CLOSE)
 ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
@@ -56,6 +63,8 @@ def reply_grammar(*, json_schema: Mapping[str, Any] | None, json_path: str,
     callable_ = _callable(tools or (), name, tools_path, choice_path) if offered else []
     if json_schema is None and not forced and (parallel or not callable_):
         return ""
+    for k, t in callable_:  # checked where they sit, before they are wrapped in a call
+        check_schema(_parameters(t), f"{tools_path}[{k}].{params_key}")
     parts = [SchemaPart(_call_schema(t), f"{tools_path}[{k}].{params_key}",
                         f"call-{k}") for k, t in callable_]
     if json_schema is not None:
@@ -92,16 +101,20 @@ def _name(tool: Mapping[str, Any]) -> str:
     return str(tool["function"]["name"])
 
 
-def _call_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON of one call of ``tool``, as reply.py reads it: name, then arguments."""
+def _parameters(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     params = tool["function"].get("parameters")
     if params is None:
-        params = NO_PARAMETERS
+        return NO_PARAMETERS
     if not isinstance(params, Mapping):
         raise SchemaError("tools", f"the parameters of {_name(tool)!r} must be an object")
+    return params
+
+
+def _call_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON of one call of ``tool``, as reply.py reads it: name, then arguments."""
     return {"type": "object",
             "properties": {"name": {"const": _name(tool)},
-                           "arguments": _rebase(params, "/properties/arguments")},
+                           "arguments": _rebase(_parameters(tool), "/properties/arguments")},
             "required": ["name", "arguments"]}
 
 

@@ -223,7 +223,9 @@ class Sampler:
 
 def make_sampler(model: Model, params: SamplingParams, cfg: SamplingConfig,
                  prompt: np.ndarray) -> Sampler:
-    """The sampler of a request whose prompt is ``prompt``."""
+    """The sampler of a request whose prompt is ``prompt``; ValueError for a logit_bias
+    token the vocabulary lacks (llama.cpp would ignore it)."""
+    check_logit_bias(params, model.n_vocab)
     tail = model.detokenize(prompt[-TAIL_TOKENS:].tolist()) \
         if params.grammar and params.reasoning else ""
     spec = resolve(params, defaults(cfg, model.metadata), prompt_tail=tail)
