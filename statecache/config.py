@@ -75,6 +75,9 @@ class EngineConfig:
     decode_latency_factor: float = 2.0
     min_prefill_chunk: int = 16  # prefill progress per step, however busy decoding is
     idle_save_s: float = 2.0  # an idle lane's state is saved FULL after this long; 0: never
+    # After a step, wait up to this long for the event loop to hand its tokens to the
+    # clients before the next decode (the two would compete for the cores); 0: never.
+    handoff_wait_ms: float = 20.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -149,6 +152,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("engine.decode_latency_factor", 0, None),
     ("engine.min_prefill_chunk", 1, None),
     ("engine.idle_save_s", 0, None),
+    ("engine.handoff_wait_ms", 0, 1000),
     ("model.n_batch", 1, None),
     ("model.n_ubatch", 1, None),
     ("model.n_gpu_layers", -1, None),

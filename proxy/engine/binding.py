@@ -17,14 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# llama.cpp's CPU backend runs its threads under OpenMP, whose workers spin for a while
-# after each graph: in a server they take the cores that the event loop and the engine's
-# own Python need between two decodes. Passive waiting gives those cores back (set the
-# variable yourself to choose otherwise); it must be set before the library loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import llama_cpp as _ll  # noqa: E402
-import numpy as np  # noqa: E402
+import llama_cpp as _ll
+import numpy as np
 
 from proxy.engine.vocab import VocabFacts, other_facts, spm_facts
 

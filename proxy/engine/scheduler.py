@@ -38,7 +38,7 @@ import numpy as np
 
 from proxy.engine.binding import Context, ContextParams, Model
 from proxy.engine.executor import Executor, Job, Work
-from proxy.engine.outbox import Outbox
+from proxy.engine.outbox import Handoff, Outbox
 from proxy.engine.sizing import choose_n_ctx, state_format
 from proxy.engine.splice import ReplyMemory
 from proxy.engine.steps import StepTimer, plan_step
@@ -96,6 +96,8 @@ class Engine:
             self.model, self.counters,
             ReplyMemory(size=8 * lanes) if cfg.cache.splice_generated else None)
         self.timer = StepTimer()
+        self.handoff = Handoff()
+        self.handoff_wait_s = ec.handoff_wait_ms / 1000
         self.model_name = model_path.name
         self.chat_template = self.model.chat_template()
         self.bos_token = self.model.token_text(self.model.bos) if self.model.bos >= 0 else ""
@@ -131,7 +133,7 @@ class Engine:
         job = Job(req=req, prompt=np.asarray(req.prompt_tokens, dtype=np.int32),
                   use_cache=self.pool is not None and req.use_cache,
                   t_submit=time.perf_counter())
-        box = Outbox(asyncio.get_running_loop())
+        box = Outbox(asyncio.get_running_loop(), self.handoff)
         with self._cv:
             if self._dead is not None:
                 raise EngineDead(f"the engine stopped: {self._dead}")
@@ -154,6 +156,7 @@ class Engine:
                         done = True
                         return
         finally:
+            box.close()
             if not done:
                 job.cancelled = True  # the engine stops it at its next step, queued or not
                 with self._cv:
@@ -414,6 +417,8 @@ class Engine:
                     c["steps_multi_lane"] += 1
         for job, box in active:
             self._dispatch(job, box)
+        if works and self.handoff_wait_s:
+            self.handoff.wait(self.handoff_wait_s)
 
     def _plan_step(self, jobs: list[Job]) -> list[Work]:
         ec = self.cfg.engine
