@@ -75,7 +75,7 @@ class Profile:
 
 
 def _gemma() -> Path:
-    out = subprocess.run([sys.executable, "-m", "proxy.models", "default"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "proxy.models", "gemma"], cwd=ROOT,
                          check=True, capture_output=True, text=True)
     return Path(out.stdout.strip().splitlines()[-1])
 
