@@ -51,7 +51,7 @@ class VolatileRule:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
-    lanes: int = 2
+    lanes: int = 4  # one batch per step makes concurrent lanes cheap (README, "One batch per step")
     queue_size: int = 16
     request_timeout: float = 600.0
     max_tokens_default: int = 512
