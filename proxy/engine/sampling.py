@@ -155,7 +155,7 @@ def resolve(params: SamplingParams, base: Mapping[str, float | int], *,
 
 
 def build_chain(model: Model, spec: ChainSpec) -> SamplerChain:
-    chain = SamplerChain(model)
+    chain = SamplerChain(model, spec.grammar, spec.grammar_root)
     try:
         seed = DEFAULT_SEED if spec.seed is None else spec.seed % DEFAULT_SEED
         if spec.logit_bias:
@@ -170,8 +170,6 @@ def build_chain(model: Model, spec: ChainSpec) -> SamplerChain:
             chain.greedy()
         else:
             _add_filters(chain, spec, seed)
-        if spec.grammar:
-            chain.grammar(spec.grammar, spec.grammar_root)
     except BaseException:
         chain.close()
         raise

@@ -141,9 +141,8 @@ def walk(model: Model, chain: SamplerChain, text: str) -> bool:
 
 def grammar_chain(model: Model, params: SamplingParams, prompt_tail: str = "") -> SamplerChain:
     spec = resolve(params, defaults(SamplingConfig(), {}), prompt_tail=prompt_tail)
-    chain = SamplerChain(model)
+    chain = SamplerChain(model, spec.grammar, spec.grammar_root)
     chain.greedy()
-    chain.grammar(spec.grammar, spec.grammar_root)
     return chain
 
 
@@ -225,6 +224,66 @@ def test_one_call_at_most_when_parallel_calls_are_off(hybrid: Model) -> None:
     assert walk(hybrid, grammar_chain(hybrid, params), "Let me look.\n" + call)
     assert not walk(hybrid, grammar_chain(hybrid, params), call + "\n" + call)
     assert not walk(hybrid, grammar_chain(hybrid, params), call + " and more text")
+
+
+SMALL = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+    "required": ["name", "n", "tags"]}
+
+
+@pytest.mark.parametrize("fields", [
+    {"temperature": 0.0},  # greedy: the likeliest allowed token
+    {},  # the defaults: top-k, top-p, min-p keep a few candidates
+    {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0},  # the whole vocabulary
+    {"xtc_probability": 1.0, "xtc_threshold": 0.01},  # XTC moves the candidates' start
+    {"presence_penalty": 1.0, "dry_multiplier": 0.8, "typical_p": 0.9},
+], ids=["greedy", "defaults", "full", "xtc", "penalties"])
+def test_every_chain_keeps_to_the_grammar(hybrid: Model, fields: dict[str, Any]) -> None:
+    import json
+
+    import jsonschema
+
+    req = parse_chat_request({"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema",
+                                                  "json_schema": {"schema": SMALL}}})
+    for seed in (1, 2):
+        params = dataclasses.replace(req.sampling.to_params(400), seed=seed, **fields)
+        toks = generate(hybrid, resolve(params, defaults(SamplingConfig(), {})), 400)
+        jsonschema.validate(json.loads(hybrid.detokenize(toks)), SMALL)
+
+
+@pytest.mark.parametrize("fields", [{"temperature": 0.0}, {"temperature": 1.5},
+                                    {"top_k": 0, "temperature": 1.5}],
+                         ids=["greedy", "top-k", "min-p"])
+def test_checking_the_likeliest_candidates_first_changes_nothing(
+        hybrid: Model, fields: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the grammar rejects the chain's token, it runs over the likeliest candidates
+    first (CHUNKS) and over the whole vocabulary only when those do not settle it: the
+    tokens are those of the whole-vocabulary pass (llama-server's), draw for draw. The
+    chunks are shrunk to fit this model's small vocabulary."""
+    req = parse_chat_request({"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema",
+                                                  "json_schema": {"schema": SMALL}}})
+    settled = 0
+    new = SamplerChain.__init__
+
+    def counting(self: SamplerChain, *args: Any) -> None:
+        new(self, *args)
+        chains.append(self)
+
+    monkeypatch.setattr(SamplerChain, "__init__", counting)
+    for seed in (4, 5, 6):
+        runs = []
+        for chunks in ((16, 128), ()):
+            chains: list[SamplerChain] = []
+            monkeypatch.setattr(SamplerChain, "CHUNKS", chunks)
+            spec = resolve(dataclasses.replace(req.sampling.to_params(200), seed=seed, **fields),
+                           defaults(SamplingConfig(), {}))
+            runs.append(generate(hybrid, spec, 200))
+            settled += sum(c.settled_early for c in chains)
+        assert runs[0] == runs[1] and len(runs[0]) > 10
+    assert settled > 5  # the shortcut was taken
 
 
 def test_json_grammar_on_gemmas_vocabulary(gemma_path: Path) -> None:
