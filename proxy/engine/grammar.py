@@ -27,6 +27,7 @@ ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema
 TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 MAX_REPEAT = 512  # maxLength / maxItems: the converter nests one group per allowed item
 MAX_GRAMMAR_BYTES = 256 * 1024
+MAX_SCHEMA_VALUES = 20_000  # JSON values in a request's schemas: converted on the event loop
 
 
 class SchemaError(ValueError):
@@ -97,9 +98,14 @@ def schema_rules(parts: Sequence[SchemaPart], *, prop_order: Sequence[str] = ()
     """The rule matching each part's schema, and the grammar text of all of them (one
     converter, so rules the parts share are written once). SchemaError names the part
     that cannot be enforced."""
+    values = 0
     for part in parts:
         if not isinstance(part.schema, Mapping):
             raise SchemaError(part.path, "a JSON schema must be an object")
+        values += _values(part.schema)
+        if values > MAX_SCHEMA_VALUES:
+            raise SchemaError(part.path, f"the schemas hold more than {MAX_SCHEMA_VALUES:,} "
+                              "JSON values")
         check_schema(part.schema, part.path)
     rules = SchemaRules(prop_order)
     names: list[str] = []
@@ -168,6 +174,19 @@ def _resolve(root: Mapping[str, Any], ref: str, path: str) -> Any:
         else:
             raise SchemaError(path, f"the reference {ref!r} points to nothing")
     return node
+
+
+def _values(node: object) -> int:
+    """JSON values in ``node``, itself included."""
+    n, stack = 0, [node]
+    while stack:
+        v = stack.pop()
+        n += 1
+        if isinstance(v, Mapping):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return n
 
 
 def _short(e: BaseException) -> str:

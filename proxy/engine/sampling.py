@@ -209,6 +209,12 @@ class Sampler:
             for tok in prompt[max(len(prompt) - min(n, MAX_HISTORY), 0):].tolist():
                 self.chain.accept(tok)  # the penalties see the prompt, as llama-server's do
 
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar constrains the reply: a drafted token would have to pass it
+        too, so speculative decoding should draft nothing for this request."""
+        return bool(self.spec.grammar)
+
     def sample(self, ctx: Context, row: int) -> int:
         if self.chain is None:
             return int(np.argmax(ctx.logits_view(row)))  # no copy of the vocabulary

@@ -199,6 +199,8 @@ def test_forced_tool_grammar_offers_only_the_named_tool() -> None:
     ({"$ref": "#/$defs/missing"}, "schema'", "points to nothing"),
     ({"type": "object", "properties": {"a": True}}, "schema.properties.a'", "true/false"),
     ({"anyOf": [{"type": "string"}], "properties": {}}, "schema'", "'anyOf'"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(12_000)}},
+     "schema'", "more than 20,000 JSON values"),
 ])
 def test_schemas_the_grammar_cannot_enforce_name_the_part(schema: dict[str, Any], where: str,
                                                           words: str) -> None:
