@@ -9,8 +9,13 @@ The chain follows llama-server's order: logit bias, penalties (repeat, frequency
 presence), DRY, top-k, typical, top-p, min-p, XTC, temperature, then a seeded draw.
 Greedy (temperature 0 or top-k 1) keeps only what changes the argmax (bias, penalties,
 DRY) and ends in ``greedy``; with none of those it takes the exact argmax of the logits
-without a chain. The grammar, if any, belongs to this request's chain: cached model
-state never holds it, so constrained requests reuse cached prefixes like any other.
+without a chain. The penalties and DRY also see the prompt's last tokens (as
+llama-server's do). A request's ``seed`` seeds the draw and XTC (modulo 2^32 - 1); none
+is a random seed.
+
+The grammar, if any, belongs to this request's chain: cached model state never holds
+it, so constrained requests reuse cached prefixes like any other. Speculative decoding
+is to draft nothing for them (``Sampler.constrained``).
 """
 
 from __future__ import annotations
