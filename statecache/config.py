@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class ModelConfig:
-    path: str = ""  # empty: the bundled Gemma 3 270M
+    path: str = ""  # empty: the bundled SmolLM2-135M-Instruct
     draft_path: str = ""
     n_ctx: int = 0  # tokens per lane; 0: chosen from the training context and kv_budget
     kv_budget: int = field(default=4 << 30, metadata=_SIZE)  # for n_ctx = 0: KV of all lanes

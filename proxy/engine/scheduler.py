@@ -39,6 +39,7 @@ import numpy as np
 from proxy.engine.binding import Context, ContextParams, Model
 from proxy.engine.executor import Executor, Job, Work
 from proxy.engine.outbox import Handoff, Outbox
+from proxy.engine.sampling import check_logit_bias
 from proxy.engine.sizing import choose_n_ctx, state_format
 from proxy.engine.splice import ReplyMemory
 from proxy.engine.steps import StepTimer, plan_step
@@ -130,6 +131,7 @@ class Engine:
             raise ValueError(
                 f"this model's context is {self.n_ctx} tokens per lane; the prompt has {n} "
                 f"and max_tokens is {req.sampling.max_tokens}")
+        check_logit_bias(req.sampling, self.model.n_vocab)  # before any lane is touched
         job = Job(req=req, prompt=np.asarray(req.prompt_tokens, dtype=np.int32),
                   use_cache=self.pool is not None and req.use_cache,
                   t_submit=time.perf_counter())
