@@ -11,10 +11,10 @@ from proxy.engine.types import Event, TokenEvent
 
 class Handoff:
     """Lets the engine wait, briefly, until the event loop has handled what a step
-    produced, so the loop's work per token does not run beside the next decode: on a
-    machine with as many compute threads as cores, a thread that the loop pushes off a
-    core stalls every barrier of the decode (measured: one stream through the proxy
-    at 0.46x the binding's rate without this)."""
+    produced, so the loop's work per token does not run beside the next decode (with as
+    many compute threads as cores, a thread the loop pushes off a core stalls every
+    barrier of the decode). Off by default (``engine.handoff_wait_ms = 0``): on
+    hybrid-mid one stream went from 125 to 102 tokens/s with a 20 ms wait."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
