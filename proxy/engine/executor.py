@@ -198,16 +198,11 @@ class Executor:
     def ensure_full(self, job: Job) -> None:
         """Save the job's lane in FULL now (it holds a prefix another request waits for),
         unless the pool has that state already."""
-        lane = job.lane
-        assert lane is not None and self.pool is not None
-        chain = self.pool.chain(lane.tokens, job.req.tenant)
-        lease = self.pool.lookup(lane.tokens, chain, kind=Kind.FULL, max_n=lane.n,
-                                 tenant=job.req.tenant)
-        if lease is not None:
-            lease.close()
-            if lease.record.n == lane.n:
-                return
-        self._publish(job, Role.BRANCH, Kind.FULL)
+        assert job.lane is not None and self.pool is not None
+        # the lane holds the first job.pos tokens of the prompt (it is prefilling)
+        chain = self.pool.chain(job.prompt, job.req.tenant)
+        if not self._pool_has_full(job, chain, job.lane.n):
+            self._publish(job, Role.BRANCH, Kind.FULL)
 
     def _first_turn_end(self, job: Job) -> int:
         """Tokens of the prompt's first turn, up to its first end-of-turn token (0: none)."""

@@ -279,7 +279,7 @@ class Engine:
 
     def _choose_admissions(self) -> list[tuple[Job, Outbox]]:
         """Which waiting requests start now (called with the lock held)."""
-        free = [ln for ln in self.exec.lanes.free()]
+        free = self.exec.lanes.free()
         if self._stopping:
             return []
         out: list[tuple[Job, Outbox]] = []
@@ -359,7 +359,6 @@ class Engine:
                 finally:
                     job.lane.busy = False
             box.put(exc)
-            self._release_sharers(job)
             return
         with self._cv:
             self._active.append((job, box))
@@ -369,12 +368,6 @@ class Engine:
             cached += f" ({s.role}, {s.source})"
         log.info("Started · lane %d · input %s · cached %s", s.lane, f"{len(job.prompt):,}",
                  cached)
-
-    def _release_sharers(self, job: Job) -> None:
-        with self._cv:
-            for o, _ in self._waiting:
-                if o.waiting_for is job:
-                    o.waiting_for = None
 
     def _save_an_idle_lane(self, idle_s: float) -> None:
         if not idle_s or self.pool is None:
@@ -443,7 +436,6 @@ class Engine:
             log.exception("finishing request %s failed", job.req.request_id)
         with self._cv:
             self._active.remove((job, box))
-        self._release_sharers(job)
         if job.finish_reason in ("stop", "length"):
             self.tokenizer.remember_reply(job.req.tenant, job.generated)
         self._account(job, box)
