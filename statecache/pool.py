@@ -367,14 +367,17 @@ class CheckpointPool:
         self._counts["refreshes"] += 1
         return entry.record
 
-    def drop_lane(self, lane: int, above: int = -1) -> int:
-        """Forget the partial checkpoints of ``lane`` past position ``above`` (its KV changed).
+    def drop_lane(self, lane: int, above: int = -1, owner: Owner | None = None) -> int:
+        """Forget the partial checkpoints of ``lane`` past position ``above`` (its KV changed),
+        of one ``owner`` (target or draft context) or, by default, of both.
 
         After the lane is cut back to ``above`` tokens, partial states at or below it
         still match its KV; ``above=-1`` forgets them all.
         """
         with self._lock:
-            ids = [i for i in self._by_lane.get(lane, ()) if self._entries[i].record.n > above]
+            ids = [i for i in self._by_lane.get(lane, ())
+                   if self._entries[i].record.n > above
+                   and (owner is None or self._entries[i].record.owner is owner)]
             for entry_id in ids:
                 self._remove(entry_id)
             return len(ids)
