@@ -82,6 +82,25 @@ class EngineConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class RemoteConfig:
+    """``[cache.remote]``: the shared tier on Redis or Valkey (off while ``url`` is empty)."""
+
+    # redis://, rediss://, valkey://, valkeys:// or unix:// (host, port, db, password)
+    url: str = field(default="", repr=False)
+    cluster: bool = False  # the URL names one node of a Redis/Valkey cluster
+    prefix: str = "statecache"  # every key starts with "<prefix>:"
+    ttl: float = 7 * 86400.0  # seconds an entry lives after it was written or last used; 0: forever
+    chunk_size: int = field(default=4 << 20, metadata=_SIZE)  # bytes per stored value
+    max_entry: int = field(default=4 << 30, metadata=_SIZE)  # larger states are not shared
+    queue_bytes: int = field(default=1 << 30, metadata=_SIZE)  # writes waiting; oldest dropped
+    timeout: float = 2.0  # seconds for one command (connect: a tenth, at least 0.1)
+    retry_s: float = 5.0  # after a failure, the store is tried again this much later
+    # The key that signs shared entries; every proxy sharing the store needs a copy.
+    # Empty: cache.secret_path (the disk tier's key).
+    secret_path: str = ""
+
+
+@dataclass(slots=True, frozen=True)
 class CacheConfig:
     enabled: bool = True
     page_size: int = 32
@@ -95,6 +114,7 @@ class CacheConfig:
     periodic_pages: int = 64
     splice_generated: bool = False
     tenant: str = ""
+    remote: RemoteConfig = field(default_factory=RemoteConfig)  # [cache.remote]
 
 
 @dataclass(slots=True, frozen=True)
@@ -202,6 +222,8 @@ def _convert(key: str, f: dataclasses.Field[Any], value: object) -> object:
     kind = f.type if isinstance(f.type, str) else f.type.__name__
     if kind == "tuple[VolatileRule, ...]":
         return _volatile_rules(key, value)
+    if kind == "RemoteConfig":
+        return _remote(key, value)
     if kind == "dict[str, str]":
         if not isinstance(value, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
@@ -242,6 +264,37 @@ def _volatile_rule(key: str, value: object) -> VolatileRule:
     return rule
 
 
+_REMOTE_RANGES = (("ttl", 0.0), ("chunk_size", 4096), ("max_entry", 1), ("queue_bytes", 0),
+                  ("timeout", 0.01), ("retry_s", 0.0))
+_REMOTE_SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://", "unix://")
+
+
+def _remote(key: str, value: object) -> RemoteConfig:
+    """The ``[cache.remote]`` table: keys checked like a section's, paths expanded."""
+    if isinstance(value, RemoteConfig):
+        return value
+    valid = [f.name for f in dataclasses.fields(RemoteConfig)]
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}: expected a table ([{key}]), got {value!r}")
+    values: dict[str, object] = {}
+    for f in dataclasses.fields(RemoteConfig):
+        if f.name in value:
+            values[f.name] = _convert(f"{key}.{f.name}", f, value[f.name])
+    for k in value:
+        if k not in valid:
+            raise ConfigError(f"unknown key {key}.{k}; valid keys: {', '.join(valid)}")
+    rc = RemoteConfig(**values)  # type: ignore[arg-type]
+    for name, lo in _REMOTE_RANGES:
+        if getattr(rc, name) < lo:
+            raise ConfigError(f"{key}.{name}: must be >= {lo}, got {getattr(rc, name)}")
+    if rc.url and not rc.url.startswith(_REMOTE_SCHEMES):
+        raise ConfigError(f"{key}.url: expected one of {', '.join(_REMOTE_SCHEMES)}, got "
+                          f"{rc.url.split('@')[-1]!r}")
+    if rc.secret_path:
+        rc = dataclasses.replace(rc, secret_path=str(Path(rc.secret_path).expanduser()))
+    return rc
+
+
 def _volatile_rules(key: str, value: object) -> tuple[VolatileRule, ...]:
     if not isinstance(value, list | tuple):
         raise ConfigError(f"{key}: expected an array of tables ([[{key}]]), got {value!r}")
@@ -266,6 +319,9 @@ def _merge(raw: dict[str, dict[str, object]], data: Mapping[str, object], source
                 raise ConfigError(
                     f"{source}: unknown key {section}.{key}; valid keys: {', '.join(valid)}"
                 )
+            old = raw[section].get(key)
+            if isinstance(old, Mapping) and isinstance(value, Mapping):  # nested: key by key
+                value = {**old, **value}
             raw[section][key] = value
 
 
@@ -275,7 +331,14 @@ def _split_overrides(overrides: Mapping[str, object]) -> dict[str, dict[str, obj
         section, sep, key = dotted.partition(".")
         if not sep or not key:
             raise ConfigError(f"override {dotted!r}: expected section.key")
-        out.setdefault(section, {})[key] = value
+        head, dot, tail = key.partition(".")
+        if dot:  # cache.remote.url: a key of a nested table
+            table = out.setdefault(section, {}).setdefault(head, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"override {dotted!r}: {section}.{head} is not a table")
+            table[tail] = value
+        else:
+            out.setdefault(section, {})[key] = value
     return out
 
 

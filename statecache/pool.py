@@ -11,6 +11,12 @@ event loop: disk reads, MAC checks, writes and fsyncs happen with the entry pinn
 the lock released, then the result is published under the lock again. FULL states are
 written in the background as they arrive (``statecache.writer``), so a crash loses
 seconds of checkpoints; ``close`` writes the rest.
+
+With ``[cache.remote]`` a third tier, shared by several proxies, sits behind the two
+(``statecache.remote``): new FULL states go out to it in the background, and
+``full_offers`` / ``take`` let the planner weigh each tier's copy by what it costs
+to fetch (``statecache.costs``) before anything is read. A state taken from the
+store joins the RAM tier as an entry of this pool, never sent back.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from statecache.config import CacheConfig
+from statecache.costs import Costs
 from statecache.dirlock import DirLock
 from statecache.disk import DiskTier
 from statecache.diskfmt import BadFile, file_name, valid_id
@@ -42,7 +50,9 @@ from statecache.records import (
     Role,
     new_record,
 )
+from statecache.remote import RemoteHit, RemoteTier
 from statecache.sizes import format_size
+from statecache.trust import Untrusted, load_key
 from statecache.writer import WriteJob, Writer
 
 log = logging.getLogger(__name__)
@@ -64,6 +74,16 @@ _COUNTERS = (
     "disk_writes",
     "disk_write_errors",
 )
+
+
+@dataclass(slots=True, frozen=True)
+class Offer:
+    """A FULL state the pool could start a prompt from, not read yet."""
+
+    tier: str  # ram | disk | remote
+    n: int
+    nbytes: int
+    hit: RemoteHit | None = None  # for the remote tier
 
 
 @dataclass(slots=True, eq=False)
@@ -109,6 +129,25 @@ class CheckpointPool:
         self.disk_status = "disabled in the config"
         if cfg.disk_enabled:
             self._open_disk()
+        self.costs = Costs()
+        self._remote: RemoteTier | None = None
+        self.remote_status = "off"
+        if cfg.remote.url:
+            self._open_remote()
+
+    def _open_remote(self) -> None:
+        rc = self.cfg.remote
+        key_path = Path(rc.secret_path or self.cfg.secret_path).expanduser()
+        try:
+            key = load_key(key_path)
+        except (Untrusted, OSError) as e:
+            self.remote_status = f"off: its key {key_path}: {e}"
+            log.warning("pool: the remote tier is off: %s", self.remote_status)
+            return
+        self._remote = RemoteTier(rc, key, self.fingerprint, state_format=self.state_format,
+                                  page_size=self.page_size)
+        self._remote.ping()
+        self.remote_status = self._remote.status
 
     def _open_disk(self) -> None:
         opened = open_disk(
@@ -223,8 +262,10 @@ class CheckpointPool:
         """Read and verify without the lock (the file is pinned), then publish under it."""
         bad: str | None = None
         moved = False
+        t0 = time.perf_counter()
         try:
             data = disk.read_file(rec)
+            self.costs.note_read("disk", rec.nbytes, time.perf_counter() - t0)
         except BadFile as e:
             bad = str(e)
             moved = disk.quarantine_file(rec.id, bad)
@@ -269,6 +310,63 @@ class CheckpointPool:
             with self._cond:
                 self._ram.unpin(pin)
                 self._cond.notify_all()
+
+    def full_offers(
+        self, tokens: Tokens, chain: PageChain, *, max_n: int, tenant: str = ""
+    ) -> list[Offer]:
+        """FULL states usable for ``tokens`` with ``n <= max_n``, nothing read: the
+        deepest in memory, a deeper one on disk, deeper ones in the shared store (one
+        round trip to its index). ``take`` reads the one the planner picks."""
+        if chain.namespace != self.namespace(tenant) or chain.page_size != self.page_size:
+            raise ValueError("chain was built for another tenant or page size")
+        limit = min(max_n, len(chain))
+        offers: list[Offer] = []
+        with self._lock:
+            for rec in self._index.candidates(chain, kind=Kind.FULL, owner=Owner.TARGET,
+                                              lane=None, max_n=limit):
+                tier = "ram" if self._in_memory(rec.id) else "disk"
+                if not offers or (tier == "ram" and rec.n == offers[-1].n):
+                    offers.append(Offer(tier, rec.n, rec.nbytes))
+                if tier == "ram":
+                    break  # anything shallower than a copy in memory costs more
+            remote = self._remote
+        deepest = max((o.n for o in offers), default=0)
+        if remote is not None and limit > deepest:
+            offers += [Offer("remote", h.n, h.nbytes, h)
+                       for h in remote.probe(chain, min_n=deepest, max_n=limit)]
+        return offers
+
+    def take(
+        self, offer: Offer, tokens: Tokens, chain: PageChain, *, tenant: str = ""
+    ) -> Lease | None:
+        """Read ``offer`` (checked as any lookup is); None when it is gone or refused.
+
+        A local offer gives the deepest local state at or below its ``n`` (so a copy
+        evicted since is replaced by what is there now)."""
+        if offer.hit is None:
+            return self.lookup(tokens, chain, kind=Kind.FULL, max_n=offer.n, tenant=tenant)
+        remote = self._remote
+        if remote is None:
+            return None
+        t0 = time.perf_counter()
+        got = remote.fetch(offer.hit, as_tokens(tokens), tenant or self.cfg.tenant)
+        if got is None:
+            with self._lock:
+                self._counts["remote_misses"] += 1
+            return None
+        rec, data = got
+        self.costs.note_read("remote", rec.nbytes, time.perf_counter() - t0)
+        blob = bytes(data)
+        with self._lock:
+            self._counts["hits_remote"] += 1
+            entry = self._entries.get(rec.id)
+            if entry is None:  # joins RAM as this pool's own entry (never sent back)
+                entry = _Entry(rec, EntryStats(last_used=self._clock(), hits=1))
+                if self._ram.put(rec.id, blob, rec.nbytes + rec.token_bytes, entry.cls):
+                    self._add(entry)
+                    self._queue_write(entry)
+                    return Lease(self, rec, "remote", blob, self._ram.pin(rec.id))
+        return Lease(self, rec, "remote", blob, None)
 
     # -- changes -----------------------------------------------------------------------
 
@@ -317,6 +415,7 @@ class CheckpointPool:
                     self._add(entry)
                     self._counts["inserts"] += 1
                     self._queue_write(entry)
+                    self._share(rec, blob)
                     return rec
                 left = deadline - time.monotonic()
                 if not (self._spilling and self._writer.running and left > 0):
@@ -335,7 +434,12 @@ class CheckpointPool:
                         "" if self._disk is None else " and the disk took none",
                     )
                 return None
+        self._share(rec, blob)
         return rec if self._run_write(job) else None
+
+    def _share(self, rec: CheckpointRecord, blob: bytes) -> None:
+        if self._remote is not None and rec.kind is Kind.FULL and rec.owner is Owner.TARGET:
+            self._remote.put(rec, blob)
 
     def _claim_direct(self, entry: _Entry, blob: bytes) -> WriteJob | None:
         rec = entry.record
@@ -428,6 +532,10 @@ class CheckpointPool:
         A second call (or one racing the first) waits for the first and loses nothing.
         """
         with self._close_lock:
+            if self._remote is not None:
+                self._remote.close()
+                self._remote = None
+                self.remote_status = "closed"
             self._writer.stop()
             self.flush()
             with self._cond:
@@ -656,6 +764,14 @@ class CheckpointPool:
             }
             for key in _COUNTERS:
                 out[key] = self._counts[key]
+            out["hits_remote"] = self._counts["hits_remote"]
+            out["remote_misses"] = self._counts["remote_misses"]
+            remote = self._remote
+        if remote is not None:
+            out.update(remote.stats())
+        for key, value in self.costs.measured().items():
+            out[key] = round(value)
+        with self._lock:
             for role in Role:
                 key = "hits_role_" + role.value.replace("-", "_")
                 out[key] = self._counts[key]

@@ -9,10 +9,15 @@ Pure decisions over lanes and the pool; the engine carries them out. The rules:
   SWA lane can while its cells reach back a window (never below a restored full
   state's own position, fact 8); a recurrent or hybrid lane only by restoring one of
   its partial checkpoints and then removing the tail (fact 7, in that order).
-- Otherwise a full checkpoint from the pool (RAM first, then disk) goes into an
-  empty free lane, else the session's own lane, else the least recently used one;
-  else that lane starts cold.
-- The longest reuse wins; at equal length a live lane beats RAM beats disk.
+- Otherwise a full checkpoint from the pool (RAM, disk, or the shared store of
+  ``[cache.remote]``) goes into an empty free lane, else the session's own lane,
+  else the least recently used one; else that lane starts cold.
+- Each option costs its fetch plus the prefill of the tokens after it
+  (``statecache.costs``: measured read bandwidth per tier, measured prefill rate);
+  the cheapest wins. A RAM copy and a live lane fetch nothing, so among them the
+  longest reuse wins; a disk or remote copy is read only when fetching it is cheaper
+  than prefilling the tokens it saves. At equal cost a live lane beats RAM beats disk
+  beats the store. The plan's ``estimate`` says what was chosen and why.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import numpy as np
 
 from proxy.engine.binding import MemoryInfo, MemoryKind
 from proxy.engine.lanes import Lane
+from statecache.costs import Costs, Estimate
 from statecache.lease import Lease
 from statecache.pages import PageChain
-from statecache.pool import CheckpointPool
+from statecache.pool import CheckpointPool, Offer
 from statecache.records import Kind, Role
 
 
@@ -36,6 +42,7 @@ class Source(enum.Enum):
     LANE = "lane"
     RAM = "ram"
     DISK = "disk"
+    REMOTE = "remote"
 
 
 @dataclass(slots=True)
@@ -49,6 +56,7 @@ class Plan:
     role: str = ""  # role of the checkpoint used
     publish: list[tuple[int, Role]] = field(default_factory=list)
     match_depth: int = 0  # deepest prefix shared with anything cached
+    estimate: str = ""  # the cost estimate behind a restore (for the Started line)
 
     def release(self) -> None:
         for lease in (self.partial, self.full):
@@ -116,24 +124,50 @@ def make_plan(
         elif option is not None:
             option.release()
     if pool is not None and chain is not None and limit > (best.reuse if best else 0):
-        lease = pool.lookup(prompt, chain, kind=Kind.FULL, max_n=limit, tenant=tenant)
-        if lease is not None and lease.record.n > (best.reuse if best else 0):
+        have = best.reuse if best else 0
+        offers = [o for o in pool.full_offers(prompt, chain, max_n=limit, tenant=tenant)
+                  if o.n > have]
+        current = pool.costs.estimate(best.source.value if best else "cold", have, 0,
+                                      len(prompt))
+        for est, offer in rank(offers, pool.costs, len(prompt)):
+            if est.total_s >= current.total_s:
+                break  # prefilling what this one saves is cheaper than fetching it
+            lease = pool.take(offer, prompt, chain, tenant=tenant)
+            if lease is None:
+                continue  # gone, or refused by its checks: the next option
+            if lease.record.n <= have:
+                lease.close()
+                continue
             if best is not None:
                 best.release()
             # an empty lane keeps every live state; else the session's own lane (its
             # state is stale anyway), else the least recently used
             target = max(free, key=lambda ln: (ln.n == 0, ln.common(prompt, tenant),
                                                -ln.last_used))
-            source = Source.RAM if lease.tier == "ram" else Source.DISK
-            best = Plan(target, source, lease.record.n, full=lease,
-                        role=lease.record.role.value)
-        elif lease is not None:
-            lease.close()
+            got = pool.costs.estimate(lease.tier, lease.record.n, lease.record.nbytes,
+                                      len(prompt))
+            best = Plan(target, Source(lease.tier), lease.record.n, full=lease,
+                        role=lease.record.role.value,
+                        estimate=got.describe(pool.costs.estimate("cold", 0, 0,
+                                                                  len(prompt)).total_s))
+            break
     if best is None:
         best = Plan(min(free, key=lambda ln: ln.last_used), Source.COLD, 0)
+    if pool is not None:  # read by the engine for its Started line
+        pool.costs.last = (len(prompt), best.reuse, best.estimate)
     others = all_lanes or free
     best.match_depth = max([best.reuse] + [min(ln.common(prompt, tenant), limit) for ln in others])
     return best
+
+
+_ORDER = {"ram": 0, "disk": 1, "remote": 2}
+
+
+def rank(offers: Sequence[Offer], costs: Costs, prompt: int) -> list[tuple[Estimate, Offer]]:
+    """Offers by estimated time to the first token, cheapest first (ties: nearer tier)."""
+    ranked = [(costs.estimate(o.tier, o.n, o.nbytes, prompt), o) for o in offers]
+    ranked.sort(key=lambda eo: (eo[0].total_s, _ORDER.get(eo[1].tier, 3), -eo[1].n))
+    return ranked
 
 
 def publish_points(

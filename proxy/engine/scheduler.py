@@ -118,8 +118,9 @@ class Engine:
                  self.memory.kind.value, self.model.fingerprint[:12], lanes,
                  f"{self.n_ctx:,}", why, step)
         if self.pool is not None:
-            log.info("checkpoints: RAM %s, disk tier %s", format_size(cfg.cache.ram_budget),
-                     self.pool.disk_status)
+            log.info("checkpoints: RAM %s, disk tier %s, remote tier %s",
+                     format_size(cfg.cache.ram_budget), self.pool.disk_status,
+                     self.pool.remote_status)
 
     # -- the HTTP side ----------------------------------------------------------------
 
@@ -366,6 +367,9 @@ class Engine:
         cached = f"{job.reuse:,}"
         if s.source != "cold":
             cached += f" ({s.role}, {s.source})"
+        last = self.pool.costs.last if self.pool is not None else None
+        if last is not None and last[:2] == (len(job.prompt), job.reuse) and last[2]:
+            cached += f" · {last[2]}"  # why the planner fetched it (planner.py)
         log.info("Started · lane %d · input %s · cached %s", s.lane, f"{len(job.prompt):,}",
                  cached)
 
@@ -403,7 +407,10 @@ class Engine:
                     w.job.error = exc
                     w.job.finish_reason = "error"
             else:
-                self.timer.record(time.perf_counter() - t0, n_decode, n_tokens - n_decode)
+                dt = time.perf_counter() - t0
+                self.timer.record(dt, n_decode, n_tokens - n_decode)
+                if self.pool is not None and not n_decode:  # the planner's prefill rate
+                    self.pool.costs.note_prefill(n_tokens, dt)
                 c = self.counters
                 c["steps"] += 1
                 c["step_tokens"] += n_tokens

@@ -1,0 +1,87 @@
+"""What reaching a prefix costs: measured read bandwidth per tier, measured prefill rate.
+
+The planner restores a checkpoint from disk or from the shared store only when
+fetching it is cheaper than prefilling the tokens it saves: a GPU prefills 2,000
+tokens faster than it reads 4 GB. Rates start from priors and follow measurements
+(an exponentially weighted mean, so a machine that gets busier is followed).
+Thread-safe: the engine thread reads, the pool's readers and the engine write.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+# Priors, used until something is measured: a prefill slower than most machines, so
+# that a restore is tried and measured rather than never tried.
+PRIOR_PREFILL_TPS = 1_000.0
+PRIOR_BANDWIDTH = {"disk": 1e9, "remote": 2e8}  # bytes/s: read and checked
+RESTORE_BPS = 6e9  # set_data into the context (DESIGN.md fact 4), for every tier
+_WEIGHT = 0.3  # of a new measurement
+
+
+@dataclass(slots=True, frozen=True)
+class Estimate:
+    """One option: start from ``n`` tokens of ``source``, fetched in ``fetch_s``."""
+
+    source: str  # cold | lane | ram | disk | remote
+    n: int
+    fetch_s: float
+    prefill_s: float  # the prompt's tokens after n
+
+    @property
+    def total_s(self) -> float:
+        return self.fetch_s + self.prefill_s
+
+    def describe(self, cold_s: float) -> str:
+        ms = 1000.0
+        return (f"est. {self.source} {self.fetch_s * ms:,.0f} ms + prefill "
+                f"{self.prefill_s * ms:,.0f} ms vs cold {cold_s * ms:,.0f} ms")
+
+
+class Costs:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tps: float | None = None
+        self._bw: dict[str, float] = {}
+        self.last: tuple[int, int, str] | None = None  # (prompt, reuse, why): the last plan
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """A step that prefilled ``tokens`` (and decoded nothing) took ``seconds``."""
+        if tokens < 1 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        with self._lock:
+            self._tps = rate if self._tps is None else (1 - _WEIGHT) * self._tps + _WEIGHT * rate
+
+    def note_read(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A checkpoint of ``nbytes`` came from ``tier`` in ``seconds`` (fetch and checks)."""
+        if nbytes < 1 or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        with self._lock:
+            old = self._bw.get(tier)
+            self._bw[tier] = rate if old is None else (1 - _WEIGHT) * old + _WEIGHT * rate
+
+    def prefill_tps(self) -> float:
+        with self._lock:
+            return self._tps if self._tps is not None else PRIOR_PREFILL_TPS
+
+    def bandwidth(self, tier: str) -> float:
+        with self._lock:
+            return self._bw.get(tier, PRIOR_BANDWIDTH.get(tier, PRIOR_BANDWIDTH["remote"]))
+
+    def measured(self) -> dict[str, float]:
+        """What has been measured so far (for /metrics): 0 where nothing has."""
+        with self._lock:
+            out = {"prefill_tps": self._tps or 0.0}
+            for tier in PRIOR_BANDWIDTH:
+                out[f"bandwidth_{tier}"] = self._bw.get(tier, 0.0)
+            return out
+
+    def estimate(self, source: str, n: int, nbytes: int, prompt: int) -> Estimate:
+        """Start from ``n`` of ``prompt`` tokens with a state of ``nbytes`` from ``source``."""
+        fetch = 0.0
+        if source in ("disk", "remote") and nbytes > 0:  # RAM: nothing to fetch
+            fetch = nbytes / self.bandwidth(source) + nbytes / RESTORE_BPS
+        return Estimate(source, n, fetch, max(prompt - n, 0) / self.prefill_tps())

@@ -1,0 +1,238 @@
+"""How a checkpoint is laid out in Redis/Valkey, as free functions (no client needed).
+
+One entry ``id`` (the record id: fingerprint, tenant, kind, state format and tokens)
+is a header value and its state bytes cut into chunks::
+
+    <prefix>:e:{<id>}                  header: magic, version, key id, metadata, meta tag
+    <prefix>:e:{<id>}:<nonce>:<i>      chunk i of the state (chunk_size bytes, the last less)
+    <prefix>:i:<state_format>:<hash>   index: a hash of entry id -> (n, nbytes, nonce, chunking)
+                                       for each entry whose last whole page has this page hash
+
+``{<id>}`` is a cluster hash tag: an entry's keys live on one node. The metadata holds
+the disk tier's record metadata (tokens, fingerprint, tenant, state format: checked
+like a disk file's), the chunking, the writer's nonce and ``data_tag``, an HMAC of the
+state bytes; the meta tag is an HMAC of header and metadata. Both under the shared
+secret key, so an entry another key signed, an older format, a torn write (chunks of
+another nonce) or an edit is a miss, never a state. The first writer of an id wins
+(``SET NX``); a second writer's chunks carry its own nonce and are deleted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from statecache.diskfmt import (
+    KEY_BYTES,
+    MAX_META_BYTES,
+    BadFile,
+    decode_meta,
+    encode_meta,
+    key_id,
+    record_from_meta,
+)
+from statecache.pages import PageHash
+from statecache.records import CheckpointRecord
+
+MAGIC = b"SCRM"
+VERSION = 1
+HEAD = struct.Struct("<4sH8sI")  # magic, version, key id, meta length
+TAG_BYTES = 32
+MAX_HEADER_BYTES = HEAD.size + MAX_META_BYTES + 4096 + TAG_BYTES
+MAX_CHUNK = 64 << 20
+NONCE_BYTES = 8
+INDEX_VALUE = struct.Struct("<QQ8sII")  # n, nbytes, nonce, chunk_size, chunks
+_DATA_TAG = b"statecache remote data v1"
+
+
+class BadEntry(Exception):
+    """A stored entry that must never be served; the message says why (a metric label)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass(slots=True, frozen=True)
+class IndexValue:
+    """What the index says of an entry: enough to fetch it in one round trip."""
+
+    n: int
+    nbytes: int
+    nonce: bytes
+    chunk_size: int
+    chunks: int
+
+    def pack(self) -> bytes:
+        return INDEX_VALUE.pack(self.n, self.nbytes, self.nonce, self.chunk_size, self.chunks)
+
+    @staticmethod
+    def unpack(raw: object, max_entry: int) -> IndexValue:
+        if not isinstance(raw, bytes) or len(raw) != INDEX_VALUE.size:
+            raise BadEntry("index", "malformed index value")
+        v = IndexValue(*INDEX_VALUE.unpack(raw))
+        if not (0 < v.chunk_size <= MAX_CHUNK) or v.chunks != n_chunks(v.nbytes, v.chunk_size):
+            raise BadEntry("index", "chunking out of range")
+        if not 0 < v.nbytes <= max_entry or v.n < 1:
+            raise BadEntry("too-big" if v.nbytes > max_entry else "index", f"{v.nbytes} bytes")
+        return v
+
+
+def n_chunks(nbytes: int, chunk_size: int) -> int:
+    return max(1, -(-nbytes // chunk_size))
+
+
+def new_nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def header_key(prefix: str, entry_id: str) -> str:
+    return f"{prefix}:e:{{{entry_id}}}"
+
+
+def chunk_key(prefix: str, entry_id: str, nonce: bytes, i: int) -> str:
+    return f"{prefix}:e:{{{entry_id}}}:{nonce.hex()}:{i}"
+
+
+def index_key(prefix: str, state_format: int, page_hash: PageHash) -> str:
+    return f"{prefix}:i:{state_format}:{page_hash.hex()}"
+
+
+def id_from_header_key(prefix: str, key: bytes | str) -> str | None:
+    k = key.decode() if isinstance(key, bytes) else key
+    head = f"{prefix}:e:{{"
+    if k.startswith(head) and k.endswith("}") and len(k) == len(head) + 33:
+        return k[len(head):-1]
+    return None
+
+
+def _data_mac(key: bytes, entry_id: str, nonce: bytes) -> hmac.HMAC:
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"a checkpoint key has {KEY_BYTES} bytes, got {len(key)}")
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    mac.update(_DATA_TAG + entry_id.encode() + nonce)
+    return mac
+
+
+def encode_header(rec: CheckpointRecord, data: memoryview, key: bytes, nonce: bytes,
+                  chunk_size: int) -> bytes:
+    """The header value of ``rec``: its metadata, chunking and the HMAC of ``data``."""
+    mac = _data_mac(key, rec.id, nonce)
+    mac.update(data)
+    meta = msgpack.packb({
+        "record": encode_meta(rec), "nonce": nonce, "chunk_size": chunk_size,
+        "chunks": n_chunks(rec.nbytes, chunk_size), "data_tag": mac.digest(),
+    }, use_bin_type=True)
+    head = HEAD.pack(MAGIC, VERSION, key_id(key), len(meta))
+    tag = hmac.new(key, head + meta, hashlib.sha256).digest()
+    return head + meta + tag
+
+
+@dataclass(slots=True, frozen=True)
+class Header:
+    record: CheckpointRecord
+    nonce: bytes
+    chunk_size: int
+    chunks: int
+    data_tag: bytes
+
+
+def _unpack_meta(raw: bytes) -> dict[str, Any]:
+    try:
+        meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_META_BYTES,
+                               max_str_len=1 << 10, max_array_len=0, max_map_len=5,
+                               max_ext_len=0)
+    except Exception as e:  # msgpack raises many types for malformed input
+        raise BadEntry("corrupt", f"unparseable metadata ({type(e).__name__})") from None
+    types = {"record": bytes, "nonce": bytes, "chunk_size": int, "chunks": int,
+             "data_tag": bytes}
+    if not isinstance(meta, dict) or set(meta) != set(types):
+        raise BadEntry("corrupt", "metadata has the wrong set of keys")
+    for k, t in types.items():
+        if isinstance(meta[k], bool) or not isinstance(meta[k], t):
+            raise BadEntry("corrupt", f"metadata {k} has the wrong type")
+    return meta
+
+
+def read_meta_unchecked(raw: object, page_size: int) -> tuple[dict[str, Any], bytes]:
+    """Metadata of a header without its key (``statecache inspect``): never serve from it.
+
+    Returns the record metadata and the key id; raises BadEntry."""
+    if not isinstance(raw, bytes) or len(raw) < HEAD.size + TAG_BYTES:
+        raise BadEntry("corrupt", "header truncated")
+    magic, version, kid, meta_len = HEAD.unpack_from(raw)
+    if magic != MAGIC:
+        raise BadEntry("corrupt", "wrong magic")
+    if version != VERSION:
+        raise BadEntry("version", f"format version {version}, expected {VERSION}")
+    if len(raw) != HEAD.size + meta_len + TAG_BYTES:
+        raise BadEntry("corrupt", "header length disagrees with its value")
+    meta = _unpack_meta(raw[HEAD.size:HEAD.size + meta_len])
+    try:
+        rec_meta = decode_meta(meta["record"])
+    except BadFile as e:
+        raise BadEntry("corrupt", str(e)) from None
+    return rec_meta, kid
+
+
+def decode_header(raw: object, key: bytes, page_size: int) -> Header:
+    """Check a header value under ``key``; raises BadEntry with the reason."""
+    if not isinstance(raw, bytes) or len(raw) < HEAD.size + TAG_BYTES:
+        raise BadEntry("missing" if raw in (None, b"") else "corrupt", "header truncated")
+    if len(raw) > MAX_HEADER_BYTES:
+        raise BadEntry("corrupt", "header too long")
+    magic, version, kid, meta_len = HEAD.unpack_from(raw)
+    if magic != MAGIC:
+        raise BadEntry("corrupt", "wrong magic")
+    if version != VERSION:
+        raise BadEntry("version", f"format version {version}, expected {VERSION}")
+    if kid != key_id(key):
+        raise BadEntry("foreign-key", "signed with another key")
+    if len(raw) != HEAD.size + meta_len + TAG_BYTES:
+        raise BadEntry("corrupt", "header length disagrees with its value")
+    body, tag = raw[:HEAD.size + meta_len], raw[HEAD.size + meta_len:]
+    if not hmac.compare_digest(hmac.new(key, body, hashlib.sha256).digest(), tag):
+        raise BadEntry("forged", "metadata MAC mismatch")
+    meta = _unpack_meta(body[HEAD.size:])
+    try:
+        rec = record_from_meta(decode_meta(meta["record"]), page_size)
+    except BadFile as e:
+        raise BadEntry("corrupt", str(e)) from None
+    chunk_size, chunks = meta["chunk_size"], meta["chunks"]
+    if not 0 < chunk_size <= MAX_CHUNK or chunks != n_chunks(rec.nbytes, chunk_size):
+        raise BadEntry("corrupt", "chunking out of range")
+    if len(meta["nonce"]) != NONCE_BYTES or len(meta["data_tag"]) != TAG_BYTES:
+        raise BadEntry("corrupt", "nonce or tag of the wrong size")
+    return Header(rec, meta["nonce"], chunk_size, chunks, meta["data_tag"])
+
+
+def assemble(header: Header, chunks: list[object], key: bytes) -> bytearray:
+    """The state bytes from ``chunks``, each checked for its length, all for the MAC."""
+    rec = header.record
+    if len(chunks) != header.chunks:
+        raise BadEntry("corrupt", "chunk count")
+    data = bytearray(rec.nbytes)
+    mac = _data_mac(key, rec.id, header.nonce)
+    at = 0
+    for i, part in enumerate(chunks):
+        want = min(header.chunk_size, rec.nbytes - at)
+        if not isinstance(part, bytes) or len(part) != want:
+            got = len(part) if isinstance(part, bytes) else 0
+            raise BadEntry("missing" if not got else "corrupt",
+                           f"chunk {i} has {got} bytes, expected {want}")
+        data[at:at + want] = part
+        mac.update(part)
+        at += want
+    if not hmac.compare_digest(mac.digest(), header.data_tag):
+        raise BadEntry("corrupt", "state MAC mismatch")
+    return data
+
+
+def chunk_views(data: memoryview, chunk_size: int) -> list[memoryview]:
+    return [data[i:i + chunk_size] for i in range(0, max(len(data), 1), chunk_size)]

@@ -1,0 +1,220 @@
+"""The shared tier against a real Valkey server (no model): pools of two "proxies"
+(their own RAM and disk) share one store. Tiny sizes: page size 4, chunks of 4 KiB."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from statecache.config import CacheConfig, RemoteConfig
+from statecache.costs import Costs
+from statecache.pool import CheckpointPool, Offer
+from statecache.remotefmt import chunk_key, header_key, index_key
+from tests.store import Store
+from tests.unit.conftest import FP, Clock, put
+
+T = list(range(1, 41))  # 10 pages of 4
+STATE = bytes(range(256)) * 40  # 10,240 bytes: three chunks of 4 KiB
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store(tmp_path / "store").start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def proxy(tmp_path: Path, store: Store) -> Iterator:  # type: ignore[type-arg]
+    pools: list[CheckpointPool] = []
+
+    def make(name: str, *, key: str = "shared.key", fingerprint: str = FP,
+             tenant: str = "", **remote: object) -> CheckpointPool:
+        opts: dict[str, object] = {"chunk_size": 4096, "retry_s": 0.2, "timeout": 1.0, **remote}
+        rc = RemoteConfig(url=store.url, **opts)  # type: ignore[arg-type]
+        cfg = CacheConfig(page_size=4, ram_budget=1 << 20, disk_path=str(tmp_path / name),
+                          disk_budget=1 << 20, secret_path=str(tmp_path / "keys" / key),
+                          tenant=tenant, remote=rc)
+        pool = CheckpointPool(cfg, fingerprint, clock=Clock())
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.sanity_check()
+        pool.close()
+
+
+def _sync(pool: CheckpointPool) -> None:
+    assert pool._remote is not None and pool._remote.flush(10)
+
+
+def _remote_offers(pool: CheckpointPool, tokens: list[int], tenant: str = "") -> list[Offer]:
+    chain = pool.chain(tokens, tenant)
+    return [o for o in pool.full_offers(tokens, chain, max_n=len(tokens), tenant=tenant)
+            if o.tier == "remote"]
+
+
+def _take(pool: CheckpointPool, offer: Offer, tokens: list[int], tenant: str = ""):  # type: ignore[no-untyped-def]
+    return pool.take(offer, tokens, pool.chain(tokens, tenant), tenant=tenant)
+
+
+def test_a_state_written_by_one_pool_is_restored_by_another(proxy) -> None:  # type: ignore[no-untyped-def]
+    a, b = proxy("a"), proxy("b")
+    put(a, T[:13], STATE)
+    _sync(a)
+    assert a.stats()["remote_writes"] == 1
+    # B holds nothing locally; the store's index offers n=13 (deepest), unread so far.
+    offers = _remote_offers(b, T)
+    assert [(o.n, o.nbytes) for o in offers] == [(13, len(STATE))]
+    assert b.stats()["remote_hits"] == 0
+    lease = _take(b, offers[0], T)
+    assert lease is not None and lease.tier == "remote" and lease.record.n == 13
+    assert bytes(lease.data) == STATE
+    lease.close()
+    # It joined B's RAM: the next lookup is local, and B never sends it back.
+    s = b.stats()
+    assert (s["hits_remote"], s["remote_hits"], s["ram_entries"]) == (1, 1, 1)
+    _sync(b)
+    assert b.stats().get("remote_writes", 0) == 0
+    assert [o.tier for o in b.full_offers(T, b.chain(T), max_n=40)] == ["ram"]
+    # A second writer of the same state stores nothing twice.
+    c = proxy("c")
+    put(c, T[:13], STATE)
+    _sync(c)
+    assert c.stats()["remote_write_dupes"] == 1
+
+
+def test_a_prompt_that_diverges_gets_only_the_prefix_it_shares(proxy) -> None:  # type: ignore[no-untyped-def]
+    a, b = proxy("a"), proxy("b")
+    put(a, T[:8], STATE)
+    put(a, T[:13], STATE[::-1])
+    _sync(a)
+    other = T[:10] + [99] * 10  # leaves the stored 13 at token 10
+    offers = _remote_offers(b, other)
+    assert [o.n for o in offers] == [8]
+    lease = _take(b, offers[0], other)
+    assert lease is not None and bytes(lease.data) == STATE
+    lease.close()
+    # Same page hashes, another token inside the last page: the index offers n=13 (it
+    # knows pages only), its header's tokens refuse it, and the next offer serves.
+    twisted = T[:12] + [77] + T[13:]
+    c = proxy("c")
+    offers = _remote_offers(c, twisted)
+    assert [o.n for o in offers] == [13, 8]
+    assert _take(c, offers[0], twisted) is None
+    assert c.stats()["remote_rejected_tokens"] == 1
+    lease = _take(c, offers[1], twisted)
+    assert lease is not None and bytes(lease.data) == STATE
+    lease.close()
+
+
+def test_tenants_never_share_entries(proxy) -> None:  # type: ignore[no-untyped-def]
+    alice, bob = proxy("a", tenant="alice"), proxy("b", tenant="bob")
+    put(alice, T[:13], STATE)
+    _sync(alice)
+    assert _remote_offers(bob, T) == []  # another namespace, other page hashes
+    assert _remote_offers(bob, T, tenant="alice") != []  # the same prompt as alice's
+    # Even a hit pointed at alice's entry directly is refused for bob.
+    hit = _remote_offers(proxy("c", tenant="alice"), T)[0]
+    assert _take(bob, hit, T, tenant="bob") is None
+    assert bob.stats()["remote_rejected_tenant"] == 1
+
+
+def test_foreign_key_corrupt_chunk_and_other_model_are_misses(proxy, store: Store) -> None:  # type: ignore[no-untyped-def]
+    a = proxy("a")
+    put(a, T[:13], STATE)
+    _sync(a)
+    # Signed with another key: the index offers it, the header refuses it.
+    stranger = proxy("s", key="other.key")
+    [offer] = _remote_offers(stranger, T)
+    assert _take(stranger, offer, T) is None
+    s = stranger.stats()
+    assert (s["remote_rejected_foreign_key"], s["hits_remote"], s["ram_entries"]) == (1, 0, 0)
+    # Another model never even finds it (its namespace differs).
+    assert _remote_offers(proxy("m", fingerprint="other-model:1"), T) == []
+    # One flipped byte in a chunk: a miss and a metric; the index forgets it.
+    b = proxy("b")
+    [offer] = _remote_offers(b, T)
+    assert offer.hit is not None
+    key = chunk_key("statecache", offer.hit.entry_id, offer.hit.value.nonce, 1)
+    r = store.client()
+    raw = bytearray(r.get(key) or b"")
+    raw[100] ^= 1
+    r.set(key, bytes(raw))
+    assert _take(b, offer, T) is None
+    assert b.stats()["remote_rejected_corrupt"] == 1
+    _sync(b)
+    assert _remote_offers(b, T) == []
+    # A truncated header is refused as well (never a crash).
+    r.set(header_key("statecache", offer.hit.entry_id), b"SCRM\x01")
+    assert _take(proxy("c"), offer, T) is None
+
+
+def test_a_reply_of_the_wrong_shape_is_a_miss(proxy, store: Store) -> None:  # type: ignore[no-untyped-def]
+    a = proxy("a")
+    chain = a.chain(T)
+    r = store.client()
+    ikey = index_key("statecache", 1, chain.hashes[2])
+    r.hset(ikey, "not-an-id", b"x")
+    r.hset(ikey, "0" * 32, b"y" * 36)
+    r.set(index_key("statecache", 1, chain.hashes[1]), b"a string, not a hash")
+    assert _remote_offers(a, T) == []
+    assert a.stats()["remote_rejected"] >= 2
+
+
+def test_store_down_degrades_then_reuse_resumes(proxy, store: Store, caplog) -> None:  # type: ignore[no-untyped-def]
+    a, b = proxy("a"), proxy("b")
+    store.stop()
+    t0 = time.perf_counter()
+    put(a, T[:13], STATE)  # never raises, never waits for the store
+    assert _remote_offers(b, T) == []
+    assert time.perf_counter() - t0 < 3
+    assert a.stats()["remote_up"] == 0 or b.stats()["remote_up"] == 0
+    warnings = [r for r in caplog.records if "serving from RAM and disk" in r.getMessage()]
+    assert len(warnings) <= 2  # one per pool, not one per call
+    for _ in range(5):
+        assert _remote_offers(b, T) == []
+    assert len([r for r in caplog.records if "serving from RAM" in r.getMessage()]) <= 2
+    store.start()  # an empty store on the same address
+    time.sleep(0.3)
+    _sync(a)  # A's queued write goes out once the store is back
+    deadline = time.monotonic() + 5
+    while not _remote_offers(b, T) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    [offer] = _remote_offers(b, T)
+    lease = _take(b, offer, T)
+    assert lease is not None and bytes(lease.data) == STATE
+    lease.close()
+    assert a.stats()["remote_up"] == 1 and b.stats()["remote_errors"] >= 1
+
+
+def test_writes_waiting_for_a_slow_store_drop_the_oldest(proxy, store: Store) -> None:  # type: ignore[no-untyped-def]
+    store.stop()
+    a = proxy("a", queue_bytes=2 * len(STATE), retry_s=60)
+    a._remote.ping()  # type: ignore[union-attr]  # learn that it is down
+    for i in range(4):
+        put(a, [200 + i] + T[:12], STATE)
+    s = a.stats()
+    assert s["remote_write_drops"] == 2 and s["remote_queue_bytes"] <= 2 * len(STATE)
+
+
+def test_costs_follow_measurements() -> None:
+    c = Costs()
+    # 4 GB from the store at 1 GB/s against 2,000 tokens at 10,000 tokens/s: prefill.
+    c.note_read("remote", 1 << 30, 1.0)
+    c.note_prefill(10_000, 1.0)
+    fetch = c.estimate("remote", 2_000, 4 << 30, 2_100)
+    cold = c.estimate("cold", 0, 0, 2_100)
+    assert cold.total_s < fetch.total_s
+    # 300 MB against 30,000 tokens at 300 tokens/s (a hybrid on a laptop): fetch.
+    c2 = Costs()
+    c2.note_read("remote", 100 << 20, 1.0)
+    c2.note_prefill(300, 1.0)
+    assert c2.estimate("remote", 30_000, 300 << 20, 30_100).total_s < \
+        c2.estimate("cold", 0, 0, 30_100).total_s
+    # RAM fetches nothing: only the tokens left count.
+    assert c2.estimate("ram", 10, 1 << 30, 20).fetch_s == 0.0
