@@ -58,6 +58,11 @@ def _parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     g.add_argument("--tenant", metavar="T")
     g.add_argument("--yes", action="store_true", help="really delete (default: dry run)")
     _disk_args(g, json_flag=False)
+    for sp in (i, g):
+        sp.add_argument("--remote", metavar="URL", nargs="?", const="",
+                        help="the shared tier too (inspect) or only (purge): a redis:// or "
+                             "valkey:// URL; without one, cache.remote.url")
+        sp.add_argument("--remote-prefix", metavar="P", help="key prefix (cache.remote.prefix)")
     return p
 
 
@@ -230,6 +235,24 @@ def _inspect(args: argparse.Namespace) -> int:
     d = _disk_dir(args)
     disk_rows, bad = _disk_rows(d)
     merged: dict[str, dict[str, Any]] = {r["id"]: dict(r) for r in disk_rows}
+    if args.remote is not None:
+        from statecache.remoteadmin import public
+
+        admin, where = _remote_admin(args)
+        try:
+            remote_rows, remote_bad = admin.rows()
+        except Exception as e:  # redis-py's errors and a store that answers nonsense
+            remote_rows, remote_bad = [], []
+            notes.append(f"remote tier {where} not readable: {type(e).__name__}: {e}")
+        for r in remote_rows:
+            if r["id"] not in merged:
+                merged[r["id"]] = public(r)
+                continue
+            row = merged[r["id"]]
+            row["tiers"] = sorted(set(row.get("tiers", [])) | {"remote"}, reverse=True)
+            row["ttl_s"] = r["ttl_s"]
+        if remote_bad:
+            notes.append(f"{len(remote_bad)} unreadable entr(ies) in the remote tier {where}")
     for r in proxy_rows:
         if not isinstance(r, dict) or not isinstance(r.get("id"), str):
             continue
@@ -269,6 +292,20 @@ def _inspect(args: argparse.Namespace) -> int:
             print(note, file=out)
         _table(rows, out)
     return EXIT_OK
+
+
+def _remote_admin(args: argparse.Namespace) -> tuple[Any, str]:
+    from statecache.config import load_config
+    from statecache.remote import where
+    from statecache.remoteadmin import RemoteAdmin
+
+    cfg = load_config(args.config).cache
+    url = args.remote or cfg.remote.url
+    if not url:
+        raise ValueError("--remote needs a URL (or cache.remote.url in the config)")
+    prefix = args.remote_prefix or cfg.remote.prefix
+    return RemoteAdmin(url, prefix=prefix, cluster=cfg.remote.cluster,
+                       page_size=cfg.page_size), where(url)
 
 
 def _count(v: object) -> int:
@@ -425,6 +462,8 @@ def _purge(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     cutoff = time.time() - parse_duration(args.older_than) if args.older_than else None
+    if args.remote is not None:
+        return _purge_remote(args, cutoff)
     d = _disk_dir(args)
     rows, bad = _disk_rows(d)
     filtered = args.all or args.older_than or args.role or args.tenant is not None
@@ -453,4 +492,30 @@ def _purge(args: argparse.Namespace) -> int:
         f"{verb} {len(paths)} file(s), {format_size(total)}"
         + ("" if args.yes else " (dry run; pass --yes to delete)")
     )
+    return EXIT_OK
+
+
+def _purge_remote(args: argparse.Namespace, cutoff: float | None) -> int:
+    """``purge --remote``: whole entries of the shared tier, by the same filters."""
+    from statecache.sizes import format_size
+
+    admin, where = _remote_admin(args)
+    rows, bad = admin.rows()
+    chosen = [r for r in rows
+              if (cutoff is None or r["created"] < cutoff)
+              and (args.role is None or r["role"] == args.role)
+              and (args.tenant is None or r["tenant"] == args.tenant)]
+    verb = "removed" if args.yes else "would remove"
+    for r in chosen:
+        if args.yes:
+            admin.delete(r)
+        print(f"{verb} {r['id']} (tenant {r['tenant']!r}, n {r['n']})")
+    if args.all:
+        for b in bad:
+            if args.yes:
+                admin.delete_key(b["key"])
+            print(f"{verb} {b['key']} ({b['reason']})")
+    total = sum(int(r["nbytes"]) for r in chosen)
+    print(f"{verb} {len(chosen) + (len(bad) if args.all else 0)} entr(ies) from {where}, "
+          f"{format_size(total)}" + ("" if args.yes else " (dry run; pass --yes to delete)"))
     return EXIT_OK

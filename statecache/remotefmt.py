@@ -160,10 +160,18 @@ def _unpack_meta(raw: bytes) -> dict[str, Any]:
     return meta
 
 
-def read_meta_unchecked(raw: object, page_size: int) -> tuple[dict[str, Any], bytes]:
-    """Metadata of a header without its key (``statecache inspect``): never serve from it.
+@dataclass(slots=True, frozen=True)
+class Unchecked:
+    """What a header says, its MAC unchecked (``statecache inspect`` and ``purge``)."""
 
-    Returns the record metadata and the key id; raises BadEntry."""
+    meta: dict[str, Any]  # the record metadata (diskfmt.decode_meta)
+    key_id: bytes
+    nonce: bytes
+    chunks: int
+
+
+def read_unchecked(raw: object) -> Unchecked:
+    """A header's metadata without its key: never serve from it. Raises BadEntry."""
     if not isinstance(raw, bytes) or len(raw) < HEAD.size + TAG_BYTES:
         raise BadEntry("corrupt", "header truncated")
     magic, version, kid, meta_len = HEAD.unpack_from(raw)
@@ -178,7 +186,7 @@ def read_meta_unchecked(raw: object, page_size: int) -> tuple[dict[str, Any], by
         rec_meta = decode_meta(meta["record"])
     except BadFile as e:
         raise BadEntry("corrupt", str(e)) from None
-    return rec_meta, kid
+    return Unchecked(rec_meta, kid, meta["nonce"], meta["chunks"])
 
 
 def decode_header(raw: object, key: bytes, page_size: int) -> Header:

@@ -49,6 +49,14 @@ _BUDGET = Family("statecache_checkpoint_budget_bytes", "gauge", "Checkpoint budg
 _ENTRIES = Family("statecache_checkpoints", "gauge", "Checkpoints held, per tier.")
 _EVICTIONS = Family("statecache_evictions_total", "counter", "Checkpoints evicted, per tier.")
 _TIER = r"(?:pool\.)?(?P<tier>ram|disk)"
+_REMOTE = Family("statecache_remote_total", "counter",
+                 "Shared (Redis/Valkey) tier events: probes, hits, writes, write_dupes, "
+                 "write_drops (queue full), write_skipped, errors, reconnects, rejected.")
+_REMOTE_BYTES = Family("statecache_remote_bytes_total", "counter",
+                       "Bytes read from and written to the shared tier.")
+_REMOTE_REJECTED = Family("statecache_remote_rejected_total", "counter",
+                          "Shared-tier entries refused by their checks, by reason (foreign_key, "
+                          "forged, corrupt, missing, stale, tenant, tokens, foreign_model, ...).")
 
 RULES: tuple[Rule, ...] = (
     Rule(r"requests", _REQUESTS),
@@ -56,7 +64,24 @@ RULES: tuple[Rule, ...] = (
     Rule(r"plan_(?P<source>[^.]+)", _SOURCE),
     Rule(r"hits\.(?P<source>[^.]+)\.(?P<role>[^.]*)", _HITS),
     Rule(r"pool\.hits_role_(?P<role>[^.]+)", _ROLE_HITS),
-    Rule(r"pool\.hits_(?P<tier>ram|disk)", _POOL_HITS),
+    Rule(r"pool\.hits_(?P<tier>ram|disk|remote)", _POOL_HITS),
+    Rule(r"pool\.remote_rejected_(?P<reason>.+)", _REMOTE_REJECTED),
+    Rule(r"pool\.remote_(?P<direction>read|written)_bytes", _REMOTE_BYTES),
+    Rule(r"pool\.remote_up", Family("statecache_remote_up", "gauge",
+                                    "1 while the shared tier answers, 0 while it is off.")),
+    Rule(r"pool\.remote_queue", Family("statecache_remote_write_queue", "gauge",
+                                       "Checkpoints waiting to be written to the shared tier.")),
+    Rule(r"pool\.remote_queue_bytes", Family("statecache_remote_write_queue_bytes", "gauge",
+                                             "Bytes waiting to be written to the shared tier.")),
+    Rule(r"pool\.remote_misses", Family("statecache_remote_misses_total", "counter",
+                                        "Remote offers the planner picked that could not be "
+                                        "used (refused or gone).")),
+    Rule(r"pool\.remote_(?P<event>[a-z_]+)", _REMOTE),
+    Rule(r"pool\.prefill_tps", Family("statecache_prefill_tokens_per_second", "gauge",
+                                      "Measured prefill rate the planner uses (0: not yet).")),
+    Rule(r"pool\.bandwidth_(?P<tier>[a-z]+)", Family(
+        "statecache_read_bandwidth_bytes_per_second", "gauge",
+        "Measured checkpoint read bandwidth per tier, the planner's input (0: not yet).")),
     Rule(_TIER + r"_bytes", _BYTES),
     Rule(r"bytes\.(?P<tier>[^.]+)", _BYTES),
     Rule(_TIER + r"_budget", _BUDGET),

@@ -218,3 +218,35 @@ def test_costs_follow_measurements() -> None:
         c2.estimate("cold", 0, 0, 30_100).total_s
     # RAM fetches nothing: only the tokens left count.
     assert c2.estimate("ram", 10, 1 << 30, 20).fetch_s == 0.0
+
+
+def test_inspect_and_purge_the_remote_tier(proxy, store: Store, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from statecache.cli import main
+
+    alice, bob = proxy("a", tenant="alice"), proxy("b", tenant="bob")
+    put(alice, T[:13], STATE)
+    put(bob, T[:9], STATE[:5000])
+    _sync(alice)
+    _sync(bob)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[cache]\npage_size = 4\ndisk_path = "{tmp_path / "none"}"\n')
+    args = ["--config", str(cfg), "--remote", store.url, "--url", "http://127.0.0.1:9"]
+    assert main(["inspect", "--json", *args]) == 0
+    import json
+
+    rows = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert sorted((r["tenant"], r["n"], r["tiers"]) for r in rows) == [
+        ("alice", 13, ["remote"]), ("bob", 9, ["remote"])]
+    # purge by tenant: a dry run first, then bob's entry goes, alice's stays.
+    purge = ["purge", "--config", str(cfg), "--remote", store.url, "--tenant", "bob"]
+    assert main(purge) == 0 and "would remove 1" in capsys.readouterr().out
+    assert _remote_offers(proxy("c", tenant="bob"), T) != []
+    assert main([*purge, "--yes"]) == 0
+    assert _remote_offers(proxy("d", tenant="bob"), T) == []
+    assert _remote_offers(proxy("e", tenant="alice"), T) != []
+    capsys.readouterr()
+    # by age (the test clock writes entries dated 1970): none is 100 years old, one is a day
+    older = ["purge", "--config", str(cfg), "--remote", store.url, "--yes", "--older-than"]
+    assert main([*older, "36500d"]) == 0 and "removed 0" in capsys.readouterr().out
+    assert main([*older, "1d"]) == 0 and "removed 1" in capsys.readouterr().out
+    assert store.client().dbsize() == 0  # header, chunks and index: nothing left behind
