@@ -19,6 +19,10 @@ def _serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", help="overrides server.host")
     s.add_argument("--port", type=int, help="overrides server.port")
     s.add_argument("--lanes", type=int, help="overrides server.lanes")
+    s.add_argument("--draft", metavar="PATH",
+                   help="draft GGUF for speculative decoding (overrides model.draft_path)")
+    s.add_argument("--speculative", choices=("off", "lookup", "draft", "auto"),
+                   help="overrides speculative.source (with --draft: auto by default)")
     s.add_argument("--no-cache", action="store_true", help="disable checkpoints")
     s.add_argument("--verbose", action="store_true", help="log at debug level")
 
@@ -33,6 +37,8 @@ def _serve(args: argparse.Namespace) -> int:
         "server.host": args.host,
         "server.port": args.port,
         "server.lanes": args.lanes,
+        "model.draft_path": args.draft,
+        "speculative.source": args.speculative or ("auto" if args.draft else None),
         "cache.enabled": False if args.no_cache else None,
         "log.level": "debug" if args.verbose else None,
     }

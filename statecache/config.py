@@ -16,6 +16,7 @@ from statecache.sizes import parse_size
 _SIZE = {"size": True}
 _NO_OVERRIDES: Mapping[str, object] = MappingProxyType({})
 LOG_LEVELS = ("debug", "info", "warning", "error")
+SPECULATIVE_SOURCES = ("off", "lookup", "draft", "auto")
 
 
 class ConfigError(ValueError):
@@ -118,6 +119,21 @@ class CacheConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (proxy/engine/drafting.py): drafts verified in the step."""
+
+    # "off"; "lookup": prompt lookup (n-grams of the prompt and reply, no model);
+    # "draft": the draft model at model.draft_path; "auto": the draft model if
+    # model.draft_path is set, else prompt lookup
+    source: str = "off"
+    draft_max: int = 4  # tokens drafted per lane and step
+    draft_min_p: float = 0.5  # a draft model stops where its likeliest token is less likely
+    lookup_max: int = 4  # longest n-gram prompt lookup matches
+    lookup_min: int = 2  # shortest
+    catch_up: int = 256  # most tokens a step a draft model decodes to follow its target lane
+
+
+@dataclass(slots=True, frozen=True)
 class SamplingConfig:
     """Sampling defaults; a GGUF's ``general.sampling.*`` values override them (unless
     ``model_defaults`` is false), and a request's own fields override both."""
@@ -154,6 +170,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     log: LogConfig = field(default_factory=LogConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 _SECTIONS: dict[str, type[Any]] = {
@@ -163,6 +180,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "engine": EngineConfig,
     "log": LogConfig,
     "sampling": SamplingConfig,
+    "speculative": SpeculativeConfig,
 }
 # (key, lowest, highest) checked after conversion
 _RANGES: tuple[tuple[str, float, float | None], ...] = (
@@ -179,6 +197,11 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("model.n_gpu_layers", -1, None),
     ("model.n_rs_seq", 0, None),
     ("model.threads", 0, None),
+    ("speculative.draft_max", 1, 32),
+    ("speculative.draft_min_p", 0, 1),
+    ("speculative.lookup_max", 1, 64),
+    ("speculative.lookup_min", 1, 64),
+    ("speculative.catch_up", 1, None),
     ("server.port", 0, 65535),
     ("server.lanes", 1, None),
     ("server.queue_size", 0, None),
@@ -387,6 +410,13 @@ def _validate(cfg: Config) -> None:
         if v < lo or (hi is not None and v > hi):
             span = f">= {lo}" if hi is None else f"in {lo}..{hi}"
             raise ConfigError(f"{key}: must be {span}, got {v}")
+    if cfg.speculative.source not in SPECULATIVE_SOURCES:
+        raise ConfigError(f"speculative.source: expected one of "
+                          f"{', '.join(SPECULATIVE_SOURCES)}, got {cfg.speculative.source!r}")
+    if cfg.speculative.lookup_min > cfg.speculative.lookup_max:
+        raise ConfigError("speculative.lookup_min must be at most speculative.lookup_max")
+    if cfg.speculative.source == "draft" and not cfg.model.draft_path:
+        raise ConfigError('speculative.source = "draft" needs model.draft_path')
     if cfg.log.level.lower() not in LOG_LEVELS:
         raise ConfigError(
             f"log.level: expected one of {', '.join(LOG_LEVELS)}, got {cfg.log.level!r}"

@@ -36,3 +36,15 @@ def norollback_path() -> Path:
 @pytest.fixture(scope="session")
 def draft_path() -> Path:
     return _synth("draft")
+
+
+@pytest.fixture(scope="session")
+def spec_target_path() -> Path:
+    """A hybrid whose later layers barely change the residual stream..."""
+    return _synth("spec-target")
+
+
+@pytest.fixture(scope="session")
+def spec_draft_path() -> Path:
+    """...and its first layers with the same head: a draft that agrees with it."""
+    return _synth("spec-draft")

@@ -288,7 +288,8 @@ def _sampling(body: Mapping[str, Any], need_max_tokens: bool) -> Sampling:
     temperature = _opt_float(body, "temperature", 0.0, 1.0)
     top_p = _opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
     return Sampling(temperature=temperature, top_p=top_p, top_k=_opt_int(body, "top_k", lo=0),
-                    max_tokens=max_tokens, stop=_stop_sequences(body))
+                    max_tokens=max_tokens, stop=_stop_sequences(body),
+                    speculative=_opt_bool(body, "speculative"))
 
 
 def unbounded(req: ChatRequest) -> ChatRequest:

@@ -119,6 +119,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: str = ""
     reasoning: tuple[str, str] | None = None
+    speculative: bool | None = None
 
     def to_params(self, max_tokens: int) -> SamplingParams:
         # Every API's parser builds a Sampling: a vanishing temperature is greedy for all.
@@ -269,6 +270,7 @@ def parse_sampling(body: Mapping[str, Any]) -> Sampling:
         max_tokens=max_completion if max_completion is not None else max_tokens,
         stop=_stop(body),
         logit_bias=_logit_bias(body),
+        speculative=_opt_bool(body, "speculative"),
         **_grammar(body),
     )
 

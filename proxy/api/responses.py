@@ -284,7 +284,8 @@ def _reasoning_effort(body: Mapping[str, Any]) -> str | None:
 def _sampling(body: Mapping[str, Any]) -> Sampling:
     return Sampling(temperature=_opt_float(body, "temperature", 0.0, 2.0),
                     top_p=_opt_float(body, "top_p", 0.0, 1.0, lo_open=True),
-                    max_tokens=_opt_int(body, "max_output_tokens", lo=1))
+                    max_tokens=_opt_int(body, "max_output_tokens", lo=1),
+                    speculative=_opt_bool(body, "speculative"))
 
 
 def _text_format(body: Mapping[str, Any]) -> Mapping[str, Any] | None:

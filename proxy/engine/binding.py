@@ -300,8 +300,10 @@ class Batch:
         self.n = 0
 
     def add(self, lane: int, tokens: Sequence[int] | np.ndarray, pos0: int, *,
-            logits_last: bool) -> int:
-        """Append tokens of one lane at positions pos0...; returns the row of the last one."""
+            logits_last: bool, logits_from: int = -1) -> int:
+        """Append tokens of one lane at positions pos0...; returns the row of the last one.
+        Rows get logits from token ``logits_from`` of ``tokens`` on (-1: the last one only,
+        if ``logits_last``): a verification needs them for the drafted tokens too."""
         k = len(tokens)
         if self.n + k > self.capacity:
             raise ValueError(f"batch overflow: {self.n}+{k} > {self.capacity}")
@@ -312,7 +314,9 @@ class Batch:
         seq = self._b.seq_id
         for i in range(self.n, self.n + k):
             seq[i][0] = lane
-        if logits_last and k:
+        if logits_from >= 0:
+            self._logits[self.n + logits_from: self.n + k] = 1
+        elif logits_last and k:
             self._logits[self.n + k - 1] = 1
         self.n += k
         return self.n - 1

@@ -35,6 +35,7 @@ import numpy as np
 
 from proxy.engine.binding import FLAGS_FULL, FLAGS_PARTIAL, Context, MemoryInfo, MemoryKind
 from proxy.engine.detok import TextStream
+from proxy.engine.drafting import DraftAsk, DraftModel, lookup_draft
 from proxy.engine.lanes import Lane, LaneSet
 from proxy.engine.planner import Plan, Source, make_plan, publish_points
 from proxy.engine.sampling import Sampler, make_sampler
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 PREVIEW_TOKENS = 24
 
 Delta = tuple[str, tuple[int, ...]]
+_NONE: np.ndarray = np.empty(0, dtype=np.int32)
 
 
 @dataclass(slots=True)
@@ -82,6 +84,13 @@ class Job:
     # this prompt too and publishes a FULL checkpoint at ``wait_point``.
     waiting_for: Job | None = None
     wait_point: int = 0
+    # speculative decoding (proxy/engine/drafting.py)
+    speculate: bool = False  # drafts are verified for this request
+    drafts: np.ndarray = field(default_factory=lambda: _NONE)  # this step's drafts
+    # tokens accepted by a verification that a lane without rollback (restored to its
+    # staged state) decodes again in its next step, before ``pending``
+    replay: np.ndarray = field(default_factory=lambda: _NONE)
+    staged: bytes | None = None  # the lane's partial state before this step's verification
 
     @property
     def prefilling(self) -> bool:
@@ -94,17 +103,20 @@ class Job:
 
 @dataclass(slots=True)
 class Work:
-    """One lane's share of a step: ``n`` tokens from ``pos0``."""
+    """One lane's share of a step: ``n`` tokens from ``pos0``. A decoding lane's work is
+    its replayed tokens, ``pending`` and its drafts; logits from ``pending`` on."""
 
     job: Job
     n: int
     pos0: int
-    row: int = -1  # batch row of the last token, whose logits are kept (-1: none)
+    row: int = -1  # batch row of the first token whose logits are kept (-1: none)
+    room: int = 0  # drafts this work may carry (counted in ``n`` until they are known)
 
 
 class Executor:
     def __init__(self, ctx: Context, memory: MemoryInfo, pool: CheckpointPool | None,
-                 cfg: Config, counters: dict[str, int]) -> None:
+                 cfg: Config, counters: dict[str, int], draft: DraftModel | None = None
+                 ) -> None:
         self.ctx = ctx
         self.model = ctx.model
         self.memory = memory
@@ -116,6 +128,16 @@ class Executor:
         # end-of-turn tokens: the first one in a prompt ends its system prompt
         self._eog = np.array([t for t in range(self.model.n_vocab) if self.model.is_eog(t)],
                              dtype=np.int32)
+        sc = cfg.speculative
+        self.draft = draft
+        self.speculation = "off" if sc.source == "off" else (
+            "draft" if draft is not None else "lookup")
+        # how rejected drafts leave the target lane: seq_rm where the memory can cut its
+        # tail back (attention, SWA kept whole, a hybrid's n_rs_seq snapshots); else the
+        # lane's partial state is staged before a verification and restored after
+        self.rs_snapshots = memory.needs_partial and memory.n_rs_seq > sc.draft_max
+        self.staging = memory.needs_partial and memory.kind is not MemoryKind.SWA \
+            and not self.rs_snapshots
 
     # -- admission ------------------------------------------------------------------
 
@@ -151,6 +173,9 @@ class Executor:
             job.publish = self._publish_plan(job, plan.match_depth, chain)
         job.sampler = make_sampler(self.model, job.req.sampling, self.cfg.sampling, job.prompt)
         job.stream = TextStream(job.req.sampling.stop)
+        # a grammar would have to pass every drafted token: such a request drafts nothing
+        job.speculate = (self.speculation != "off" and job.req.sampling.speculative is not False
+                         and not job.sampler.constrained)
         self.counters[f"plan_{job.stats.source}"] += 1
         job.stats.plan_s = time.perf_counter() - t_plan
 
@@ -302,6 +327,8 @@ class Executor:
         self.counters["checkpoint_bytes_saved"] += rec.nbytes
         if kind is Kind.FULL:
             lane.saved_full = True
+        if self.draft is not None:  # the draft's partial state where it stands the same
+            self.draft.checkpoint(lane.id, lane.tokens, lane.tenant, role)
         return rec.nbytes
 
     def publish_kind(self) -> Kind:
@@ -365,7 +392,9 @@ class Executor:
         assert lane is not None
         if not job.prefilling:
             assert job.pending >= 0
-            return Work(job, 1, lane.n)
+            n = len(job.replay) + 1
+            room = self._draft_room(job, n, budget) if job.speculate else 0
+            return Work(job, n + room, lane.n, room=room)
         end = min(job.pos + budget, len(job.prompt))
         if job.publish and job.publish[0][0] < end:
             end = job.publish[0][0]  # a chunk ends where a checkpoint is published
@@ -373,12 +402,62 @@ class Executor:
             return None
         return Work(job, end - job.pos, job.pos)
 
+    def _draft_room(self, job: Job, n: int, budget: int) -> int:
+        """Drafts a decoding job may carry: the configured length, within the step's
+        budget, the lane's context and the tokens the request may still produce."""
+        assert job.lane is not None
+        left = job.req.sampling.max_tokens - len(job.generated) - 1
+        ctx_left = self.ctx.n_ctx_seq - job.lane.n - n
+        return max(0, min(self.cfg.speculative.draft_max, budget - n, left, ctx_left))
+
+    def _tokens(self, w: Work) -> np.ndarray:
+        job = w.job
+        if job.prefilling:
+            return job.prompt[w.pos0: w.pos0 + w.n]
+        return np.concatenate([job.replay, np.array([job.pending], dtype=np.int32),
+                               job.drafts])
+
+    def _propose(self, works: list[Work]) -> None:
+        """Fill in each decoding lane's drafts (and keep a draft model's lanes in step)."""
+        sc = self.cfg.speculative
+        asks: list[DraftAsk] = []
+        for w in works:
+            job, lane = w.job, w.job.lane
+            assert lane is not None
+            job.drafts = _NONE
+            if not job.speculate:
+                continue
+            if job.prefilling:
+                if self.draft is not None:  # the draft follows the prompt as it is read
+                    asks.append(DraftAsk(lane.id, np.concatenate([lane.tokens, self._tokens(w)]),
+                                         0, lane.tenant or job.req.tenant))
+                continue
+            known = np.concatenate([lane.tokens, job.replay,
+                                    np.array([job.pending], dtype=np.int32)])
+            if self.draft is not None:
+                asks.append(DraftAsk(lane.id, known, w.room, lane.tenant))
+            elif w.room:
+                job.drafts = lookup_draft(known, w.room, sc.lookup_max, sc.lookup_min)
+        if asks:
+            assert self.draft is not None
+            drafted = self.draft.propose(asks)
+            for w in works:
+                lane = w.job.lane
+                assert lane is not None
+                if not w.job.prefilling and lane.id in drafted:
+                    w.job.drafts = drafted[lane.id][: w.room]
+        for w in works:
+            if not w.job.prefilling:
+                w.n = len(w.job.replay) + 1 + len(w.job.drafts)
+
     def run_step(self, works: list[Work]) -> None:
         """One llama_decode for every work; then commit each lane on its own.
 
         A failed decode raises (the caller fails those lanes); a lane whose commit
         fails gets ``job.error`` and the others go on.
         """
+        if self.speculation != "off":
+            self._propose(works)
         batch = self.ctx.batch
         batch.clear()
         # llama.cpp splits a batch of separate lanes into ubatches of consecutive lane
@@ -387,13 +466,17 @@ class Executor:
         for w in works:
             job, lane = w.job, w.job.lane
             assert lane is not None
+            toks = self._tokens(w)
             if job.prefilling:
-                toks = job.prompt[w.pos0: w.pos0 + w.n]
                 last = w.pos0 + w.n == len(job.prompt)
+                row = batch.add(lane.id, toks, w.pos0, logits_last=last)
+                w.row = row if last else -1
             else:
-                toks, last = np.array([job.pending], dtype=np.int32), True
-            row = batch.add(lane.id, toks, w.pos0, logits_last=last)
-            w.row = row if last else -1
+                if len(job.drafts) and self.staging:  # to undo what is rejected
+                    job.staged = bytes(self.ctx.save(lane.id, FLAGS_PARTIAL))
+                first = len(job.replay)
+                row = batch.add(lane.id, toks, w.pos0, logits_last=True, logits_from=first)
+                w.row = row - (len(toks) - 1 - first)
         self.ctx.decode()
         for w in works:
             try:
@@ -421,9 +504,62 @@ class Executor:
                 return
             job.t_first = time.perf_counter()
             job.stats.prefill_s = job.t_first - job.t_admitted
-        else:
-            lane.extend([job.pending])
+            self._take(job, w.row)
+            return
+        self._verify(w)
+
+    def _verify(self, w: Work) -> None:
+        """Commit a decoding lane's step: its replayed tokens and ``pending``, then each
+        draft while the token sampled before it equals it; roll back the rest."""
+        job, lane = w.job, w.job.lane
+        assert lane is not None
+        drafts = job.drafts
+        lane.extend(job.replay)
+        job.replay = _NONE
+        lane.extend([job.pending])
         self._take(job, w.row)
+        accepted = 0
+        for i, d in enumerate(drafts.tolist()):
+            if job.done or job.pending != d:
+                break
+            lane.extend([d])
+            accepted += 1
+            self._take(job, w.row + 1 + i)
+        job.drafts = _NONE
+        if not len(drafts):
+            return
+        job.stats.drafted += len(drafts)
+        job.stats.accepted += accepted
+        self.counters["spec_drafted"] += len(drafts)
+        self.counters["spec_accepted"] += accepted
+        self.counters["spec_verifications"] += 1
+        if accepted == len(drafts):
+            job.staged = None
+            return
+        self._reject(job, w.pos0)
+
+    def _reject(self, job: Job, pos0: int) -> None:
+        """Remove the rejected drafts from the lane's state (it holds ``lane.n`` accepted
+        tokens; the step decoded more from ``pos0``)."""
+        lane = job.lane
+        assert lane is not None
+        if not self.staging:
+            # attention, SWA (every cell kept), hybrid with n_rs_seq snapshots of this
+            # step's ubatch (fact 11: llama.cpp keeps a lane's last n_rs_seq + 1 tokens
+            # in one ubatch, and the rollback keeps its first token, ``pending``)
+            if not self.ctx.seq_rm(lane.id, lane.n, -1):
+                raise RuntimeError(f"lane {lane.id}: seq_rm refused to remove rejected drafts")
+            return
+        staged, job.staged = job.staged, None
+        assert staged is not None
+        kept = lane.tokens[pos0:].copy()
+        # fact 7: restore the partial state first, then cut the attention cells
+        if not (self.ctx.restore(lane.id, staged, FLAGS_PARTIAL)
+                and self.ctx.seq_rm(lane.id, pos0, -1)):
+            raise RuntimeError(f"lane {lane.id}: restoring the staged state failed")
+        lane.truncate(pos0)
+        self.counters["spec_replays"] += 1
+        job.replay = kept  # decoded again in the next step (or at the end), without logits
 
     def _publish(self, job: Job, role: Role, kind: Kind) -> None:
         assert job.lane is not None
@@ -483,6 +619,12 @@ class Executor:
         if lane is None:
             return
         try:
+            if len(job.replay) and job.finish_reason in ("stop", "length"):
+                # accepted tokens a rollback took out of the state: back in, so the
+                # reply's end is where the next turn starts
+                self.ctx.prefill(lane.id, job.replay, lane.n, logits_last=False)
+                lane.extend(job.replay)
+                job.replay = _NONE
             if job.finish_reason == "error":
                 self.clear(lane)
             elif (job.use_cache and lane.n > job.reuse and job.finish_reason != "cancelled"

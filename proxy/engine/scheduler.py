@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from proxy.engine.binding import Context, ContextParams, Model
+from proxy.engine.binding import Context, ContextParams, Model, supports_rs_rollback
+from proxy.engine.drafting import DraftModel
 from proxy.engine.executor import Executor, Job, Work
 from proxy.engine.outbox import Handoff, Outbox
 from proxy.engine.sampling import check_logit_bias
@@ -79,9 +80,15 @@ class Engine:
         step = ec.step_tokens or mc.n_batch
         if step < lanes:
             raise ValueError(f"engine.step_tokens ({step}) must hold one token per lane ({lanes})")
+        sc = cfg.speculative
+        n_rs_seq = mc.n_rs_seq
+        if sc.source != "off" and supports_rs_rollback(self.model):
+            # a verification's rejected drafts roll back through the hybrid memory's
+            # per-token snapshots: the drafts and the token before them
+            n_rs_seq = max(n_rs_seq, sc.draft_max + 1)
         self.params = ContextParams(n_ctx=n_ctx * lanes, n_seq_max=lanes,
                                     n_batch=max(step, mc.n_batch), n_ubatch=mc.n_ubatch,
-                                    n_rs_seq=mc.n_rs_seq, threads=mc.threads)
+                                    n_rs_seq=n_rs_seq, threads=mc.threads)
         self.ctx = Context(self.model, self.params)
         self.memory = self.ctx.describe_memory()
         self.n_ctx = self.ctx.n_ctx_seq
@@ -91,8 +98,15 @@ class Engine:
         if cfg.cache.enabled:
             self.pool = CheckpointPool(cfg.cache, self.model.fingerprint,
                                        state_format=state_format(self.params))
+        self.draft: DraftModel | None = None
+        if sc.source in ("draft", "auto") and mc.draft_path:
+            self.draft = DraftModel(Path(mc.draft_path).expanduser(), self.model, sc,
+                                    lanes=lanes, n_ctx=self.n_ctx, threads=mc.threads,
+                                    pool=self.pool, n_gpu_layers=mc.n_gpu_layers,
+                                    verbose=cfg.log.llama_verbose)
         self.counters: collections.Counter[str] = collections.Counter()
-        self.exec = Executor(self.ctx, self.memory, self.pool, cfg, self.counters)
+        self.exec = Executor(self.ctx, self.memory, self.pool, cfg, self.counters,
+                             draft=self.draft)
         self.tokenizer = Tokenizer(
             self.model, self.counters,
             ReplyMemory(size=8 * lanes) if cfg.cache.splice_generated else None)
@@ -121,6 +135,13 @@ class Engine:
             log.info("checkpoints: RAM %s, disk tier %s, remote tier %s",
                      format_size(cfg.cache.ram_budget), self.pool.disk_status,
                      self.pool.remote_status)
+        if self.exec.speculation != "off":
+            how = "a staged partial state" if self.exec.staging else (
+                f"n_rs_seq {self.memory.n_rs_seq}" if self.exec.rs_snapshots else "seq_rm")
+            what = "prompt lookup" if self.draft is None else \
+                f"draft model {Path(mc.draft_path).name} ({self.draft.memory.kind.value} memory)"
+            log.info("speculative decoding: %s, up to %d tokens a step; rejected drafts "
+                     "roll back by %s", what, sc.draft_max, how)
 
     # -- the HTTP side ----------------------------------------------------------------
 
@@ -180,6 +201,8 @@ class Engine:
         out["lanes"] = len(self.exec.lanes)
         if self.pool is not None:
             out["pool"] = self.pool.stats()
+        if self.draft is not None:
+            out.update(self.draft.counters)
         return out
 
     def health(self) -> dict[str, Any]:
@@ -217,6 +240,8 @@ class Engine:
                 self.pool.close()
             self.ctx.close()
             self.model.close()
+            if self.draft is not None:
+                self.draft.close()
 
     # -- the engine thread ------------------------------------------------------------
 
@@ -396,7 +421,7 @@ class Engine:
         works = self._plan_step([job for job, _ in active if not job.done])
         if works:
             n_decode = sum(1 for w in works if not w.job.prefilling)
-            n_tokens = sum(w.n for w in works)
+            n_prefill = sum(w.n for w in works if w.job.prefilling)
             t0 = time.perf_counter()
             try:
                 self.exec.run_step(works)
@@ -408,12 +433,12 @@ class Engine:
                     w.job.finish_reason = "error"
             else:
                 dt = time.perf_counter() - t0
-                self.timer.record(dt, n_decode, n_tokens - n_decode)
+                self.timer.record(dt, n_decode, n_prefill)
                 if self.pool is not None and not n_decode:  # the planner's prefill rate
-                    self.pool.costs.note_prefill(n_tokens, dt)
+                    self.pool.costs.note_prefill(n_prefill, dt)
                 c = self.counters
                 c["steps"] += 1
-                c["step_tokens"] += n_tokens
+                c["step_tokens"] += sum(w.n for w in works)
                 c["step_lane_work"] += len(works)
                 if len(works) > 1:
                     c["steps_multi_lane"] += 1
@@ -476,10 +501,12 @@ class Engine:
                   1000 * s.restore_s, 1000 * s.prefill_s, s.prefill_steps, 1000 * s.publish_s,
                   1000 * s.ttft_s)
         handoff = f" · hand-off {round(s.handoff_s * 1000)} ms" if s.handoff_s >= 0.0005 else ""
+        spec = (f" · drafted {s.drafted:,}, accepted {s.accepted:,} "
+                f"({100 * s.accepted / s.drafted:.0f}%)") if s.drafted else ""
         log.info("Done · input %s · cached %s · prefilled %s · output %s · TTFT %.2f s · "
                  "restore %d ms%s · checkpoints +%d (%s)%s",
                  f"{len(job.prompt):,}", f"{job.reuse:,}", f"{s.prefilled:,}", f"{completion:,}",
-                 s.ttft_s, round(s.restore_s * 1000), handoff, s.checkpoints_added,
+                 s.ttft_s, round(s.restore_s * 1000), handoff + spec, s.checkpoints_added,
                  format_size(s.checkpoint_bytes),
                  ("" if job.finish_reason in ("stop", "length") else f" · {job.finish_reason}")
                  + (f" · miss: {miss.describe()}" if miss is not None else ""))

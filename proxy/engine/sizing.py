@@ -13,6 +13,8 @@ from statecache.sizes import format_size
 def state_format(ctx_params: ContextParams) -> int:
     """Version of the bytes llama.cpp writes: states of another build never load."""
     key = f"{LLAMA_CPP_VERSION}|swa_full={ctx_params.swa_full}|kv=f16"
+    if ctx_params.n_rs_seq:  # a hybrid's states then carry its per-token snapshots
+        key += f"|n_rs_seq={ctx_params.n_rs_seq}"
     return xxhash.xxh32_intdigest(key.encode()) & 0x7FFFFFFF
 
 

@@ -67,11 +67,14 @@ def plan_step(jobs: list[Job], executor: Executor, timer: StepTimer, *, step_tok
     for ``MAX_STARVED`` steps goes first among them."""
     works: list[Work] = []
     decoding = [j for j in jobs if not j.prefilling]
-    for job in decoding:
-        w = executor.work_for(job, 1)
+    used = 0
+    for i, job in enumerate(decoding):
+        # room for drafts (speculative decoding), leaving one token to each lane after it
+        w = executor.work_for(job, step_tokens - used - (len(decoding) - i - 1))
         assert w is not None
         works.append(w)
-    budget = step_tokens - len(works)
+        used += w.n
+    budget = step_tokens - used
     prefilling = sorted((j for j in jobs if j.prefilling), key=lambda j: len(j.prompt) - j.pos)
     short = [j for j in prefilling if len(j.prompt) - j.pos <= SHORT_PREFILL]
     long = sorted((j for j in prefilling if len(j.prompt) - j.pos > SHORT_PREFILL),

@@ -35,6 +35,7 @@ class SamplingParams:
     # (open, close) of the template's reasoning block: when the prompt leaves the reply
     # inside one, the reply may reason first and the grammar applies after ``close``
     reasoning: tuple[str, str] | None = None
+    speculative: bool | None = None  # False: no drafting for this request
 
     @property
     def greedy(self) -> bool:
@@ -139,6 +140,8 @@ class RequestStats:
     checkpoints_added: int = 0
     checkpoint_bytes: int = 0
     decode_tps: float = 0.0
+    drafted: int = 0  # speculative decoding: tokens drafted and verified
+    accepted: int = 0  # ...of which the target accepted
 
 
 @dataclass(slots=True, frozen=True)

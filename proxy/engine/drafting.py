@@ -1,0 +1,292 @@
+"""Speculative decoding: where drafts come from, and a draft model kept in step.
+
+A decoding lane's share of a step becomes a verification: the token it sampled last
+plus up to ``speculative.draft_max`` drafted tokens, all with logits, in the same
+``llama_decode`` as every other lane (proxy/engine/executor.py checks them and rolls
+the rejected ones back). Drafts come from one of two sources:
+
+- **prompt lookup** (``source = "lookup"``): the longest n-gram (``lookup_max`` down
+  to ``lookup_min`` tokens) that ends the lane's tokens and occurred earlier in them,
+  in the prompt or in the reply so far, proposes the tokens that followed it there.
+  It needs no model, and pays off when a reply repeats what it was shown (an agent
+  re-emitting code it read).
+- **a draft model** (``source = "draft"``, ``model.draft_path``): a second, smaller
+  llama context with one lane per target lane. Before each step it decodes what it
+  lacks of its target lane's tokens (at most ``catch_up`` tokens a step, so a long
+  prompt or a restored state costs it a few steps, not a stall), then drafts greedily,
+  one batched decode per drafted position for all lanes, and stops a lane's draft
+  where its likeliest token's probability falls below ``draft_min_p``.
+
+Drafts are deterministic (a lookup, the draft's argmax: q(x) = 1), so the standard
+speculative-sampling rule (accept x with probability min(1, p(x)/q(x)) = p(x), else
+draw from max(0, p - q), i.e. p without x) is the same as drawing the target's token
+at each row with the request's own sampler chain and accepting while it equals the
+draft: the output distribution is the target's, greedy output is the target's argmax.
+
+The draft model's rollback (fact 13: llama-server's draft context cannot roll a
+hybrid draft back and keeps stale positions; here every ``seq_rm`` is checked):
+
+- plain attention or SWA draft: ``seq_rm``; nothing of it is ever saved (fact 9).
+- recurrent or hybrid draft: before drafting, the lane's recurrent state is staged
+  (a partial save in memory); a rejection restores it and cuts the tail (fact 7),
+  and the accepted tokens are decoded again with the next catch-up. Its checkpoints
+  are partial-only, taken where the target publishes one, kept per lane in the
+  pool (owner ``draft``), so a lane the target rolls back at a new turn finds the
+  draft's state there too. ``n_rs_seq`` snapshots cannot help a draft that decodes
+  one token per ``llama_decode`` (fact 11: a rollback must keep the first token of
+  the last ubatch).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from proxy.engine.binding import (
+    FLAGS_FULL,
+    FLAGS_PARTIAL,
+    Context,
+    ContextParams,
+    MemoryKind,
+    Model,
+)
+from proxy.engine.lanes import LaneSet
+from statecache.config import SpeculativeConfig
+from statecache.pages import common_prefix
+from statecache.pool import CheckpointPool
+from statecache.records import Kind, Owner, Role
+
+log = logging.getLogger(__name__)
+
+LOOKUP_WINDOW = 65536  # most recent tokens prompt lookup searches
+
+
+def lookup_draft(tokens: np.ndarray, k: int, n_max: int = 4, n_min: int = 2) -> np.ndarray:
+    """Prompt lookup: up to ``k`` tokens that followed the latest earlier occurrence of
+    the longest n-gram (``n_max`` down to ``n_min`` tokens) that ends ``tokens``."""
+    hist = tokens[-LOOKUP_WINDOW:]
+    n_tok = len(hist)
+    for n in range(min(n_max, n_tok - 1), n_min - 1, -1):
+        tail = hist[n_tok - n:]
+        # windows starting before the tail itself and followed by at least one token
+        win = sliding_window_view(hist[: n_tok - 1], n)
+        hits = np.flatnonzero((win == tail).all(axis=1))
+        hits = hits[hits + n < n_tok]
+        if hits.size:
+            start = int(hits[-1]) + n
+            return hist[start: start + k].astype(np.int32, copy=True)
+    return np.empty(0, dtype=np.int32)
+
+
+def check_same_vocab(target: Model, draft: Model) -> None:
+    """ValueError unless the draft tokenizes and detokenizes exactly as the target."""
+    if draft.n_vocab != target.n_vocab:
+        raise ValueError(f"the draft model's vocabulary has {draft.n_vocab:,} tokens, the "
+                         f"target's {target.n_vocab:,}: a draft must share the target's "
+                         "vocabulary")
+    for t in range(target.n_vocab):
+        if draft.token_bytes(t) != target.token_bytes(t):
+            raise ValueError(f"the draft model's token {t} is "
+                             f"{draft.token_bytes(t)!r}, the target's "
+                             f"{target.token_bytes(t)!r}: a draft must share the target's "
+                             "vocabulary")
+
+
+@dataclass(slots=True)
+class DraftAsk:
+    """What one target lane needs from the draft model this step."""
+
+    lane: int
+    tokens: np.ndarray  # the tokens the target lane will hold once this step's work is in
+    want: int  # tokens to draft after them (0: only keep up, e.g. while prefilling)
+    tenant: str = ""
+
+
+class DraftModel:
+    """A draft model's context: lane i follows target lane i. Engine thread only."""
+
+    def __init__(self, path: Path, target: Model, cfg: SpeculativeConfig, *, lanes: int,
+                 n_ctx: int, threads: int, pool: CheckpointPool | None,
+                 n_gpu_layers: int = -1, verbose: bool = False) -> None:
+        self.model = Model(path, n_gpu_layers=n_gpu_layers, verbose=verbose)
+        try:
+            check_same_vocab(target, self.model)
+            self.cfg = cfg
+            self.catch_up = max(cfg.catch_up, cfg.draft_max + 1)
+            n_batch = max(lanes * self.catch_up, 64)
+            self.ctx = Context(self.model, ContextParams(
+                n_ctx=n_ctx * lanes, n_seq_max=lanes, n_batch=n_batch, n_ubatch=n_batch,
+                n_rs_seq=0, threads=threads))
+        except BaseException:
+            self.model.close()
+            raise
+        self.memory = self.ctx.describe_memory()
+        self.recurrent = self.memory.kind in (MemoryKind.HYBRID, MemoryKind.RECURRENT)
+        self.lanes = LaneSet(lanes)
+        self.pool = pool
+        self._staged: list[tuple[int, bytes] | None] = [None] * lanes
+        self.counters = {"draft_tokens_decoded": 0, "draft_rollbacks": 0,
+                         "draft_restores": 0, "draft_clears": 0, "draft_checkpoints": 0,
+                         "draft_checkpoint_bytes": 0}
+
+    @property
+    def fingerprint(self) -> str:
+        return self.model.fingerprint
+
+    # -- keeping up -------------------------------------------------------------------
+
+    def propose(self, asks: list[DraftAsk]) -> dict[int, np.ndarray]:
+        """Bring each asked lane up to its target tokens (a chunk at most), then draft
+        ``want`` tokens for each lane that got there; lane -> drafts."""
+        batch = self.ctx.batch
+        batch.clear()
+        rows: dict[int, int] = {}
+        for ask in asks:
+            lane = self.lanes.lanes[ask.lane]
+            n = common_prefix(lane.tokens, ask.tokens)
+            if n < lane.n or lane.tenant != ask.tenant:
+                self._rollback(ask.lane, n if lane.tenant == ask.tenant else 0, ask)
+            missing = ask.tokens[lane.n: lane.n + self.catch_up]
+            if not len(missing):
+                continue
+            synced = lane.n + len(missing) == len(ask.tokens)
+            row = batch.add(ask.lane, missing, lane.n, logits_last=synced and ask.want > 0)
+            lane.extend(missing)
+            lane.tenant = ask.tenant
+            if synced and ask.want > 0:
+                rows[ask.lane] = row
+        if batch.n:
+            self.counters["draft_tokens_decoded"] += batch.n
+            self.ctx.decode()
+        out: dict[int, list[int]] = {}
+        for ask in asks:
+            if ask.lane in rows:
+                tok = self._pick(rows[ask.lane])
+                if tok >= 0:
+                    out[ask.lane] = [tok]
+                    if self.recurrent:
+                        self._stage(ask.lane)
+        want = {ask.lane: ask.want for ask in asks}
+        while True:
+            going = [ln for ln, d in out.items() if len(d) < want[ln] and d[-1] >= 0]
+            if not going:
+                break
+            batch.clear()
+            for ln in going:
+                lane = self.lanes.lanes[ln]
+                rows[ln] = batch.add(ln, [out[ln][-1]], lane.n, logits_last=True)
+                lane.extend([out[ln][-1]])
+            self.counters["draft_tokens_decoded"] += batch.n
+            self.ctx.decode()
+            for ln in going:
+                out[ln].append(self._pick(rows[ln]))
+        return {ln: np.array([t for t in d if t >= 0], dtype=np.int32)
+                for ln, d in out.items()}
+
+    def _pick(self, row: int) -> int:
+        """The draft's likeliest token, or -1 when its probability is below draft_min_p."""
+        logits = self.ctx.logits_view(row)
+        tok = int(np.argmax(logits))
+        if self.cfg.draft_min_p > 0:
+            top = float(logits[tok])
+            p = 1.0 / float(np.exp(logits.astype(np.float64) - top).sum())
+            if p < self.cfg.draft_min_p:
+                return -1
+        return tok
+
+    # -- rolling back -----------------------------------------------------------------
+
+    def _stage(self, lane_id: int) -> None:
+        lane = self.lanes.lanes[lane_id]
+        self._staged[lane_id] = (lane.n, bytes(self.ctx.save(lane_id, FLAGS_PARTIAL)))
+
+    def _rollback(self, lane_id: int, n: int, ask: DraftAsk) -> None:
+        """Cut draft lane ``lane_id`` back to at most ``n`` tokens."""
+        lane = self.lanes.lanes[lane_id]
+        self.counters["draft_rollbacks"] += 1
+        if n > 0 and not self.recurrent:
+            if self.ctx.seq_rm(lane_id, n, -1):
+                lane.truncate(n)
+                return
+        elif n > 0:
+            staged = self._staged[lane_id]
+            if staged is not None and staged[0] <= n and self._restore(lane_id, staged[1],
+                                                                        staged[0]):
+                return
+            if self._restore_checkpoint(lane_id, n, ask):
+                return
+        self.clear(lane_id)
+
+    def _restore(self, lane_id: int, data: bytes | memoryview, n: int) -> bool:
+        lane = self.lanes.lanes[lane_id]
+        # fact 7: the partial state first, then the attention cells past it
+        if self.ctx.restore(lane_id, data, FLAGS_PARTIAL) and self.ctx.seq_rm(lane_id, n, -1):
+            lane.truncate(n)
+            self._drop_above(lane_id, n)
+            return True
+        return False
+
+    def _restore_checkpoint(self, lane_id: int, n: int, ask: DraftAsk) -> bool:
+        if self.pool is None:
+            return False
+        tokens = ask.tokens[:n]
+        chain = self.pool.chain(tokens, ask.tenant)
+        lease = self.pool.lookup(tokens, chain, kind=Kind.PARTIAL, owner=Owner.DRAFT,
+                                 lane=lane_id, max_n=n, tenant=ask.tenant)
+        if lease is None:
+            return False
+        with lease:
+            m = lease.record.n
+            lane = self.lanes.lanes[lane_id]
+            if lane.n < m or not np.array_equal(lane.tokens[:m], tokens[:m]):
+                return False  # the draft lane no longer holds the cells below it
+            ok = self._restore(lane_id, lease.data, m)
+        if ok:
+            self.counters["draft_restores"] += 1
+        return ok
+
+    def _drop_above(self, lane_id: int, n: int) -> None:
+        staged = self._staged[lane_id]
+        if staged is not None and staged[0] > n:
+            self._staged[lane_id] = None
+        if self.pool is not None:
+            self.pool.drop_lane(lane_id, above=n, owner=Owner.DRAFT)
+
+    def clear(self, lane_id: int) -> None:
+        self.counters["draft_clears"] += 1
+        self.ctx.clear_lane(lane_id)
+        self.lanes.lanes[lane_id].clear()
+        self._drop_above(lane_id, -1)
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def checkpoint(self, lane_id: int, tokens: np.ndarray, tenant: str, role: Role) -> int:
+        """Where the target publishes a checkpoint after ``tokens``: keep the draft lane's
+        partial state there too, if it holds exactly those tokens (a plain-attention
+        draft keeps nothing: ``seq_rm`` rolls it back). Returns the bytes stored."""
+        lane = self.lanes.lanes[lane_id]
+        if (self.pool is None or not self.recurrent or lane.n != len(tokens) or lane.n == 0
+                or lane.tenant != tenant or not np.array_equal(lane.tokens, tokens)):
+            return 0
+        data = self.ctx.save(lane_id, FLAGS_PARTIAL)
+        rec = self.pool.insert(kind=Kind.PARTIAL, owner=Owner.DRAFT, lane=lane_id,
+                               tokens=lane.tokens, role=role, data=data, tenant=tenant)
+        if rec is None:
+            return 0
+        self.counters["draft_checkpoints"] += 1
+        self.counters["draft_checkpoint_bytes"] += rec.nbytes
+        return rec.nbytes
+
+    def state_bytes(self, lane_id: int) -> tuple[int, int]:
+        """(full, partial) bytes of the draft lane's state now: what a checkpoint of it
+        would cost without and with the partial-only rule."""
+        return (self.ctx.state_size(lane_id, FLAGS_FULL),
+                self.ctx.state_size(lane_id, FLAGS_PARTIAL) if self.recurrent else 0)
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()
