@@ -420,7 +420,7 @@ class RemoteTier:
             out.update(("remote_" + k.replace(".", "_").replace("-", "_"), v)
                        for k, v in self.counts.items())
             out["remote_up"] = int(self._up)
-            out["remote_queue"] = len(self._jobs)
+            out["remote_queue"] = len(self._jobs) + int(self._busy)
             out["remote_queue_bytes"] = self._queued_bytes
             return out
 
