@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import secrets
+import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -91,6 +92,11 @@ log = logging.getLogger(__name__)
 MAX_BODY = 8 * 1024 * 1024
 DEFAULT_MAX_TOKENS = 2048
 TENANT_HEADER = "X-Statecache-Tenant"
+# Routing by conversation (README, "Several machines"): a load balancer hashes this
+# header, which clients set to a stable id per conversation; every response echoes it
+# and names the proxy that answered.
+SESSION_HEADER = "X-Statecache-Session"
+PROXY_HEADER = "X-Statecache-Proxy"
 
 
 class EngineLike(Protocol):
@@ -540,6 +546,15 @@ async def get_checkpoint(request: web.Request) -> web.Response:
     return web.json_response(found)
 
 
+async def _routing_headers(request: web.Request, resp: web.StreamResponse) -> None:
+    session = request.headers.get(SESSION_HEADER)
+    if session is not None and len(session) <= 256:
+        resp.headers[SESSION_HEADER] = session
+    sock = request.transport.get_extra_info("sockname") if request.transport else None
+    port = sock[1] if isinstance(sock, tuple) and len(sock) > 1 else ""
+    resp.headers[PROXY_HEADER] = f"{socket.gethostname()}:{port}"
+
+
 def create_app(engine: EngineLike, *, admin: bool = True,
                template_path: str | Path | None = None,
                limits: Limits | None = None, access: Access | None = None,
@@ -560,6 +575,7 @@ def create_app(engine: EngineLike, *, admin: bool = True,
     app[SEEN] = SeenConversations(page=page_size)
     app[VOLATILE] = Volatile(volatile)
     app[STARTED] = int(time.time())
+    app.on_response_prepare.append(_routing_headers)
     log.info("chat template: %s", app[TEMPLATE].origin)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

@@ -138,6 +138,12 @@ async def test_a_conversation_moves_to_another_proxy(
         other = await ask(_client(b, "mallory"), t2.messages, s.max_tokens,
                           tools=s.kwargs["tools"])
         assert other["cached_tokens"] == 0
+        # The routing header: echoed, beside the name of the proxy that answered.
+        req = urllib.request.Request(f"{b.url}/v1/models",
+                                     headers={"X-Statecache-Session": "conv-7"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.headers["X-Statecache-Session"] == "conv-7"
+            assert r.headers["X-Statecache-Proxy"].endswith(f":{b.port}")
         log_b = _log(b)
     started = [ln for ln in log_b.splitlines() if "Started" in ln]
     assert "remote)" in started[0] and "est. remote" in started[0], started[0]
