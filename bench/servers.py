@@ -67,7 +67,8 @@ def free_port() -> int:
 
 
 def _command(system: str, model: ModelSpec, port: int, n_ctx: int, lanes: int,
-             scratch: Path) -> list[str]:
+             scratch: Path, extra_config: str = "", extra_args: tuple[str, ...] = ()
+             ) -> list[str]:
     py = sys.executable
     if system in ("statecache", "no-cache"):
         cfg = scratch / "statecache.toml"
@@ -76,10 +77,10 @@ def _command(system: str, model: ModelSpec, port: int, n_ctx: int, lanes: int,
             f'n_ubatch = {N_BATCH}\nthreads = {THREADS}\n'
             f'[server]\nlanes = {lanes}\n'
             # a fresh disk tier per start: no run may hit another run's checkpoints
-            f'[cache]\ndisk_path = "{scratch / "checkpoints"}"\n')
+            f'[cache]\ndisk_path = "{scratch / "checkpoints"}"\n' + extra_config)
         cmd = [str(Path(py).parent / "statecache"), "serve", "--config", str(cfg),
                "--host", "127.0.0.1", "--port", str(port)]
-        return cmd + (["--no-cache"] if system == "no-cache" else [])
+        return cmd + (["--no-cache"] if system == "no-cache" else []) + list(extra_args)
     if system == "llama_cpp.server":
         if lanes != 1:
             raise ValueError("llama_cpp.server has one slot")
@@ -126,13 +127,16 @@ def _health_path(system: str) -> str:
 
 @contextlib.contextmanager
 def running(system: str, model: ModelSpec, *, n_ctx: int, lanes: int, log_dir: Path,
-            timeout: float = 300.0) -> Iterator[Server]:
-    """Start ``system``, wait until it answers, yield it, always kill it."""
+            timeout: float = 300.0, extra_config: str = "", extra_args: tuple[str, ...] = (),
+            tag: str = "") -> Iterator[Server]:
+    """Start ``system``, wait until it answers, yield it, always kill it.
+    ``extra_config``: TOML tables appended to statecache's config; ``extra_args``: flags
+    of ``statecache serve``."""
     scratch = Path(tempfile.mkdtemp(prefix=f"bench-{system}-"))
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{system}-{model.label}-{lanes}lane-{port}.log"
-    cmd = _command(system, model, port, n_ctx, lanes, scratch)
+    log_path = log_dir / f"{system}{tag}-{model.label}-{lanes}lane-{port}.log"
+    cmd = _command(system, model, port, n_ctx, lanes, scratch, extra_config, extra_args)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                 start_new_session=True)

@@ -77,6 +77,22 @@ RULES: tuple[Rule, ...] = (
                                         "Remote offers the planner picked that could not be "
                                         "used (refused or gone).")),
     Rule(r"pool\.remote_(?P<event>[a-z_]+)", _REMOTE),
+    Rule(r"spec_(?P<what>drafted|accepted)", Family(
+        "statecache_speculative_tokens_total", "counter",
+        "Speculative decoding: tokens drafted, and those the target accepted.")),
+    Rule(r"spec_verifications", Family(
+        "statecache_speculative_verifications_total", "counter",
+        "Decode steps of a lane that verified drafts.")),
+    Rule(r"spec_replays", Family(
+        "statecache_speculative_replays_total", "counter",
+        "Rejections undone by restoring a staged state (memories without rollback).")),
+    Rule(r"draft_(?P<event>rollbacks|restores|clears|checkpoints)", Family(
+        "statecache_draft_lane_events_total", "counter",
+        "The draft model's lanes: rollbacks, restores of its partial checkpoints, clears, "
+        "checkpoints saved.")),
+    Rule(r"draft_(?P<what>tokens_decoded|checkpoint_bytes)", Family(
+        "statecache_draft_total", "counter",
+        "The draft model: tokens it decoded, bytes of its partial checkpoints saved.")),
     Rule(r"pool\.prefill_tps", Family("statecache_prefill_tokens_per_second", "gauge",
                                       "Measured prefill rate the planner uses (0: not yet).")),
     Rule(r"pool\.bandwidth_(?P<tier>[a-z]+)", Family(

@@ -5,13 +5,15 @@ without drafting and without caching (the near-tie rule: the batch schedule chan
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from proxy.api.app import ENGINE
-from tests.http.agent import Session, ask, tool_result, user_message
+from tests.http.agent import Session, ask, assert_same_or_near_tie, tool_result, user_message
 from tests.http.conftest import DoneLines, serve
 from tests.http.test_sessions import NEAR_TIE, _check_follow_ups, _same_as_cold
 
@@ -66,7 +68,6 @@ async def test_prompt_lookup_pays_off_when_the_reply_repeats_the_prompt(
     assert verifications < got["completion_tokens"] * 0.7
     async with serve(gemma_path, tmp_path / "plain", cache__enabled=False) as plain:
         cold = await ask(plain.client, messages, 96)
-    from tests.http.agent import assert_same_or_near_tie
     assert_same_or_near_tie(got["tokens"], cold["tokens"], NEAR_TIE["gemma"])
 
 
@@ -97,6 +98,11 @@ async def test_a_request_can_turn_drafting_off(spec_target_path: Path, spec_draf
             model="x", messages=[{"role": "user", "content": "Copy: " + CODE}],
             max_tokens=48, temperature=0)
         assert _spec(srv.app[ENGINE].metrics())[0] > 0
+        async with aiohttp.ClientSession() as http, http.get(srv.url + "/metrics") as resp:
+            text = await resp.text()
+        drafted = re.search(r'^statecache_speculative_tokens_total\{what="drafted"\} (\S+)$',
+                            text, re.M)
+        assert drafted is not None and float(drafted[1]) > 0, text
         # a wrong type is a 400, not a crash
         import openai
         with pytest.raises(openai.BadRequestError) as e:
@@ -163,3 +169,38 @@ async def test_a_draft_with_another_vocabulary_is_refused(
         async with serve(gemma_path, tmp_path / "ckpt", model__draft_path=str(draft_path),
                          speculative__source="draft"):
             pass
+
+
+async def test_restored_session_keeps_drafting(spec_target_path: Path, spec_draft_path: Path,
+                                               tmp_path: Path, done_lines: DoneLines) -> None:
+    # One lane: a second conversation between the turns takes the lane, so each turn of
+    # the first starts from a FULL checkpoint restored into a lane whose draft holds the
+    # other conversation; the draft catches up by prefilling what it lacks. Against the
+    # same session on a server where nothing else runs: the same answers, and about the
+    # same acceptance.
+    spec = {"speculative__source": "draft", "model__draft_path": str(spec_draft_path)}
+
+    async def session(srv: Any, interleave: bool) -> tuple[Session, float]:
+        s = Session(srv.client, max_tokens=64)
+        other = Session(srv.client, system="Another conversation entirely. " * 20,
+                        max_tokens=16)
+        await s.turn()
+        for k in (1, 2):
+            if interleave:
+                await other.turn(user_message(k) if k > 1 else None)
+            await s.turn(user_message(k) if k % 2 else tool_result(k))
+        drafted, accepted, _ = _spec(srv.app[ENGINE].metrics())
+        return s, accepted / drafted
+
+    async with serve(spec_target_path, tmp_path / "a", server__lanes=1, **spec) as srv:
+        restored, rate = await session(srv, interleave=True)
+        m = srv.app[ENGINE].metrics()
+    assert m.get("hits.ram.end-of-reply", 0) + m.get("hits.ram.replay", 0) >= 2, m
+    assert m["draft_clears"] > 0, m  # the draft lane held the other conversation
+    async with serve(spec_target_path, tmp_path / "b", server__lanes=1, **spec) as srv:
+        alone, rate_alone = await session(srv, interleave=False)
+    for a, b in zip(restored.turns, alone.turns, strict=True):
+        assert_same_or_near_tie(a.tokens, b.tokens, NEAR_TIE["hybrid"])
+    print(f"acceptance restored {rate:.3f}, alone {rate_alone:.3f}")
+    assert abs(rate - rate_alone) <= 0.1, (rate, rate_alone)
+    await _same_as_cold(spec_target_path, tmp_path, restored.turns, 64, NEAR_TIE["hybrid"])

@@ -1,0 +1,237 @@
+"""Speculative decoding: decode tokens/s with and without each draft source, on each target
+memory kind, through the server (one streaming request at a time, greedy), side by side
+in one run; the acceptance rate; and the bytes a checkpoint of the draft costs with and
+without the partial-only rule.
+
+    python -m bench.speculative --json results/speculative.json            # tiny models
+    python -m bench.speculative --full --json results/speculative.json     # + bench size
+
+Two workloads: ``chat`` (a prose question, 128 tokens) and ``code-edit`` (a file and a
+request to re-emit it with one change, 256 tokens: prompt lookup's case). The synthetic
+models answer with random characters, so lookup finds little to draft there: they show
+its overhead, the draft pairs made by tools/synth_gguf.py (a target and its first
+layers) show a draft model, and the real models (SmolLM2, Gemma 3) show lookup on code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.harness import _sse_lines
+from bench.servers import ROOT, ModelSpec, running
+
+MODELS = ROOT / "models"
+CODE_FILE = ROOT / "statecache" / "pages.py"
+
+
+@dataclass(slots=True, frozen=True)
+class Target:
+    label: str  # its memory kind, for the table
+    model: ModelSpec
+    draft: Path | None = None  # a draft model for it, if there is one
+
+
+def _real(which: str) -> Path:
+    out = subprocess.run([sys.executable, "-m", "proxy.models", which], cwd=ROOT, check=True,
+                         capture_output=True, text=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def targets(full: bool) -> list[Target]:
+    def synth(name: str) -> Path:
+        subprocess.run([sys.executable, "-m", "tools.synth_gguf", name, "--out", str(MODELS)],
+                       cwd=ROOT, check=True, capture_output=True)
+        from tools.synth_gguf import path_for
+        return path_for(name, MODELS)
+
+    out = [
+        Target("hybrid, n_rs_seq rollback", ModelSpec("hybrid-tiny", synth("hybrid"), False)),
+        Target("hybrid without rollback (jamba)",
+               ModelSpec("norollback-tiny", synth("norollback"), False)),
+        Target("plain attention", ModelSpec("draft-tiny", synth("draft"), False)),
+        Target("hybrid + its first layers", ModelSpec("spec-target-tiny", synth("spec-target"),
+                                                      False), synth("spec-draft")),
+        Target("plain attention (SmolLM2-135M)", ModelSpec("smollm2-135m", _real("default"),
+                                                           False)),
+    ]
+    if full:
+        out += [
+            Target("SWA (Gemma 3 270M)", ModelSpec("gemma-3-270m", _real("gemma"), True)),
+            Target("hybrid 0.8B + its first layers",
+                   ModelSpec("spec-target-bench", synth("spec-target-bench"), False),
+                   synth("spec-draft-bench")),
+        ]
+    return out
+
+
+def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, float]:
+    body = {"model": "bench", "messages": messages, "stream": True, "temperature": 0.0,
+            "max_tokens": max_tokens, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    t_first = 0.0
+    usage: dict[str, Any] = {}
+    for line in _sse_lines(url, body, "/v1/chat/completions"):
+        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+            continue
+        obj = json.loads(line[5:])
+        usage = obj.get("usage") or usage
+        for ch in obj.get("choices") or []:
+            d = ch.get("delta") or {}
+            if not t_first and (d.get("content") or d.get("reasoning_content")):
+                t_first = time.perf_counter()
+    t_end = time.perf_counter()
+    n = int(usage.get("completion_tokens", 0))
+    span = t_end - (t_first or t0)
+    return {"tokens": n, "ttft_s": (t_first or t_end) - t0,
+            "decode_tps": (n - 1) / span if n > 1 and span > 0 else 0.0}
+
+
+_METRIC = re.compile(r'^statecache_speculative_tokens_total\{what="(drafted|accepted)"\}\s+'
+                     r"([0-9.e+]+)$", re.M)
+
+
+def _spec_counts(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {f"spec_{m[1]}": float(m[2]) for m in _METRIC.finditer(text)}
+
+
+def workloads(code_lines: int) -> dict[str, tuple[list[dict[str, str]], int]]:
+    code = "\n".join(CODE_FILE.read_text().splitlines()[:code_lines])
+    return {
+        "chat": ([{"role": "user", "content": "Explain in a few paragraphs why a recurrent "
+                   "state cannot be rolled back by truncating a cache, and what a "
+                   "checkpoint does instead."}], 128),
+        "code-edit": ([{"role": "user", "content": "Here is a Python file:\n\n```python\n"
+                        + code + "\n```\n\nRewrite the whole file with the function "
+                        "common_prefix renamed to shared_prefix. Output only the code."}], 256),
+    }
+
+
+def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
+    sources = ["off", "lookup"] + (["draft"] if t.draft is not None else [])
+    out: dict[str, Any] = {"kind": t.label, "model": t.model.label}
+    for source in sources:
+        extra = f'[speculative]\nsource = "{source}"\ndraft_max = {args.draft_max}\n'
+        if source == "draft":
+            extra += "draft_min_p = 0.0\n"
+        flags = ("--draft", str(t.draft)) if source == "draft" and t.draft else ()
+        res: dict[str, Any] = {}
+        with running("statecache", t.model, n_ctx=4096, lanes=1, log_dir=Path(args.log_dir),
+                     extra_config=extra, extra_args=flags, tag=f"-spec-{source}") as srv:
+            _chat(srv.url, [{"role": "user", "content": "Hi"}], 8)  # warm-up
+            for name, (messages, max_tokens) in workloads(args.code_lines).items():
+                before = _spec_counts(srv.url)
+                runs = [_chat(srv.url, messages, max_tokens) for _ in range(args.repeats)]
+                after = _spec_counts(srv.url)
+                drafted = after.get("spec_drafted", 0) - before.get("spec_drafted", 0)
+                accepted = after.get("spec_accepted", 0) - before.get("spec_accepted", 0)
+                res[name] = {
+                    "decode_tps": statistics.median(r["decode_tps"] for r in runs),
+                    "tokens": runs[0]["tokens"],
+                    "drafted": drafted, "accepted": accepted,
+                    "acceptance": accepted / drafted if drafted else None,
+                }
+        out[source] = res
+    for name in workloads(args.code_lines):
+        base = out["off"][name]["decode_tps"]
+        for source in sources[1:]:
+            out[source][name]["speedup"] = out[source][name]["decode_tps"] / base if base else None
+    return out
+
+
+def draft_checkpoint_bytes(model: Path, tokens: int) -> dict[str, Any]:
+    """Bytes of one checkpoint of a draft lane holding ``tokens`` tokens: its full state
+    (what a checkpoint costs without the rule) against what statecache keeps (the
+    partial state of a recurrent draft, nothing for a plain-attention draft)."""
+    import numpy as np
+
+    from proxy.engine.binding import (
+        FLAGS_FULL,
+        FLAGS_PARTIAL,
+        Context,
+        ContextParams,
+        MemoryKind,
+        Model,
+        init_backend,
+    )
+
+    init_backend()
+    with Model(model) as m, Context(m, ContextParams(n_ctx=tokens + 64, n_batch=512,
+                                                      n_ubatch=512)) as ctx:
+        ctx.prefill(0, np.arange(tokens, dtype=np.int32) % 200 + 10, 0, logits_last=False)
+        full = ctx.state_size(0, FLAGS_FULL)
+        recurrent = m.is_hybrid or m.is_recurrent
+        kept = ctx.state_size(0, FLAGS_PARTIAL) if recurrent else 0
+    return {"model": model.name, "tokens": tokens,
+            "memory": "recurrent/hybrid" if recurrent else MemoryKind.ATTENTION.value,
+            "full_bytes": full, "kept_bytes": kept}
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    lines = ["| target (memory) | model | workload | source | decode tok/s | vs off | "
+             "drafted | accepted | acceptance |", "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for t in result["targets"]:
+        if "error" in t:
+            lines.append(f"| {t['kind']} | {t['model']} | failed: {t['error'][:80]} |||||||")
+            continue
+        for source in ("off", "lookup", "draft"):
+            if source not in t:
+                continue
+            for name, r in t[source].items():
+                acc = f"{100 * r['acceptance']:.0f}%" if r.get("acceptance") is not None else "-"
+                sp = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+                lines.append(f"| {t['kind']} | {t['model']} | {name} | {source} | "
+                             f"{r['decode_tps']:.1f} | {sp} | {int(r['drafted'])} | "
+                             f"{int(r['accepted'])} | {acc} |")
+    lines += ["", "Draft checkpoints (one lane at the given length): full state, against what "
+              "statecache keeps (partial-only for a recurrent draft, nothing for a "
+              "plain-attention draft):", "",
+              "| draft | memory | tokens | full state | kept |", "|---|---|---:|---:|---:|"]
+    for c in result["checkpoints"]:
+        lines.append(f"| {c['model']} | {c['memory']} | {c['tokens']:,} | "
+                     f"{c['full_bytes']:,} | {c['kept_bytes']:,} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.speculative")
+    p.add_argument("--json", default="results/speculative.json")
+    p.add_argument("--full", action="store_true", help="also Gemma 3 and the bench-size pair")
+    p.add_argument("--draft-max", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--code-lines", type=int, default=40)
+    p.add_argument("--log-dir", default="results/logs")
+    a = p.parse_args(argv)
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "draft_max": a.draft_max,
+                              "targets": [], "checkpoints": []}
+    ts = targets(a.full)
+    for t in ts:
+        try:
+            result["targets"].append(run_target(t, a))
+        except Exception as e:  # one broken target must not end the benchmark
+            result["targets"].append({"kind": t.label, "model": t.model.label,
+                                      "error": f"{type(e).__name__}: {e}"})
+    for t in ts:
+        if t.draft is not None:
+            for n in (2000, 8000):
+                result["checkpoints"].append(draft_checkpoint_bytes(t.draft, n))
+    result["checkpoints"].append(draft_checkpoint_bytes(MODELS / "draft-tiny.gguf", 2000))
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(result, indent=1))
+    print("\n".join(table(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
