@@ -282,6 +282,10 @@ def write(out_dir: Path, prof: Profile, systems: tuple[str, ...], res: Results) 
         lines += ["## Batched steps under load", ""] + _batching(res.batching) + [""]
     if res.subagents:
         lines += ["## Subagents sharing a system prompt", ""] + _subagents(res.subagents) + [""]
+    if res.remote:
+        from bench.remote import markdown
+
+        lines += ["## Several proxies sharing a store", ""] + markdown(res.remote) + [""]
     if res.micro:
         lines += ["## Micro-benchmarks", ""] + _micro(res.micro) + [""]
     lines += ["## Wall time per part", ""]

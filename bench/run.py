@@ -72,6 +72,7 @@ class Profile:
     load_model: Path = Path()
     batching_args: tuple[str, ...] = ()
     subagent_args: tuple[str, ...] = ()
+    remote_args: tuple[str, ...] = ()  # bench.remote (the shared tier), on load_model
 
 
 def _gemma() -> Path:
@@ -92,7 +93,9 @@ def profiles(quick: bool) -> Profile:
                        load_model=tiny.path,
                        batching_args=("--long", "2000", "--out-tokens", "64", "--repeats", "1",
                                       "--n-ctx", "4096"),
-                       subagent_args=("--system-chars", "1500"))
+                       subagent_args=("--system-chars", "1500"),
+                       remote_args=("--contexts", "100,300", "--repeats", "1", "--turns", "3",
+                                    "--state-mib", "16"))
     gemma = _gemma()
     bench = ModelSpec("hybrid-0.8B", models / "hybrid-bench.gguf", is_gemma=False)
     return Profile("full", (Part(bench, 0.05), Part(ModelSpec("gemma-3-270m", gemma, True), 0.25)),
@@ -102,7 +105,9 @@ def profiles(quick: bool) -> Profile:
                                "--repeats", "5"),
                    load_model=models / "hybrid-mid.gguf",
                    batching_args=("--long", "8000", "--out-tokens", "256", "--repeats", "3"),
-                   subagent_args=("--system-chars", "6000"))
+                   subagent_args=("--system-chars", "6000"),
+                   remote_args=("--contexts", "300,1500", "--repeats", "3", "--turns", "6",
+                                "--state-mib", "256"))
 
 
 @dataclass(slots=True)
@@ -113,6 +118,7 @@ class Results:
     micro: dict[str, Any] | None = None
     batching: dict[str, Any] | None = None
     subagents: dict[str, Any] | None = None
+    remote: dict[str, Any] | None = None  # bench.remote
     llama_server: str = ""
 
 
@@ -223,6 +229,21 @@ def _load_parts(prof: Profile, res: Results, out_dir: Path, systems: tuple[str, 
         res.timings[name] = time.monotonic() - t0
 
 
+def _remote(prof: Profile, res: Results, out_dir: Path) -> None:
+    """bench.remote: proxies sharing a Valkey store, in its own process."""
+    path = out_dir / "remote.json"
+    cmd = [sys.executable, "-m", "bench.remote", "--model", str(prof.load_model), "--json",
+           str(path), "--log-dir", str(out_dir / "logs"), *prof.remote_args]
+    t0 = time.monotonic()
+    try:
+        subprocess.run(cmd, cwd=ROOT, check=True)
+        res.remote = json.loads(path.read_text())
+    except Exception as e:
+        traceback.print_exc()
+        res.notes.append(f"remote failed: {e}")
+    res.timings["remote"] = time.monotonic() - t0
+
+
 def run(prof: Profile, out_dir: Path, systems: tuple[str, ...]) -> Results:
     res = Results()
     log_dir = out_dir / "logs"
@@ -240,6 +261,8 @@ def run(prof: Profile, out_dir: Path, systems: tuple[str, ...]) -> Results:
             res.timings[f"{part.model.label} / {system}"] = time.monotonic() - t0
             log.info("%s / %s: %.0f s", part.model.label, system, time.monotonic() - t0)
     _load_parts(prof, res, out_dir, systems)
+    if "statecache" in systems and prof.remote_args:
+        _remote(prof, res, out_dir)
     try:
         _micro(prof, res, out_dir)
     except Exception as e:
