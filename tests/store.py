@@ -73,3 +73,36 @@ class Store:
             self.proc.kill()
             self.proc.wait()
         self.proc = None
+
+
+class Cluster:
+    """Three primaries of a Redis/Valkey cluster (no replicas), slots split evenly."""
+
+    def __init__(self, directory: Path) -> None:
+        self.nodes = [Store(directory / f"n{i}", "--cluster-enabled", "yes",
+                            "--cluster-config-file", f"nodes-{i}.conf",
+                            "--cluster-node-timeout", "2000") for i in range(3)]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self) -> Cluster:
+        for n in self.nodes:
+            n.start()
+        for i, n in enumerate(self.nodes):
+            lo, hi = i * 16384 // 3, (i + 1) * 16384 // 3 - 1
+            n.client().execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+        first = self.nodes[0].client()
+        for n in self.nodes[1:]:
+            first.execute_command("CLUSTER", "MEET", "127.0.0.1", n.port)
+        deadline = time.monotonic() + 20
+        while not all(b"cluster_state:ok" in n.client().execute_command("CLUSTER", "INFO")
+                      for n in self.nodes):
+            assert time.monotonic() < deadline, "the cluster did not form"
+            time.sleep(0.1)
+        return self
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()

@@ -250,3 +250,44 @@ def test_inspect_and_purge_the_remote_tier(proxy, store: Store, tmp_path: Path, 
     assert main([*older, "36500d"]) == 0 and "removed 0" in capsys.readouterr().out
     assert main([*older, "1d"]) == 0 and "removed 1" in capsys.readouterr().out
     assert store.client().dbsize() == 0  # header, chunks and index: nothing left behind
+
+
+def test_a_cluster_serves_as_one_store(tmp_path: Path) -> None:
+    # Entries keep their keys on one node (a hash tag); the index spreads over all three,
+    # and the lookup's pipeline crosses them.
+    from tests.store import Cluster
+
+    cluster = Cluster(tmp_path / "cluster").start()
+    pools: list[CheckpointPool] = []
+    try:
+        for name in ("a", "b"):
+            rc = RemoteConfig(url=cluster.url, cluster=True, chunk_size=4096, timeout=2.0)
+            cfg = CacheConfig(page_size=4, ram_budget=1 << 20, disk_path=str(tmp_path / name),
+                              secret_path=str(tmp_path / "keys" / "k"), remote=rc)
+            pools.append(CheckpointPool(cfg, FP, clock=Clock()))
+        a, b = pools
+        for i in range(6):  # states of six conversations: their ids hash to all nodes
+            put(a, [300 + i] + T[:12], STATE)
+        _sync(a)
+        assert a.stats()["remote_writes"] == 6
+        per_node = [n.client().dbsize() for n in cluster.nodes]
+        assert all(k > 0 for k in per_node), per_node
+        for i in range(6):
+            prompt = [300 + i] + T[:20]
+            [offer] = _remote_offers(b, prompt)
+            lease = _take(b, offer, prompt)
+            assert lease is not None and bytes(lease.data) == STATE
+            lease.close()
+        # inspect/purge see every node's entries
+        from statecache.remoteadmin import RemoteAdmin
+
+        admin = RemoteAdmin(cluster.url, cluster=True, page_size=4)
+        rows, bad = admin.rows()
+        assert (len(rows), bad) == (6, [])
+        for r in rows:
+            admin.delete(r)
+        assert sum(n.client().dbsize() for n in cluster.nodes) == 0
+    finally:
+        for p in pools:
+            p.close()
+        cluster.stop()
