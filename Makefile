@@ -30,8 +30,8 @@ check: install
 
 # The 0.8B-class and mid hybrids are generated once (slow); skipped when present.
 bench: install models
-	$(PY) -m tools.synth_gguf bench --out models
-	$(PY) -m tools.synth_gguf mid --out models
+	$(PY) -m tools.synth_gguf bench bench-draft --out models
+	$(PY) -m tools.synth_gguf mid mid-draft --out models
 	$(PY) -m bench.run $(BENCH_ARGS)
 
 clean-models:
