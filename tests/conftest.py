@@ -48,3 +48,27 @@ def spec_target_path() -> Path:
 def spec_draft_path() -> Path:
     """...and its first layers with the same head: a draft that agrees with it."""
     return _synth("spec-draft")
+
+
+@pytest.fixture(scope="session")
+def spec_llama_target_path() -> Path:
+    """Plain attention (llama): draft-tiny's layers plus damped ones..."""
+    return _synth("spec-llama-target")
+
+
+@pytest.fixture(scope="session")
+def spec_llama_draft_path() -> Path:
+    """...and its first 2 layers with the same head."""
+    return _synth("spec-llama-draft")
+
+
+@pytest.fixture(scope="session")
+def spec_jamba_target_path() -> Path:
+    """A hybrid without n_rs_seq rollback (jamba) whose later layers are damped..."""
+    return _synth("spec-jamba-target")
+
+
+@pytest.fixture(scope="session")
+def spec_jamba_draft_path() -> Path:
+    """...and its first 4 layers (3 Mamba + 1 attention) with the same head."""
+    return _synth("spec-jamba-draft")

@@ -1,6 +1,7 @@
 """How often a draft model's greedy choice agrees with its target's.
 
-    python -m tools.draft_agreement [--pair spec-target|mid|bench] [--tokens 64]
+    python -m tools.draft_agreement [--pair spec-target|spec-llama-target|
+                                    spec-jamba-target|mid|bench] [--tokens 64]
                                     [--prompts 4] [--k 4] [--scale S] [--json]
     python -m tools.draft_agreement --target T.gguf --draft D.gguf
 

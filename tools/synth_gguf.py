@@ -1,10 +1,13 @@
 """Deterministic synthetic GGUF models for statecache's tests and benchmarks.
 
     python -m tools.synth_gguf {hybrid,norollback,draft,spec-target,spec-draft,mid,
-                                mid-draft,bench,bench-draft,all} [--out models/] [--force]
+                                mid-draft,bench,bench-draft,spec-llama-target,
+                                spec-llama-draft,spec-jamba-target,spec-jamba-draft,all}
+                               [--out models/] [--force]
 
-``all`` writes hybrid, norollback, draft, spec-target and spec-draft (mid and
-bench are big and slow: only on demand). Tests call :func:`ensure`.
+``all`` writes hybrid, norollback, draft and the tiny target/draft pairs
+(spec-target, spec-llama-target, spec-jamba-target and their drafts); mid and
+bench are big and slow: only on demand. Tests call :func:`ensure`.
 
 Models (random weights, same vocabulary and chat template in all):
 
@@ -33,6 +36,14 @@ with the target's at a rate set by the damping scale (see :data:`DRAFTS` and
 - ``spec-target-tiny.gguf`` / ``spec-draft-tiny.gguf``: hybrid-tiny's weights
   with layers 4-7 damped / hybrid-tiny's first 4 layers (3 DeltaNet + 1
   attention). Used by the tests.
+- ``spec-llama-target-tiny.gguf`` / ``spec-llama-draft-tiny.gguf``: plain
+  attention (``llama``): draft-tiny's 2 layers followed by 2 damped ones /
+  draft-tiny's weights.
+- ``spec-jamba-target-tiny.gguf`` / ``spec-jamba-draft-tiny.gguf``: hybrid
+  without ``n_rs_seq`` rollback (``jamba``), 8 layers, attention at 3 and 7,
+  layers 4-7 damped / its first 4 layers (norollback-tiny's weights: 3 Mamba
+  + 1 attention). The draft keeps an attention layer because llama.cpp aborts
+  on a jamba without one (no KV cache buffer: ``GGML_ASSERT(buffer)``).
 - ``hybrid-mid.gguf`` / ``hybrid-mid-draft.gguf`` and ``hybrid-bench.gguf`` /
   ``hybrid-bench-draft.gguf``: the benchmark hybrids are themselves damped
   targets (damping changes no shape, cost or state size, so every benchmark
@@ -374,11 +385,44 @@ def build_qwen35(
     return t
 
 
-def build_jamba(w: gguf.GGUFWriter, model: str) -> Tensors:
-    n_embd, n_layer, n_ff = 128, 4, 384
-    n_head, n_head_kv, head_dim = 4, 2, 32
-    d_inner, d_state, dt_rank, d_conv = 2 * n_embd, 16, 8, 4
-    attn_layers = {3}
+@dataclass(frozen=True)
+class JambaShape:
+    n_embd: int = 128
+    n_layer: int = 4
+    n_ff: int = 384
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 32
+    d_state: int = 16
+    dt_rank: int = 8
+    d_conv: int = 4
+    attn_period: int = 4  # layers il with il % attn_period == attn_offset are attention
+    attn_offset: int = 3
+
+    def is_attention(self, il: int) -> bool:
+        return il % self.attn_period == self.attn_offset
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    n_embd: int = 128
+    n_layer: int = 2
+    n_ff: int = 384
+    n_head: int = 4
+    n_head_kv: int = 2
+
+
+JAMBA_TINY = JambaShape()  # norollback-tiny: 3 Mamba layers, then attention
+LLAMA_TINY = LlamaShape()  # draft-tiny
+
+
+def build_jamba(
+    w: gguf.GGUFWriter, model: str, s: JambaShape = JAMBA_TINY, damping: Damping | None = None,
+) -> Tensors:
+    n_embd, n_layer, n_ff = s.n_embd, s.n_layer, s.n_ff
+    n_head, n_head_kv, head_dim = s.n_head, s.n_head_kv, s.head_dim
+    d_inner, d_state, dt_rank, d_conv = 2 * n_embd, s.d_state, s.dt_rank, s.d_conv
+    attn_layers = {il for il in range(n_layer) if s.is_attention(il)}
     head_count_kv = [n_head_kv if il in attn_layers else 0 for il in range(n_layer)]
 
     w.add_context_length(CONTEXT_LENGTH)
@@ -393,7 +437,7 @@ def build_jamba(w: gguf.GGUFWriter, model: str) -> Tensors:
     w.add_ssm_state_size(d_state)
     w.add_ssm_time_step_rank(dt_rank)
 
-    t = Tensors(model, QT.F16)
+    t = Tensors(model, QT.F16, None if damping is None else damping.factor)
     _embeddings(t, n_embd)
     for il in range(n_layer):
         p = f"blk.{il}"
@@ -425,9 +469,11 @@ def build_jamba(w: gguf.GGUFWriter, model: str) -> Tensors:
     return t
 
 
-def build_llama(w: gguf.GGUFWriter, model: str) -> Tensors:
-    n_embd, n_layer, n_ff = 128, 2, 384
-    n_head, n_head_kv = 4, 2
+def build_llama(
+    w: gguf.GGUFWriter, model: str, s: LlamaShape = LLAMA_TINY, damping: Damping | None = None,
+) -> Tensors:
+    n_embd, n_layer, n_ff = s.n_embd, s.n_layer, s.n_ff
+    n_head, n_head_kv = s.n_head, s.n_head_kv
     head_dim = n_embd // n_head
 
     w.add_context_length(CONTEXT_LENGTH)
@@ -440,7 +486,7 @@ def build_llama(w: gguf.GGUFWriter, model: str) -> Tensors:
     w.add_rope_freq_base(1_000_000.0)
     w.add_layer_norm_rms_eps(1e-6)
 
-    t = Tensors(model, QT.F16)
+    t = Tensors(model, QT.F16, None if damping is None else damping.factor)
     _embeddings(t, n_embd)
     for il in range(n_layer):
         p = f"blk.{il}"
@@ -465,44 +511,63 @@ class Spec:
 
 @dataclass(frozen=True)
 class DraftPair:
-    """A damped qwen35 target and a draft made of its first ``draft_layers``
-    layers, both seeded with ``seed`` (the key of an undamped model, whose
-    values the pair then shares)."""
+    """A damped target and a draft made of its first ``draft_layers`` layers,
+    both seeded with ``seed`` (the key of an undamped model, whose values the
+    pair then shares). ``shape`` picks the architecture: qwen35, jamba or llama."""
 
     target: str  # SPECS names
     draft: str
     target_file: str
     draft_file: str
     seed: str
-    shape: Qwen35Shape
+    shape: Qwen35Shape | JambaShape | LlamaShape
     matrix_type: QT
     draft_layers: int
     damping: Damping
     version: int = 3
 
+    @property
+    def arch(self) -> str:
+        return _PAIR_ARCH[type(self.shape)][0]
+
+    def build(self, w: gguf.GGUFWriter, n_layer: int, d: Damping) -> Tensors:
+        shape = replace(self.shape, n_layer=n_layer)
+        if isinstance(shape, Qwen35Shape):
+            return build_qwen35(w, self.seed, shape, self.matrix_type, d)
+        if isinstance(shape, JambaShape):
+            return build_jamba(w, self.seed, shape, d)
+        return build_llama(w, self.seed, shape, d)
+
     def target_spec(self, damping: Damping | None = None) -> Spec:
         d = damping or self.damping
         return Spec(
-            self.target_file, "qwen35",
-            f"statecache synthetic: qwen35 hybrid, {self.shape.n_layer} layers of width "
-            f"{self.shape.n_embd}, {self.matrix_type.name}, random weights; layers "
-            f"{d.from_layer}+ damped by {d.scale:g} (speculative-decoding target of "
+            self.target_file, self.arch,
+            f"statecache synthetic: {_PAIR_ARCH[type(self.shape)][1]}, {self.shape.n_layer} "
+            f"layers of width {self.shape.n_embd}, {self.matrix_type.name}, random weights; "
+            f"layers {d.from_layer}+ damped by {d.scale:g} (speculative-decoding target of "
             f"{self.draft_file})",
-            lambda w, m: build_qwen35(w, self.seed, self.shape, self.matrix_type, d),
+            lambda w, m: self.build(w, self.shape.n_layer, d),
             self.version,
         )
 
     def draft_spec(self, damping: Damping | None = None) -> Spec:
         d = damping or self.damping
-        shape = replace(self.shape, n_layer=self.draft_layers)
         return Spec(
-            self.draft_file, "qwen35",
+            self.draft_file, self.arch,
             f"statecache synthetic: the first {self.draft_layers} layers, embedding and head "
             f"of {self.target_file} (speculative-decoding draft)",
             # The same damping: the draft's tensors are the target's whatever from_layer is.
-            lambda w, m: build_qwen35(w, self.seed, shape, self.matrix_type, d),
+            lambda w, m: self.build(w, self.draft_layers, d),
             self.version,
         )
+
+
+# Shape type -> (GGUF architecture, words for the target's description).
+_PAIR_ARCH: dict[type, tuple[str, str]] = {
+    Qwen35Shape: ("qwen35", "qwen35 hybrid"),
+    JambaShape: ("jamba", "jamba hybrid (Mamba + attention) without n_rs_seq rollback"),
+    LlamaShape: ("llama", "llama plain attention"),
+}
 
 
 # Damping scales, chosen so that a draft of length 4 has most but not all of its
@@ -513,9 +578,14 @@ class DraftPair:
 #   spec-target  0.1    0.855      0.70        3.80           0.534       0.02: 0.97/0.92
 #   mid          0.05   0.863      0.69        3.76           0.347       0.1: 0.75/0.49
 #   bench        0.03   0.852      0.73        3.91           0.170       0.02: 0.93/0.83
+#   spec-llama-  0.12   0.848      0.68        3.72           0.614       0.1: 0.88/0.71,
+#     target                                                              0.2: 0.66/0.38
+#   spec-jamba-  0.1    0.809      0.66        3.63           0.552       0.05: 0.91/0.86,
+#     target                                                              0.2: 0.66/0.37
 #
 # ("other scales": agreement/acceptance. Tiny pair at 0.3: 0.58/0.30, undamped:
-# 0.17/0.05, scale 0: 1.00/1.00.) More damped layers need a smaller scale.
+# 0.17/0.05, scale 0: 1.00/1.00; llama and jamba pairs undamped: 0.13/0.04 and
+# 0.16/0.05.) More damped layers need a smaller scale.
 DRAFTS: dict[str, DraftPair] = {
     "spec-target": DraftPair(
         "spec-target", "spec-draft", "spec-target-tiny.gguf", "spec-draft-tiny.gguf",
@@ -528,6 +598,19 @@ DRAFTS: dict[str, DraftPair] = {
     "bench": DraftPair(
         "bench", "bench-draft", "hybrid-bench.gguf", "hybrid-bench-draft.gguf",
         "bench", HYBRID_BENCH, QT.Q8_0, draft_layers=4, damping=Damping(4, 0.03),
+    ),
+    # Plain attention: draft-tiny's 2 layers plus 2 damped ones / draft-tiny's weights.
+    "spec-llama-target": DraftPair(
+        "spec-llama-target", "spec-llama-draft", "spec-llama-target-tiny.gguf",
+        "spec-llama-draft-tiny.gguf", "draft", replace(LLAMA_TINY, n_layer=4), QT.F16,
+        draft_layers=2, damping=Damping(2, 0.12),
+    ),
+    # Hybrid without n_rs_seq rollback: norollback-tiny's layout twice (Mamba x3 +
+    # attention, layers 3 and 7 attention), layers 4-7 damped / norollback-tiny's weights.
+    "spec-jamba-target": DraftPair(
+        "spec-jamba-target", "spec-jamba-draft", "spec-jamba-target-tiny.gguf",
+        "spec-jamba-draft-tiny.gguf", "norollback", replace(JAMBA_TINY, n_layer=8), QT.F16,
+        draft_layers=4, damping=Damping(4, 0.1),
     ),
 }
 
@@ -554,7 +637,8 @@ for _pair in DRAFTS.values():
     SPECS[_pair.draft] = _pair.draft_spec()
 # The draft of each target, by SPECS name.
 DRAFT_OF = {pair.target: pair.draft for pair in DRAFTS.values()}
-ALL = ("hybrid", "norollback", "draft", "spec-target", "spec-draft")
+ALL = ("hybrid", "norollback", "draft", "spec-target", "spec-draft", "spec-llama-target",
+       "spec-llama-draft", "spec-jamba-target", "spec-jamba-draft")
 
 
 def path_for(name: str, out_dir: Path = Path("models")) -> Path:
