@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -291,3 +292,25 @@ def test_a_cluster_serves_as_one_store(tmp_path: Path) -> None:
         for p in pools:
             p.close()
         cluster.stop()
+
+
+def test_the_remote_table_of_the_config(tmp_path: Path) -> None:
+    from statecache.config import ConfigError, load_config
+
+    f = tmp_path / "c.toml"
+    f.write_text('[cache]\npage_size = 16\n[cache.remote]\nurl = "valkey://h:1/0"\n'
+                 'chunk_size = "1MiB"\nsecret_path = "~/k"\n')
+    rc = load_config(f).cache.remote
+    assert (rc.url, rc.chunk_size, rc.ttl) == ("valkey://h:1/0", 1 << 20, 7 * 86400.0)
+    assert rc.secret_path == str(Path("~/k").expanduser())
+    assert "h:1" not in repr(rc)  # a URL may carry a password
+    # flags override one key of the table, the file keeps the others
+    rc = load_config(f, {"cache.remote.ttl": 60}).cache.remote
+    assert (rc.url, rc.ttl) == ("valkey://h:1/0", 60.0)
+    for bad, says in (('url = "http://h"', "cache.remote.url: expected one of"),
+                      ("colour = 1", "unknown key cache.remote.colour; valid keys: url,"),
+                      ("chunk_size = 12", "cache.remote.chunk_size: must be >= 4096"),
+                      ('timeout = "1"', "cache.remote.timeout: expected float")):
+        f.write_text(f"[cache.remote]\n{bad}\n")
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(f)
