@@ -61,6 +61,8 @@ def targets(full: bool) -> list[Target]:
         Target("plain attention", ModelSpec("draft-tiny", synth("draft"), False)),
         Target("hybrid + its first layers", ModelSpec("spec-target-tiny", synth("spec-target"),
                                                       False), synth("spec-draft")),
+        Target("hybrid-mid + its first layers", ModelSpec("hybrid-mid", synth("mid"), False),
+               synth("mid-draft")),
         Target("plain attention (SmolLM2-135M)", ModelSpec("smollm2-135m", _real("default"),
                                                            False)),
     ]
@@ -68,8 +70,7 @@ def targets(full: bool) -> list[Target]:
         out += [
             Target("SWA (Gemma 3 270M)", ModelSpec("gemma-3-270m", _real("gemma"), True)),
             Target("hybrid 0.8B + its first layers",
-                   ModelSpec("spec-target-bench", synth("spec-target-bench"), False),
-                   synth("spec-draft-bench")),
+                   ModelSpec("hybrid-bench", synth("bench"), False), synth("bench-draft")),
         ]
     return out
 

@@ -104,20 +104,22 @@ class DraftAsk:
     tokens: np.ndarray  # the tokens the target lane will hold once this step's work is in
     want: int  # tokens to draft after them (0: only keep up, e.g. while prefilling)
     tenant: str = ""
+    step: int = 0  # tokens the target lane takes in this step: the draft follows them
 
 
 class DraftModel:
     """A draft model's context: lane i follows target lane i. Engine thread only."""
 
     def __init__(self, path: Path, target: Model, cfg: SpeculativeConfig, *, lanes: int,
-                 n_ctx: int, threads: int, pool: CheckpointPool | None,
+                 n_ctx: int, step_tokens: int, threads: int, pool: CheckpointPool | None,
                  n_gpu_layers: int = -1, verbose: bool = False) -> None:
         self.model = Model(path, n_gpu_layers=n_gpu_layers, verbose=verbose)
         try:
             check_same_vocab(target, self.model)
             self.cfg = cfg
             self.catch_up = max(cfg.catch_up, cfg.draft_max + 1)
-            n_batch = max(lanes * self.catch_up, 64)
+            # a step's tokens of every lane, plus a catch-up of each lane that lags
+            n_batch = step_tokens + lanes * (self.catch_up + cfg.draft_max + 1)
             self.ctx = Context(self.model, ContextParams(
                 n_ctx=n_ctx * lanes, n_seq_max=lanes, n_batch=n_batch, n_ubatch=n_batch,
                 n_rs_seq=0, threads=threads))
@@ -150,7 +152,7 @@ class DraftModel:
             n = common_prefix(lane.tokens, ask.tokens)
             if n < lane.n or lane.tenant != ask.tenant:
                 self._rollback(ask.lane, n if lane.tenant == ask.tenant else 0, ask)
-            missing = ask.tokens[lane.n: lane.n + self.catch_up]
+            missing = ask.tokens[lane.n: lane.n + self.catch_up + ask.step]
             if not len(missing):
                 continue
             synced = lane.n + len(missing) == len(ask.tokens)

@@ -430,12 +430,13 @@ class Executor:
             if job.prefilling:
                 if self.draft is not None:  # the draft follows the prompt as it is read
                     asks.append(DraftAsk(lane.id, np.concatenate([lane.tokens, self._tokens(w)]),
-                                         0, lane.tenant or job.req.tenant))
+                                         0, lane.tenant or job.req.tenant, step=w.n))
                 continue
             known = np.concatenate([lane.tokens, job.replay,
                                     np.array([job.pending], dtype=np.int32)])
             if self.draft is not None:
-                asks.append(DraftAsk(lane.id, known, w.room, lane.tenant))
+                asks.append(DraftAsk(lane.id, known, w.room, lane.tenant,
+                                     step=len(job.replay) + 1))
             elif w.room:
                 job.drafts = lookup_draft(known, w.room, sc.lookup_max, sc.lookup_min)
         if asks:

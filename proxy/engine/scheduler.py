@@ -101,7 +101,8 @@ class Engine:
         self.draft: DraftModel | None = None
         if sc.source in ("draft", "auto") and mc.draft_path:
             self.draft = DraftModel(Path(mc.draft_path).expanduser(), self.model, sc,
-                                    lanes=lanes, n_ctx=self.n_ctx, threads=mc.threads,
+                                    lanes=lanes, n_ctx=self.n_ctx, step_tokens=step,
+                                    threads=mc.threads,
                                     pool=self.pool, n_gpu_layers=mc.n_gpu_layers,
                                     verbose=cfg.log.llama_verbose)
         self.counters: collections.Counter[str] = collections.Counter()
