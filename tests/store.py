@@ -79,7 +79,10 @@ class Cluster:
     """Three primaries of a Redis/Valkey cluster (no replicas), slots split evenly."""
 
     def __init__(self, directory: Path) -> None:
+        # the bus port is the client port + 10000 unless named: a free one of its own
+        self.bus = [free_port() for _ in range(3)]
         self.nodes = [Store(directory / f"n{i}", "--cluster-enabled", "yes",
+                            "--cluster-port", str(self.bus[i]),
                             "--cluster-config-file", f"nodes-{i}.conf",
                             "--cluster-node-timeout", "2000") for i in range(3)]
 
@@ -94,8 +97,8 @@ class Cluster:
             lo, hi = i * 16384 // 3, (i + 1) * 16384 // 3 - 1
             n.client().execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
         first = self.nodes[0].client()
-        for n in self.nodes[1:]:
-            first.execute_command("CLUSTER", "MEET", "127.0.0.1", n.port)
+        for n, bus in zip(self.nodes[1:], self.bus[1:], strict=True):
+            first.execute_command("CLUSTER", "MEET", "127.0.0.1", n.port, bus)
         deadline = time.monotonic() + 20
         while not all(b"cluster_state:ok" in n.client().execute_command("CLUSTER", "INFO")
                       for n in self.nodes):
