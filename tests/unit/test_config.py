@@ -93,3 +93,23 @@ def test_override_errors(tmp_path: Path) -> None:
         load_config(None, {"port": 1})
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[speculative]\nsource = "eagle"\n', "speculative.source"),
+        ('[speculative]\nsource = "draft"\n', "model.draft_path"),
+        ("[speculative]\nlookup_min = 5\nlookup_max = 3\n", "lookup_min"),
+        ("[speculative]\ndraft_max = 0\n", "speculative.draft_max"),
+        ("[speculative]\ndraft_min_p = 1.5\n", "speculative.draft_min_p"),
+    ],
+)
+def test_speculative_mistakes_are_named(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, text))
+
+
+def test_speculative_defaults_and_agent_config() -> None:
+    assert load_config(None).speculative.source == "off"
+    assert load_config(REPO / "configs" / "hybrid-agent.toml").speculative.source == "lookup"
