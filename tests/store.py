@@ -53,6 +53,13 @@ class Store:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 
     def start(self) -> Store:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> Store:
         self.proc = subprocess.Popen(
             [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
              "--dir", str(self.dir), "--save", "", "--appendonly", "no", *self.extra],
@@ -91,6 +98,13 @@ class Cluster:
         return self.nodes[0].url
 
     def start(self) -> Cluster:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> Cluster:
         for n in self.nodes:
             n.start()
         for i, n in enumerate(self.nodes):

@@ -258,9 +258,10 @@ def test_a_cluster_serves_as_one_store(tmp_path: Path) -> None:
     # and the lookup's pipeline crosses them.
     from tests.store import Cluster
 
-    cluster = Cluster(tmp_path / "cluster").start()
+    cluster = Cluster(tmp_path / "cluster")
     pools: list[CheckpointPool] = []
     try:
+        cluster.start()
         for name in ("a", "b"):
             rc = RemoteConfig(url=cluster.url, cluster=True, chunk_size=4096, timeout=2.0)
             cfg = CacheConfig(page_size=4, ram_budget=1 << 20, disk_path=str(tmp_path / name),
