@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 _FETCH_BATCH = 64 << 20  # bytes asked for in one pipeline: bounds a read's extra memory
 _CANDIDATES = 4  # remote hits returned by one probe, deepest first
+# The store failed, not the entry: a cluster that cannot be reached raises the latter.
+_STORE_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 _COUNTERS = ("probes", "hits", "read_bytes", "rejected", "writes", "written_bytes",
              "write_dupes", "write_drops", "write_skipped", "errors", "reconnects")
 
@@ -238,7 +240,7 @@ class RemoteTier:
         except BadEntry as e:
             self._reject(e.reason, str(e), hit)
             return None
-        except redis.RedisError as e:
+        except _STORE_ERRORS as e:
             self._failed(e)
             return None
         except Exception as e:  # a reply of an unexpected shape: never a crash
@@ -327,7 +329,7 @@ class RemoteTier:
                 else:
                     self.client.hdel(payload.index_key, payload.entry_id)
                 self._ok()
-            except redis.RedisError as e:
+            except _STORE_ERRORS as e:
                 self._failed(e)
                 if kind == "write":  # tried again when the store is back, if still room
                     self._enqueue(job, payload[0].nbytes)
@@ -400,8 +402,10 @@ class RemoteTier:
             return True
 
     def close(self, timeout: float = 2.0) -> None:
-        """Let queued writes go out for up to ``timeout`` s, then stop."""
-        self.flush(timeout)
+        """Let queued writes go out for up to ``timeout`` s (none while the store is
+        down: shutdown never waits for it), then stop."""
+        if self._up:
+            self.flush(timeout)
         with self._lock:
             self._stopping = True
             self._jobs.clear()

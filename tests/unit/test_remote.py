@@ -315,3 +315,20 @@ def test_the_remote_table_of_the_config(tmp_path: Path) -> None:
         f.write_text(f"[cache.remote]\n{bad}\n")
         with pytest.raises(ConfigError, match=re.escape(says)):
             load_config(f)
+
+
+def test_a_store_that_never_answers_leaves_the_pool_local(tmp_path: Path) -> None:
+    from tests.store import free_port
+
+    for cluster in (False, True):  # a cluster client fails otherwise, as it is made
+        rc = RemoteConfig(url=f"redis://127.0.0.1:{free_port()}/0", cluster=cluster,
+                          timeout=0.5, retry_s=60)
+        cfg = CacheConfig(page_size=4, ram_budget=1 << 20, disk_enabled=False,
+                          secret_path=str(tmp_path / "keys" / "k"), remote=rc)
+        pool = CheckpointPool(cfg, FP, clock=Clock())
+        assert pool.remote_status.startswith("unreachable")
+        put(pool, T[:13], STATE)
+        assert [o.tier for o in pool.full_offers(T, pool.chain(T), max_n=40)] == ["ram"]
+        s = pool.stats()
+        assert (s["remote_up"], s["remote_errors"]) == (0, 1)  # tried once, then waits
+        pool.close()
