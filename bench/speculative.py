@@ -179,9 +179,50 @@ def draft_checkpoint_bytes(model: Path, tokens: int) -> dict[str, Any]:
             "full_bytes": full, "kept_bytes": kept}
 
 
+def rollback_check(target: Path, draft: Path, n_out: int, repeats: int) -> list[dict[str, Any]]:
+    """A hybrid target with a draft model, in process (no HTTP): decode tokens/s of one
+    greedy stream, drafting or not (``speculative: false``), with rejected drafts rolled
+    back through n_rs_seq snapshots or through a staged partial state."""
+    import asyncio
+
+    from proxy.engine.scheduler import Engine
+    from proxy.engine.types import GenerationRequest, SamplingParams, TokenEvent
+    from statecache.config import load_config
+
+    rows = []
+    for rollback in ("snapshots", "staged"):
+        cfg = load_config(None, {
+            "model.path": str(target), "model.draft_path": str(draft), "model.n_ctx": 4096,
+            "server.lanes": 1, "cache.enabled": False, "speculative.source": "draft",
+            "speculative.rollback": rollback})
+        eng = Engine(cfg, target)
+        try:
+            prompt = tuple(eng.model.tokenize("Tell me a long story about a robot."))
+
+            async def one(spec: bool, eng: Engine = eng, prompt: tuple[int, ...] = prompt
+                          ) -> float:
+                req = GenerationRequest("bench", prompt, SamplingParams(
+                    temperature=0.0, max_tokens=n_out, speculative=spec))
+                t0, n = time.perf_counter(), 0
+                async for ev in eng.generate(req):
+                    if isinstance(ev, TokenEvent):
+                        n += len(ev.token_ids)
+                return n / (time.perf_counter() - t0)
+
+            for spec in (False, True):
+                asyncio.run(one(spec))  # warm-up
+                tps = statistics.median(asyncio.run(one(spec)) for _ in range(repeats))
+                rows.append({"rollback": rollback, "drafting": spec, "decode_tps": tps,
+                             "n_rs_seq": eng.memory.n_rs_seq})
+        finally:
+            eng.close()
+    return rows
+
+
 def table(result: dict[str, Any]) -> list[str]:
     lines = ["| target (memory) | model | workload | source | decode tok/s | vs off | "
-             "drafted | accepted | acceptance |", "|---|---|---|---|---:|---:|---:|---:|---:|"]
+             "drafted | accepted | acceptance |", "|---|---|---|---|---:|---:|---:|---:|---:|"
+             ] if result["targets"] else []
     for t in result["targets"]:
         if "error" in t:
             lines.append(f"| {t['kind']} | {t['model']} | failed: {t['error'][:80]} |||||||")
@@ -195,6 +236,16 @@ def table(result: dict[str, Any]) -> list[str]:
                 lines.append(f"| {t['kind']} | {t['model']} | {name} | {source} | "
                              f"{r['decode_tps']:.1f} | {sp} | {int(r['drafted'])} | "
                              f"{int(r['accepted'])} | {acc} |")
+    if result.get("rollback"):
+        lines += ["", "Rolling back a hybrid target with a draft model (in process, one "
+                  "stream): per-token snapshots (n_rs_seq) against a staged partial state:",
+                  "", "| rollback | n_rs_seq | drafting | decode tok/s |", "|---|---:|---|---:|"]
+        for r in result["rollback"]:
+            lines.append(f"| {r['rollback']} | {r['n_rs_seq']} | "
+                         f"{'yes' if r['drafting'] else 'no (speculative: false)'} | "
+                         f"{r['decode_tps']:.1f} |")
+    if not result["checkpoints"]:
+        return lines
     lines += ["", "Draft checkpoints (one lane at the given length): full state, against what "
               "statecache keeps (partial-only for a recurrent draft, nothing for a "
               "plain-attention draft):", "",
@@ -213,7 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--code-lines", type=int, default=40)
     p.add_argument("--log-dir", default="results/logs")
+    p.add_argument("--rollback-check", action="store_true",
+                   help="only: snapshots against staged rollback on hybrid-mid and its draft")
     a = p.parse_args(argv)
+    if a.rollback_check:
+        rows = rollback_check(MODELS / "hybrid-mid.gguf", MODELS / "hybrid-mid-draft.gguf",
+                              256, a.repeats)
+        print("\n".join(table({"targets": [], "checkpoints": [], "rollback": rows})))
+        return 0
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "draft_max": a.draft_max,
                               "targets": [], "checkpoints": []}
     ts = targets(a.full)
@@ -223,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # one broken target must not end the benchmark
             result["targets"].append({"kind": t.label, "model": t.model.label,
                                       "error": f"{type(e).__name__}: {e}"})
+    mid = [t for t in ts if t.model.label == "hybrid-mid"]
+    if mid and mid[0].draft is not None:
+        result["rollback"] = rollback_check(mid[0].model.path, mid[0].draft, 256, a.repeats)
     for t in ts:
         if t.draft is not None:
             for n in (2000, 8000):

@@ -131,6 +131,12 @@ class SpeculativeConfig:
     lookup_max: int = 4  # longest n-gram prompt lookup matches
     lookup_min: int = 2  # shortest
     catch_up: int = 256  # most tokens a step a draft model decodes to follow its target lane
+    # how a hybrid target that has n_rs_seq snapshots drops rejected drafts: "snapshots"
+    # (n_rs_seq = draft_max + 1: every decode keeps per-token states, about a quarter
+    # slower on hybrid-mid, drafting or not), "staged" (a partial save before each
+    # verification, restored on a rejection); "auto": snapshots with a draft model (it
+    # drafts every step: faster there), staged with prompt lookup (it drafts seldom)
+    rollback: str = "auto"
 
 
 @dataclass(slots=True, frozen=True)
@@ -413,6 +419,9 @@ def _validate(cfg: Config) -> None:
     if cfg.speculative.source not in SPECULATIVE_SOURCES:
         raise ConfigError(f"speculative.source: expected one of "
                           f"{', '.join(SPECULATIVE_SOURCES)}, got {cfg.speculative.source!r}")
+    if cfg.speculative.rollback not in ("auto", "snapshots", "staged"):
+        raise ConfigError(f"speculative.rollback: expected auto, snapshots or staged, got "
+                          f"{cfg.speculative.rollback!r}")
     if cfg.speculative.lookup_min > cfg.speculative.lookup_max:
         raise ConfigError("speculative.lookup_min must be at most speculative.lookup_max")
     if cfg.speculative.source == "draft" and not cfg.model.draft_path:

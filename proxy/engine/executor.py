@@ -135,7 +135,8 @@ class Executor:
         # how rejected drafts leave the target lane: seq_rm where the memory can cut its
         # tail back (attention, SWA kept whole, a hybrid's n_rs_seq snapshots); else the
         # lane's partial state is staged before a verification and restored after
-        self.rs_snapshots = memory.needs_partial and memory.n_rs_seq > sc.draft_max
+        self.rs_snapshots = memory.needs_partial and memory.n_rs_seq > sc.draft_max \
+            and sc.rollback != "staged"
         self.staging = memory.needs_partial and memory.kind is not MemoryKind.SWA \
             and not self.rs_snapshots
 
