@@ -282,6 +282,13 @@ def write(out_dir: Path, prof: Profile, systems: tuple[str, ...], res: Results) 
         lines += ["## Batched steps under load", ""] + _batching(res.batching) + [""]
     if res.subagents:
         lines += ["## Subagents sharing a system prompt", ""] + _subagents(res.subagents) + [""]
+    if res.speculative:
+        from bench.speculative import table as speculative_table
+        lines += ["## Speculative decoding", "",
+                  f"Draft length {res.speculative['draft_max']}, greedy, one stream at a "
+                  "time through the server; decode tokens/s from the first token to the "
+                  "last; acceptance = accepted / drafted.", ""] \
+            + speculative_table(res.speculative) + [""]
     if res.remote:
         from bench.remote import markdown
 

@@ -73,6 +73,7 @@ class Profile:
     batching_args: tuple[str, ...] = ()
     subagent_args: tuple[str, ...] = ()
     remote_args: tuple[str, ...] = ()  # bench.remote (the shared tier), on load_model
+    speculative_args: tuple[str, ...] = ()  # bench.speculative (its own models)
 
 
 def _gemma() -> Path:
@@ -95,7 +96,8 @@ def profiles(quick: bool) -> Profile:
                                       "--n-ctx", "4096"),
                        subagent_args=("--system-chars", "1500"),
                        remote_args=("--contexts", "100,300", "--repeats", "1", "--turns", "3",
-                                    "--state-mib", "16"))
+                                    "--state-mib", "16"),
+                       speculative_args=("--quick", "--repeats", "1"))
     gemma = _gemma()
     bench = ModelSpec("hybrid-0.8B", models / "hybrid-bench.gguf", is_gemma=False)
     return Profile("full", (Part(bench, 0.05), Part(ModelSpec("gemma-3-270m", gemma, True), 0.25)),
@@ -107,7 +109,8 @@ def profiles(quick: bool) -> Profile:
                    batching_args=("--long", "8000", "--out-tokens", "256", "--repeats", "3"),
                    subagent_args=("--system-chars", "6000"),
                    remote_args=("--contexts", "300,1500", "--repeats", "3", "--turns", "10",
-                                "--state-mib", "256"))
+                                "--state-mib", "256"),
+                   speculative_args=("--full", "--repeats", "2"))
 
 
 @dataclass(slots=True)
@@ -119,6 +122,7 @@ class Results:
     batching: dict[str, Any] | None = None
     subagents: dict[str, Any] | None = None
     remote: dict[str, Any] | None = None  # bench.remote
+    speculative: dict[str, Any] | None = None  # bench.speculative
     llama_server: str = ""
 
 
@@ -244,6 +248,21 @@ def _remote(prof: Profile, res: Results, out_dir: Path) -> None:
     res.timings["remote"] = time.monotonic() - t0
 
 
+def _speculative(prof: Profile, res: Results, out_dir: Path) -> None:
+    """bench.speculative: decode with and without drafts, in its own process."""
+    path = out_dir / "speculative.json"
+    cmd = [sys.executable, "-m", "bench.speculative", "--json", str(path), "--log-dir",
+           str(out_dir / "logs"), *prof.speculative_args]
+    t0 = time.monotonic()
+    try:
+        subprocess.run(cmd, cwd=ROOT, check=True)
+        res.speculative = json.loads(path.read_text())
+    except Exception as e:
+        traceback.print_exc()
+        res.notes.append(f"speculative failed: {e}")
+    res.timings["speculative"] = time.monotonic() - t0
+
+
 def run(prof: Profile, out_dir: Path, systems: tuple[str, ...]) -> Results:
     res = Results()
     log_dir = out_dir / "logs"
@@ -263,6 +282,8 @@ def run(prof: Profile, out_dir: Path, systems: tuple[str, ...]) -> Results:
     _load_parts(prof, res, out_dir, systems)
     if "statecache" in systems and prof.remote_args:
         _remote(prof, res, out_dir)
+    if "statecache" in systems and prof.speculative_args:
+        _speculative(prof, res, out_dir)
     try:
         _micro(prof, res, out_dir)
     except Exception as e:

@@ -3,14 +3,17 @@ memory kind, through the server (one streaming request at a time, greedy), side 
 in one run; the acceptance rate; and the bytes a checkpoint of the draft costs with and
 without the partial-only rule.
 
-    python -m bench.speculative --json results/speculative.json            # tiny models
-    python -m bench.speculative --full --json results/speculative.json     # + bench size
+    python -m bench.speculative --json results/speculative.json     # tiny pairs, mid, SmolLM2
+    python -m bench.speculative --full ...                          # + Gemma 3, the 0.8B pair
+    python -m bench.speculative --quick ...                         # the tiny hybrid pair
+    python -m bench.speculative --rollback-check                    # snapshots vs staged
 
 Two workloads: ``chat`` (a prose question, 128 tokens) and ``code-edit`` (a file and a
 request to re-emit it with one change, 256 tokens: prompt lookup's case). The synthetic
-models answer with random characters, so lookup finds little to draft there: they show
-its overhead, the draft pairs made by tools/synth_gguf.py (a target and its first
-layers) show a draft model, and the real models (SmolLM2, Gemma 3) show lookup on code.
+models answer with random characters, so lookup finds little to draft there (it shows
+its overhead); their draft pairs made by tools/synth_gguf.py (a target and its first
+layers) show a draft model on each memory kind, and the real models (SmolLM2, Gemma 3)
+show lookup on code.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def _real(which: str) -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def targets(full: bool) -> list[Target]:
+def targets(full: bool, quick: bool = False) -> list[Target]:
     def synth(name: str) -> Path:
         subprocess.run([sys.executable, "-m", "tools.synth_gguf", name, "--out", str(MODELS)],
                        cwd=ROOT, check=True, capture_output=True)
@@ -55,21 +58,24 @@ def targets(full: bool) -> list[Target]:
         return path_for(name, MODELS)
 
     out = [
-        Target("hybrid, n_rs_seq rollback", ModelSpec("hybrid-tiny", synth("hybrid"), False)),
+        Target("hybrid", ModelSpec("spec-target-tiny", synth("spec-target"), False),
+               synth("spec-draft")),
         Target("hybrid without rollback (jamba)",
-               ModelSpec("norollback-tiny", synth("norollback"), False)),
-        Target("plain attention", ModelSpec("draft-tiny", synth("draft"), False)),
-        Target("hybrid + its first layers", ModelSpec("spec-target-tiny", synth("spec-target"),
-                                                      False), synth("spec-draft")),
-        Target("hybrid-mid + its first layers", ModelSpec("hybrid-mid", synth("mid"), False),
+               ModelSpec("spec-jamba-target-tiny", synth("spec-jamba-target"), False),
+               synth("spec-jamba-draft")),
+        Target("plain attention", ModelSpec("spec-llama-target-tiny", synth("spec-llama-target"),
+                                            False), synth("spec-llama-draft")),
+        Target("hybrid (mid size)", ModelSpec("hybrid-mid", synth("mid"), False),
                synth("mid-draft")),
         Target("plain attention (SmolLM2-135M)", ModelSpec("smollm2-135m", _real("default"),
                                                            False)),
     ]
+    if quick:  # the tiny hybrid and its draft
+        return out[:1]
     if full:
         out += [
             Target("SWA (Gemma 3 270M)", ModelSpec("gemma-3-270m", _real("gemma"), True)),
-            Target("hybrid 0.8B + its first layers",
+            Target("hybrid (0.8B, bench size)",
                    ModelSpec("hybrid-bench", synth("bench"), False), synth("bench-draft")),
         ]
     return out
@@ -260,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.speculative")
     p.add_argument("--json", default="results/speculative.json")
     p.add_argument("--full", action="store_true", help="also Gemma 3 and the bench-size pair")
+    p.add_argument("--quick", action="store_true", help="only the tiny hybrid and its pair")
     p.add_argument("--draft-max", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--code-lines", type=int, default=40)
@@ -274,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "draft_max": a.draft_max,
                               "targets": [], "checkpoints": []}
-    ts = targets(a.full)
+    ts = targets(a.full, a.quick)
     for t in ts:
         try:
             result["targets"].append(run_target(t, a))

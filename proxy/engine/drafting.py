@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from proxy.engine.binding import (
     FLAGS_FULL,
@@ -70,16 +69,25 @@ def lookup_draft(tokens: np.ndarray, k: int, n_max: int = 4, n_min: int = 2) -> 
     the longest n-gram (``n_max`` down to ``n_min`` tokens) that ends ``tokens``."""
     hist = tokens[-LOOKUP_WINDOW:]
     n_tok = len(hist)
-    for n in range(min(n_max, n_tok - 1), n_min - 1, -1):
-        tail = hist[n_tok - n:]
-        # windows starting before the tail itself and followed by at least one token
-        win = sliding_window_view(hist[: n_tok - 1], n)
-        hits = np.flatnonzero((win == tail).all(axis=1))
-        hits = hits[hits + n < n_tok]
-        if hits.size:
-            start = int(hits[-1]) + n
-            return hist[start: start + k].astype(np.int32, copy=True)
-    return np.empty(0, dtype=np.int32)
+    if n_tok < n_min + 1 or k <= 0:
+        return np.empty(0, dtype=np.int32)
+    # earlier positions holding the last token (each followed by at least one token),
+    # then how far back each match reaches: a few array operations, whatever the length
+    ends = np.flatnonzero(hist[: n_tok - 1] == hist[-1])
+    length = np.ones(ends.size, dtype=np.int32)
+    alive = np.ones(ends.size, dtype=bool)
+    for j in range(1, n_max):
+        back = ends - j
+        alive &= back >= 0
+        alive[alive] = hist[back[alive]] == hist[n_tok - 1 - j]
+        if not alive.any():
+            break
+        length += alive
+    if not ends.size or int(length.max()) < n_min:
+        return np.empty(0, dtype=np.int32)
+    best = int(np.flatnonzero(length == length.max())[-1])  # the latest of the longest
+    start = int(ends[best]) + 1
+    return hist[start: start + k].astype(np.int32, copy=True)
 
 
 def check_same_vocab(target: Model, draft: Model) -> None:

@@ -41,3 +41,27 @@ def test_the_tail_does_not_match_itself() -> None:
     # a run of one token: the match must start before the tail and be followed by a token
     toks = _a(4, 4, 4)
     assert lookup_draft(toks, 3, n_max=2, n_min=2).tolist() == [4]
+
+
+def _brute(toks: np.ndarray, k: int, n_max: int, n_min: int) -> list[int]:
+    """The definition, slowly: the longest n-gram ending the history that occurred
+    earlier (followed by a token), its latest occurrence, what followed it."""
+    n_tok = len(toks)
+    for n in range(min(n_max, n_tok - 1), n_min - 1, -1):
+        tail = toks[n_tok - n:].tolist()
+        for i in range(n_tok - n - 1, -1, -1):
+            if toks[i:i + n].tolist() == tail:
+                return toks[i + n: i + n + k].tolist()
+    return []
+
+
+def test_agrees_with_the_definition_on_random_histories() -> None:
+    rng = np.random.default_rng(7)
+    for trial in range(400):
+        vocab = int(rng.integers(2, 6))  # small vocabularies: many repeats
+        toks = rng.integers(0, vocab, size=int(rng.integers(0, 40))).astype(np.int32)
+        n_max = int(rng.integers(1, 5))
+        n_min = int(rng.integers(1, n_max + 1))
+        k = int(rng.integers(1, 6))
+        assert lookup_draft(toks, k, n_max, n_min).tolist() == _brute(toks, k, n_max, n_min), \
+            (trial, toks.tolist(), k, n_max, n_min)
