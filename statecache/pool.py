@@ -4,7 +4,8 @@ Invariants (checked by ``sanity_check``): every entry is in the index and in at 
 one of: the RAM tier, the disk tier, the spill set (FULL states evicted from RAM
 before they reached the disk, kept in RAM's byte count until written); every tier id
 is an entry; PARTIAL entries are never on disk; the bytes each tier accounts equal
-what it holds and stay within its budget; a file being written is reserved on disk.
+what it holds and stay within its budget; a file being written is reserved on disk;
+the remote tier's write queue holds at most ``queue_bytes``, counted exactly.
 
 Nothing slow runs under the lock that ``describe``/``get``/``stats`` take from the
 event loop: disk reads, MAC checks, writes and fsyncs happen with the entry pinned and
@@ -816,6 +817,9 @@ class CheckpointPool:
                     lanes.setdefault(rec.lane, set()).add(entry_id)
             if lanes != self._by_lane:
                 raise RuntimeError("pool: the lane map disagrees with the entries")
+            remote = self._remote
+        if remote is not None:
+            remote.sanity_check()
 
 
 def _same(arr: Any, chain: PageChain) -> bool:

@@ -418,6 +418,14 @@ class RemoteTier:
         except Exception:
             pass
 
+    def sanity_check(self) -> None:
+        """The queue's byte count is what its writes hold, within the bound."""
+        with self._lock:
+            held = sum(p[0].nbytes for kind, p in self._jobs if kind == "write")
+            if held != self._queued_bytes or held > self.cfg.queue_bytes:
+                raise RuntimeError(f"remote: queue holds {held} bytes, counts "
+                                   f"{self._queued_bytes}, bound {self.cfg.queue_bytes}")
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             out = {f"remote_{k}": 0 for k in _COUNTERS}

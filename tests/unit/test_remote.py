@@ -332,3 +332,29 @@ def test_a_store_that_never_answers_leaves_the_pool_local(tmp_path: Path) -> Non
         s = pool.stats()
         assert (s["remote_up"], s["remote_errors"]) == (0, 1)  # tried once, then waits
         pool.close()
+
+
+def test_a_full_store_degrades_to_local_tiers(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    full = Store(tmp_path / "full", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    full.start()
+    try:
+        rc = RemoteConfig(url=full.url, chunk_size=4096, timeout=1.0, retry_s=60)
+        cfg = CacheConfig(page_size=4, ram_budget=1 << 22, disk_enabled=False,
+                          secret_path=str(tmp_path / "keys" / "k"), remote=rc)
+        pool = CheckpointPool(cfg, FP, clock=Clock())
+        for i in range(400):  # 4 MB of states into a 2 MB store
+            put(pool, [500 + i] + T[:12], STATE)
+        deadline = time.monotonic() + 10
+        while pool.stats()["remote_up"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        s = pool.stats()
+        assert s["remote_up"] == 0 and s["remote_errors"] >= 1 and s["remote_writes"] < 400
+        oom = [r for r in caplog.records if "serving from RAM and disk" in r.getMessage()]
+        assert len(oom) == 1 and "maxmemory" in oom[0].getMessage()
+        # the states are still served from RAM
+        prompt = [500] + T[:20]
+        assert [o.tier for o in pool.full_offers(prompt, pool.chain(prompt), max_n=20)] == ["ram"]
+        pool.sanity_check()
+        pool.close()
+    finally:
+        full.stop()
