@@ -29,7 +29,7 @@ class Lease:
         pin: Pin | None,
     ) -> None:
         self.record = record
-        self.tier = tier  # "ram" or "disk": where the hit came from
+        self.tier = tier  # "ram", "disk" or "remote": where the hit came from
         self._data = memoryview(data).toreadonly()
         self._pool = pool
         self._pin = pin
