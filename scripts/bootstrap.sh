@@ -10,10 +10,15 @@ LLAMA_VERSION=0.3.36
 
 # DESIGN.md fact 1: the native build crashes on AMX hosts; use a portable x86-64
 # build there, and the default build (Metal) on macOS.
+# GGML_OPENMP=OFF on Linux: ggml's own threadpool instead of OpenMP's. OpenMP's workers
+# spin between decodes and take the cores the event loop needs to hand each token on;
+# one stream through the proxy decoded at half the binding's rate with OpenMP and at
+# about 0.9 of it without (README, "One batch per step"; python -m bench.batching).
 if [[ -z "${CMAKE_ARGS+x}" ]]; then
     case "$(uname -s)-$(uname -m)" in
         Linux-x86_64)
-            CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON" ;;
+            CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_OPENMP=OFF" ;;
+        Linux-*) CMAKE_ARGS="-DGGML_OPENMP=OFF" ;;
         *) CMAKE_ARGS="" ;;
     esac
 fi

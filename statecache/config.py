@@ -80,6 +80,10 @@ class EngineConfig:
     # clients before the next decode (the two compete for the cores); 0: never. Off by
     # default: measured on hybrid-mid it lowered one stream from 125 to 102 tokens/s.
     handoff_wait_ms: float = 0.0
+    # A persistent ggml threadpool for the context (builds without OpenMP): its workers
+    # poll this long between decodes (0-100, ggml's scale) before they sleep; -1: none
+    # (llama.cpp then starts the threads of every decode anew)
+    thread_poll: int = -1
 
 
 @dataclass(slots=True, frozen=True)
@@ -198,6 +202,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("engine.min_prefill_chunk", 1, None),
     ("engine.idle_save_s", 0, None),
     ("engine.handoff_wait_ms", 0, 1000),
+    ("engine.thread_poll", -1, 100),
     ("model.n_batch", 1, None),
     ("model.n_ubatch", 1, None),
     ("model.n_gpu_layers", -1, None),

@@ -347,6 +347,40 @@ class StateBuffer:
         return self._arr
 
 
+class _ThreadpoolParams(ctypes.Structure):
+    """ggml.h's ``struct ggml_threadpool_params``."""
+
+    _fields_ = [("cpumask", ctypes.c_bool * 512),  # GGML_MAX_N_THREADS
+                ("n_threads", ctypes.c_int), ("prio", ctypes.c_int),
+                ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool),
+                ("paused", ctypes.c_bool)]
+
+
+def _threadpool_api() -> tuple[Any, Any] | None:
+    """(libggml-cpu, libllama) with the threadpool functions typed; None if missing."""
+    lib_dir = Path(_ll.__file__).parent / "lib"
+    names = [p for p in lib_dir.glob("libggml-cpu.*") if p.suffix in (".so", ".dylib")] \
+        or sorted(lib_dir.glob("libggml-cpu*"))
+    try:
+        cpu = ctypes.CDLL(str(names[0]))
+        llama = ctypes.CDLL(str(next(iter(sorted(lib_dir.glob("libllama.*"))))))
+        cpu.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(_ThreadpoolParams),
+                                                    ctypes.c_int]
+        cpu.ggml_threadpool_params_init.restype = None
+        cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_ThreadpoolParams)]
+        cpu.ggml_threadpool_new.restype = ctypes.c_void_p
+        cpu.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
+        cpu.ggml_threadpool_free.restype = None
+        llama.llama_attach_threadpool.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
+                                                  ctypes.c_void_p]
+        llama.llama_attach_threadpool.restype = None
+        llama.llama_detach_threadpool.argtypes = [ctypes.c_void_p]
+        llama.llama_detach_threadpool.restype = None
+    except (IndexError, StopIteration, OSError, AttributeError):
+        return None
+    return cpu, llama
+
+
 @dataclass(slots=True, frozen=True)
 class ContextParams:
     n_ctx: int = 8192
@@ -356,6 +390,9 @@ class ContextParams:
     n_rs_seq: int = 0
     threads: int = 0  # 0 = all cores
     swa_full: bool = True  # keep every SWA cell so a live lane can be truncated anywhere
+    # A persistent ggml threadpool whose workers poll this long (0-100, ggml's scale)
+    # before they sleep; -1: none, llama.cpp starts threads for every decode.
+    poll: int = -1
 
 
 class Context:
@@ -390,6 +427,16 @@ class Context:
         self._n_vocab = model.n_vocab
         self._buf = StateBuffer()
         self.batch = Batch(params.n_batch)
+        self._pool: int | None = None
+        self._pool_api = _threadpool_api() if params.poll >= 0 and threads > 1 else None
+        if self._pool_api is not None:
+            cpu, llama = self._pool_api
+            tp = _ThreadpoolParams()
+            cpu.ggml_threadpool_params_init(ctypes.byref(tp), threads)
+            tp.poll = params.poll
+            self._pool = cpu.ggml_threadpool_new(ctypes.byref(tp))
+            if self._pool:
+                llama.llama_attach_threadpool(ptr, self._pool, self._pool)
 
     # -- decoding ---------------------------------------------------------
 
@@ -523,8 +570,13 @@ class Context:
     def close(self) -> None:
         if self._ptr is not None:
             self.batch.free()
+            if self._pool and self._pool_api is not None:
+                self._pool_api[1].llama_detach_threadpool(self._ptr)
             _ll.llama_free(self._ptr)
             self._ptr = None
+            if self._pool and self._pool_api is not None:
+                self._pool_api[0].ggml_threadpool_free(self._pool)
+                self._pool = None
 
     def __enter__(self) -> Context:
         return self

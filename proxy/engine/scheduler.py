@@ -91,7 +91,8 @@ class Engine:
             n_rs_seq = max(n_rs_seq, sc.draft_max + 1)
         self.params = ContextParams(n_ctx=n_ctx * lanes, n_seq_max=lanes,
                                     n_batch=max(step, mc.n_batch), n_ubatch=mc.n_ubatch,
-                                    n_rs_seq=n_rs_seq, threads=mc.threads)
+                                    n_rs_seq=n_rs_seq, threads=mc.threads,
+                                    poll=ec.thread_poll)
         self.ctx = Context(self.model, self.params)
         self.memory = self.ctx.describe_memory()
         self.n_ctx = self.ctx.n_ctx_seq

@@ -92,3 +92,4 @@ def test_swa_rollback_forgets_the_rejected_tokens(gemma_path: Path) -> None:
     assert np.array_equal(one, other)
     assert int(np.argmax(one)) == int(np.argmax(never))
     assert float(np.abs(one - never).max()) < 2.0
+
