@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server from the exact llama.cpp source that
 # llama-cpp-python 0.3.36 vendors, with the same portable flags as the
-# project's own llama-cpp-python build (the native build crashes on AMX hosts).
+# project's own llama-cpp-python build (the native build crashes on AMX hosts),
+# except OpenMP, which llama-server keeps on as llama.cpp builds it by default.
 #
 #   bash bench/build_llama_server.sh        # prints the binary's path on success
 #
