@@ -159,7 +159,9 @@ def direct_decode(model_path: Path, n_out: int) -> float:
 
 def run_system(system: str, spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    with running(system, spec, n_ctx=args.n_ctx, lanes=4, log_dir=Path(args.log_dir)) as srv:
+    extra = args.statecache_config.replace("\\n", "\n") if system == "statecache" else ""
+    with running(system, spec, n_ctx=args.n_ctx, lanes=4, log_dir=Path(args.log_dir),
+                 extra_config=extra) as srv:
         _stream(srv.url, _prompt(100, 0), 16)  # warm-up
         out["decode_tps"] = {str(c): statistics.median(
             aggregate_decode(srv.url, args.out_tokens, c) for _ in range(args.repeats))
@@ -182,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--log-dir", default="results/logs")
+    p.add_argument("--statecache-config", default="",
+                   help='TOML tables for statecache, e.g. "[engine]\\nmin_prefill_chunk = 2"')
     a = p.parse_args(argv)
     spec = ModelSpec(Path(a.model).stem, Path(a.model), is_gemma=False)
     result: dict[str, Any] = {"model": spec.label, "date": time.strftime("%Y-%m-%d %H:%M"),

@@ -23,6 +23,9 @@ SHORT_PREFILL = 256  # prompt tokens left that count as close to the first token
 class StepTimer:
     decode_s: dict[int, float] = field(default_factory=dict)  # a(d)
     per_token_s: float = 0.0  # b; 0 until measured
+    # b beside decoding lanes, from the small slices that steps with them carry: on a
+    # CPU one prefill token there costs more than in a large prefill-only batch
+    mixed_s: float = 0.0
     steps: int = 0
 
     def record(self, seconds: float, n_decode: int, n_prefill: int) -> None:
@@ -34,8 +37,11 @@ class StepTimer:
         a = self.decode_s.get(n_decode)
         if n_prefill == 0:
             self.decode_s[n_decode] = seconds if a is None else a + ALPHA * (seconds - a)
-        elif a is not None and n_prefill >= MIN_SAMPLE:
-            self._per_token(max(seconds - a, 0.0) / n_prefill)
+        elif a is not None:
+            x = max(seconds - a, 0.0) / n_prefill
+            self.mixed_s = x if not self.mixed_s else self.mixed_s + ALPHA * (x - self.mixed_s)
+            if n_prefill >= MIN_SAMPLE:
+                self._per_token(x)
         elif self.per_token_s:
             est = max(seconds - self.per_token_s * n_prefill, 0.0)
             self.decode_s[n_decode] = est if a is None else a + ALPHA * (est - a)
@@ -51,9 +57,10 @@ class StepTimer:
         if factor <= 0:
             return budget
         a = self.decode_s.get(n_decode)
-        if a is None or not self.per_token_s:
+        b = self.mixed_s or self.per_token_s
+        if a is None or not b:
             return min(min_chunk, budget)
-        fit = int((factor - 1.0) * a / self.per_token_s)
+        fit = int((factor - 1.0) * a / b)
         return max(min(fit, budget), min(min_chunk, budget))
 
 
@@ -76,8 +83,9 @@ def plan_step(jobs: list[Job], executor: Executor, timer: StepTimer, *, step_tok
         used += w.n
     budget = step_tokens - used
     prefilling = sorted((j for j in jobs if j.prefilling), key=lambda j: len(j.prompt) - j.pos)
-    short = [j for j in prefilling if len(j.prompt) - j.pos <= SHORT_PREFILL]
-    long = sorted((j for j in prefilling if len(j.prompt) - j.pos > SHORT_PREFILL),
+    # a short request (its whole prefill is short), not the tail of a long one
+    short = [j for j in prefilling if len(j.prompt) - j.reuse <= SHORT_PREFILL]
+    long = sorted((j for j in prefilling if len(j.prompt) - j.reuse > SHORT_PREFILL),
                   key=lambda j: (j.starved < MAX_STARVED, len(j.prompt) - j.pos))
     for job in short:
         budget -= _add(works, job, executor, min(budget, prefill_chunk))
