@@ -110,7 +110,7 @@ def profiles(quick: bool) -> Profile:
                    subagent_args=("--system-chars", "6000"),
                    remote_args=("--contexts", "300,1500", "--repeats", "3", "--turns", "10",
                                 "--state-mib", "256"),
-                   speculative_args=("--full", "--repeats", "2"))
+                   speculative_args=("--full", "--repeats", "3"))
 
 
 @dataclass(slots=True)

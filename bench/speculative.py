@@ -118,7 +118,7 @@ def workloads(code_lines: int) -> dict[str, tuple[list[dict[str, str]], int]]:
     return {
         "chat": ([{"role": "user", "content": "Explain in a few paragraphs why a recurrent "
                    "state cannot be rolled back by truncating a cache, and what a "
-                   "checkpoint does instead."}], 128),
+                   "checkpoint does instead."}], 256),
         "code-edit": ([{"role": "user", "content": "Here is a Python file:\n\n```python\n"
                         + code + "\n```\n\nRewrite the whole file with the function "
                         "common_prefix renamed to shared_prefix. Output only the code."}], 256),
@@ -136,8 +136,8 @@ def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
         res: dict[str, Any] = {}
         with running("statecache", t.model, n_ctx=4096, lanes=1, log_dir=Path(args.log_dir),
                      extra_config=extra, extra_args=flags, tag=f"-spec-{source}") as srv:
-            _chat(srv.url, [{"role": "user", "content": "Hi"}], 8)  # warm-up
             for name, (messages, max_tokens) in workloads(args.code_lines).items():
+                _chat(srv.url, messages, max_tokens)  # warm-up: the same request once
                 before = _spec_counts(srv.url)
                 runs = [_chat(srv.url, messages, max_tokens) for _ in range(args.repeats)]
                 after = _spec_counts(srv.url)
@@ -225,6 +225,36 @@ def rollback_check(target: Path, draft: Path, n_out: int, repeats: int) -> list[
     return rows
 
 
+def verify_cost(model: Path, n_rs_seq: int, sizes: tuple[int, ...] = (1, 2, 3, 5)
+                ) -> list[dict[str, Any]]:
+    """What a verification costs the target on this machine: one lane decoding n tokens
+    at once (a last token and n - 1 drafts, logits for all), median ms of 8."""
+    import numpy as np
+
+    from proxy.engine.binding import Context, ContextParams, Model, init_backend
+
+    init_backend()
+    rows = []
+    with Model(model) as m, Context(m, ContextParams(n_ctx=4096, n_batch=512, n_ubatch=512,
+                                                      n_rs_seq=n_rs_seq)) as ctx:
+        ctx.prefill(0, np.arange(300, dtype=np.int32) % 200 + 10, 0)
+        pos = 300
+        for n in sizes:
+            times = []
+            for _ in range(8):
+                ctx.batch.clear()
+                ctx.batch.add(0, list(range(20, 20 + n)), pos, logits_last=True, logits_from=0)
+                t0 = time.perf_counter()
+                ctx.decode()
+                times.append(time.perf_counter() - t0)
+                if not ctx.seq_rm(0, pos + 1, -1):  # keep one token, as a rejection would
+                    raise RuntimeError("seq_rm refused")
+                pos += 1
+            rows.append({"model": model.name, "tokens": n,
+                         "ms": 1000 * statistics.median(times)})
+    return rows
+
+
 def table(result: dict[str, Any]) -> list[str]:
     lines = ["| target (memory) | model | workload | source | decode tok/s | vs off | "
              "drafted | accepted | acceptance |", "|---|---|---|---|---:|---:|---:|---:|---:|"
@@ -250,6 +280,14 @@ def table(result: dict[str, Any]) -> list[str]:
             lines.append(f"| {r['rollback']} | {r['n_rs_seq']} | "
                          f"{'yes' if r['drafting'] else 'no (speculative: false)'} | "
                          f"{r['decode_tps']:.1f} |")
+    if result.get("verify"):
+        base = {r["model"]: r["ms"] for r in result["verify"] if r["tokens"] == 1}
+        lines += ["", "What a verification costs the target: one lane decoding n tokens at once "
+                  "(n_rs_seq snapshots on), median of 8:", "",
+                  "| model | tokens | ms | x one token |", "|---|---:|---:|---:|"]
+        for r in result["verify"]:
+            lines.append(f"| {r['model']} | {r['tokens']} | {r['ms']:.1f} | "
+                         f"{r['ms'] / base[r['model']]:.2f} |")
     if not result["checkpoints"]:
         return lines
     lines += ["", "Draft checkpoints (one lane at the given length): full state, against what "
@@ -288,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # one broken target must not end the benchmark
             result["targets"].append({"kind": t.label, "model": t.model.label,
                                       "error": f"{type(e).__name__}: {e}"})
+    result["verify"] = [r for t in ts  # the qwen35 hybrids: n_rs_seq rollback
+                        if t.draft is not None and t.label.startswith("hybrid")
+                        and "jamba" not in t.label
+                        for r in verify_cost(t.model.path, a.draft_max + 1)]
     mid = [t for t in ts if t.model.label == "hybrid-mid"]
     if mid and mid[0].draft is not None:
         result["rollback"] = rollback_check(mid[0].model.path, mid[0].draft, 256, a.repeats)
