@@ -136,10 +136,9 @@ class SpeculativeConfig:
     lookup_min: int = 2  # shortest
     catch_up: int = 256  # most tokens a step a draft model decodes to follow its target lane
     # how a hybrid target that has n_rs_seq snapshots drops rejected drafts: "snapshots"
-    # (n_rs_seq = draft_max + 1: every decode keeps per-token states, about a quarter
-    # slower on hybrid-mid, drafting or not), "staged" (a partial save before each
-    # verification, restored on a rejection); "auto": snapshots with a draft model (it
-    # drafts every step: faster there), staged with prompt lookup (it drafts seldom)
+    # (n_rs_seq = draft_max + 1: every decode keeps per-token states), "staged" (a partial
+    # save before each verification, restored on a rejection); "auto": staged, faster on
+    # hybrid-mid drafting or not (bench.speculative --rollback-check, docs/benchmarks.md)
     rollback: str = "auto"
 
 

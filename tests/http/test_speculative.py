@@ -32,9 +32,8 @@ def _spec(m: dict[str, Any]) -> tuple[int, int, int]:
 async def test_prompt_lookup_keeps_greedy_answers(
     which: str, request: pytest.FixtureRequest, tmp_path: Path, done_lines: DoneLines
 ) -> None:
-    # hybrid: rejected drafts leave through n_rs_seq snapshots; norollback (jamba): the
-    # lane's partial state is staged and the accepted tokens replayed; gemma (SWA) and
-    # draft (plain attention): seq_rm.
+    # hybrid and norollback (jamba): the lane's partial state is staged and the accepted
+    # tokens replayed; gemma (SWA) and draft (plain attention): seq_rm.
     model: Path = request.getfixturevalue(f"{which}_path")
     splice = which == "gemma"
     async with serve(model, tmp_path / "ckpt", speculative__source="lookup",
@@ -133,8 +132,10 @@ async def test_sampling_with_drafts_stays_valid(spec_target_path: Path, spec_dra
 # later layers barely change the residual stream, and its first layers as the draft)
 # for each target memory kind, and an unrelated draft of the same vocabulary.
 PAIRS = {
-    # hybrid target (n_rs_seq snapshots), hybrid draft: staged, partial checkpoints
+    # hybrid target (staged), hybrid draft: staged, partial checkpoints
     "hybrid": ("spec_target_path", "spec_draft_path", True),
+    # the same with the target's rejected drafts dropped through n_rs_seq snapshots
+    "hybrid-snapshots": ("spec_target_path", "spec_draft_path", True),
     # plain-attention target and draft: seq_rm both, nothing of the draft saved
     "attention": ("spec_llama_target_path", "spec_llama_draft_path", True),
     # jamba target without rollback (staged state, replay), jamba draft (staged)
@@ -151,8 +152,11 @@ async def test_draft_model_keeps_greedy_answers(
     t_name, d_name, agrees = PAIRS[pair]
     target: Path = request.getfixturevalue(t_name)
     draft: Path = request.getfixturevalue(d_name)
+    rollback = "snapshots" if pair == "hybrid-snapshots" else "auto"
     async with serve(target, tmp_path / "ckpt", model__draft_path=str(draft),
-                     speculative__source="draft", speculative__draft_min_p=0.0) as srv:
+                     speculative__source="draft", speculative__draft_min_p=0.0,
+                     speculative__rollback=rollback) as srv:
+        assert (srv.app[ENGINE].memory.n_rs_seq > 0) == (rollback == "snapshots")
         s = Session(srv.client, max_tokens=64)
         await s.turn()
         await s.turn(user_message(1))
