@@ -310,11 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--code-lines", type=int, default=40)
     p.add_argument("--log-dir", default="results/logs")
     p.add_argument("--rollback-check", action="store_true",
-                   help="only: snapshots against staged rollback on hybrid-mid and its draft")
+                   help="only: snapshots against staged rollback on a hybrid and its draft")
+    p.add_argument("--pair", default="mid", choices=("mid", "bench"),
+                   help="with --rollback-check: hybrid-mid or hybrid-bench and its draft")
     a = p.parse_args(argv)
     if a.rollback_check:
-        rows = rollback_check(MODELS / "hybrid-mid.gguf", MODELS / "hybrid-mid-draft.gguf",
-                              256, a.repeats)
+        rows = rollback_check(MODELS / f"hybrid-{a.pair}.gguf",
+                              MODELS / f"hybrid-{a.pair}-draft.gguf", 256, a.repeats)
         print("\n".join(table({"targets": [], "checkpoints": [], "rollback": rows})))
         return 0
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "draft_max": a.draft_max,

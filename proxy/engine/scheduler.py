@@ -82,8 +82,10 @@ class Engine:
             raise ValueError(f"engine.step_tokens ({step}) must hold one token per lane ({lanes})")
         sc = cfg.speculative
         n_rs_seq = mc.n_rs_seq
-        if sc.source != "off" and sc.rollback == "snapshots" and \
-                supports_rs_rollback(self.model):
+        drafting_model = sc.source in ("draft", "auto") and bool(mc.draft_path)
+        rollback = sc.rollback if sc.rollback != "auto" else (
+            "snapshots" if drafting_model else "staged")
+        if sc.source != "off" and rollback == "snapshots" and supports_rs_rollback(self.model):
             # a verification's rejected drafts roll back through the hybrid memory's
             # per-token snapshots: the drafts and the token before them
             n_rs_seq = max(n_rs_seq, sc.draft_max + 1)
