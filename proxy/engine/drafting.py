@@ -46,7 +46,6 @@ from pathlib import Path
 import numpy as np
 
 from proxy.engine.binding import (
-    FLAGS_FULL,
     FLAGS_PARTIAL,
     Context,
     ContextParams,
@@ -142,10 +141,6 @@ class DraftModel:
         self.counters = {"draft_tokens_decoded": 0, "draft_rollbacks": 0,
                          "draft_restores": 0, "draft_clears": 0, "draft_checkpoints": 0,
                          "draft_checkpoint_bytes": 0}
-
-    @property
-    def fingerprint(self) -> str:
-        return self.model.fingerprint
 
     # -- keeping up -------------------------------------------------------------------
 
@@ -290,12 +285,6 @@ class DraftModel:
         self.counters["draft_checkpoints"] += 1
         self.counters["draft_checkpoint_bytes"] += rec.nbytes
         return rec.nbytes
-
-    def state_bytes(self, lane_id: int) -> tuple[int, int]:
-        """(full, partial) bytes of the draft lane's state now: what a checkpoint of it
-        would cost without and with the partial-only rule."""
-        return (self.ctx.state_size(lane_id, FLAGS_FULL),
-                self.ctx.state_size(lane_id, FLAGS_PARTIAL) if self.recurrent else 0)
 
     def close(self) -> None:
         self.ctx.close()

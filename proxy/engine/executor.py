@@ -428,18 +428,15 @@ class Executor:
             job.drafts = _NONE
             if not job.speculate:
                 continue
-            if job.prefilling:
-                if self.draft is not None:  # the draft follows the prompt as it is read
-                    asks.append(DraftAsk(lane.id, np.concatenate([lane.tokens, self._tokens(w)]),
-                                         0, lane.tenant or job.req.tenant, step=w.n))
-                continue
-            known = np.concatenate([lane.tokens, job.replay,
-                                    np.array([job.pending], dtype=np.int32)])
+            # what the lane holds once this step's tokens (drafts aside) are in: a prompt
+            # chunk, or the replayed tokens and ``pending``
+            step = self._tokens(w)
+            known = np.concatenate([lane.tokens, step])
+            want = 0 if job.prefilling else w.room  # while prefilling the draft follows
             if self.draft is not None:
-                asks.append(DraftAsk(lane.id, known, w.room, lane.tenant,
-                                     step=len(job.replay) + 1))
-            elif w.room:
-                job.drafts = lookup_draft(known, w.room, sc.lookup_max, sc.lookup_min)
+                asks.append(DraftAsk(lane.id, known, want, lane.tenant, step=len(step)))
+            elif want:
+                job.drafts = lookup_draft(known, want, sc.lookup_max, sc.lookup_min)
         if asks:
             assert self.draft is not None
             drafted = self.draft.propose(asks)
