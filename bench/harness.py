@@ -42,6 +42,8 @@ class Record:
     decode_tps: float | None
     new_tokens: int | None = None  # tokens beyond what the server saw last turn
     restore_ms: float | None = None  # statecache's own log line
+    phases_ms: dict[str, float] | None = None  # statecache's debug line, per phase
+    ideal_prefill_s: float | None = None  # new tokens at their context length (bench.ideal)
     peak_rss_kb: int | None = None
     repeat: int = 0
 
@@ -230,13 +232,27 @@ class Agent:
 
 _DONE = re.compile(r"Done · input ([\d,]+) · cached ([\d,]+) · prefilled ([\d,]+) · output "
                    r"([\d,]+) · TTFT ([\d.]+) s · restore (\d+) ms")
+_PHASES = re.compile(r"phases \S+ · queue ([\d.]+) ms · plan ([\d.]+) ms \(hand-off ([\d.]+), "
+                     r"restore ([\d.]+)\) · prefill ([\d.]+) ms in (\d+) steps \(checkpoints "
+                     r"([\d.]+) ms\) · TTFT ([\d.]+) ms")
+PHASES = ("queue", "plan", "hand-off", "restore", "prefill", "prefill steps", "checkpoints",
+          "engine TTFT")
 
 
-def statecache_log_lines(log: str) -> list[dict[str, float]]:
-    """The proxy's ``Done`` lines, in order."""
-    return [{"input": int(m[1].replace(",", "")), "cached": int(m[2].replace(",", "")),
-             "prefilled": int(m[3].replace(",", "")), "restore_ms": float(m[6])}
-            for m in _DONE.finditer(log)]
+def statecache_log_lines(log: str) -> list[dict[str, Any]]:
+    """The proxy's ``Done`` lines, in order, each with the ``phases`` line logged just
+    before it at debug level (``phases``: None when the log is at info)."""
+    out: list[dict[str, Any]] = []
+    phases: dict[str, float] | None = None
+    for line in log.splitlines():
+        if (p := _PHASES.search(line)) is not None:
+            phases = dict(zip(PHASES, (float(x) for x in p.groups()), strict=True))
+        elif (m := _DONE.search(line)) is not None:
+            out.append({"input": int(m[1].replace(",", "")), "cached": int(m[2].replace(",", "")),
+                        "prefilled": int(m[3].replace(",", "")), "restore_ms": float(m[6]),
+                        "phases": phases})
+            phases = None
+    return out
 
 
 def stream_chat_completion(url: str, prompt: str, max_tokens: int) -> tuple[float, int, float]:

@@ -5,8 +5,11 @@ Derived numbers:
   reply (what the server has never seen); taken from the statecache run of the
   same session where a system reports no prompt tokens.
 - re-prefilled beyond new: prefilled minus new tokens, summed over follow-ups.
-- ideal TTFT: new tokens at the cold prefill rate (no-cache system, prompt
-  tokens / TTFT, median) plus statecache's restore time for that request.
+- ideal TTFT: the follow-up's new tokens prefilled at the context length where
+  they land by the binding alone (``bench.ideal``), plus statecache's restore
+  time for that request; where bench.ideal did not run, the new tokens at the
+  cold prefill rate (no-cache system, prompt tokens / TTFT, median), which
+  underestimates it (a whole cold prompt averages over shorter contexts).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def _fmt(x: float | None, spec: str = ".2f", unit: str = "") -> str:
     return "n/a" if x is None else f"{x:{spec}}{unit}"
 
 
-def _new_tokens(records: list[Record]) -> None:
+def fill_new_tokens(records: list[Record]) -> None:
     """Fill ``new_tokens`` of follow-ups, repeats and edits."""
     by_agent: dict[tuple[str, str, str, str, int], list[Record]] = defaultdict(list)
     for r in records:
@@ -74,9 +77,11 @@ def _cold_rate(records: list[Record], model: str) -> float | None:
 
 
 def _ideal(r: Record, rate: float | None, restore: dict[Key, float]) -> float | None:
+    k = (r.model, r.variant, r.session, r.repeat, r.turn)
+    if r.ideal_prefill_s is not None:
+        return r.ideal_prefill_s + restore.get(k, 0.0) / 1000
     if rate is None or r.new_tokens is None:
         return None
-    k = (r.model, r.variant, r.session, r.repeat, r.turn)
     return r.new_tokens / rate + restore.get(k, 0.0) / 1000
 
 
@@ -114,7 +119,9 @@ def _summary(records: list[Record], model: str, systems: tuple[str, ...]) -> lis
     ideal = [_ideal(r, rate, restore) for r in follow if r.system == "statecache"]
     ideal_med = _med(ideal)
     new_total = sum(r.new_tokens or 0 for r in follow if r.system == "statecache")
-    rows.append(["*ideal* (new tokens at cold rate + restore)", _fmt(ideal_med, ".3f"),
+    measured = all(r.ideal_prefill_s is not None for r in follow if r.system == "statecache")
+    rows.append([f"*ideal* (new tokens {'at their context length' if measured else 'at cold rate'}"
+                 " + restore)", _fmt(ideal_med, ".3f"),
                  _fmt(ideal_med / sc if ideal_med and sc else None), "", f"{new_total:,}", "0",
                  "", ""])
     head = ["system", "median follow-up TTFT s (min–max of repeats)",
@@ -122,9 +129,43 @@ def _summary(records: list[Record], model: str, systems: tuple[str, ...]) -> lis
             "re-prefilled beyond new", "decode tok/s", "peak RSS MiB"]
     out = _table(head, rows)
     out.append("")
+    ratios = [r.ttft_s / i for r, i in zip(
+        [r for r in follow if r.system == "statecache"], ideal, strict=True) if i]
     out.append(f"Cold prefill rate (no cache): {_fmt(rate, ',.0f')} tokens/s. "
-               f"statecache is {_fmt(sc / ideal_med if sc and ideal_med else None)}× the ideal.")
+               f"statecache is {_fmt(sc / ideal_med if sc and ideal_med else None)}× the ideal "
+               f"(ratio of medians; median of per-request ratios "
+               f"{_fmt(_med(ratios))}×). The ideal prefills each follow-up's new tokens "
+               + ("at the context length where they land with `proxy.engine.binding` alone "
+                  "(`bench.ideal`)" if measured else "at the cold rate")
+               + " and adds statecache's restore time.")
+    out += _phases(follow)
     return out
+
+
+def _phases(follow: list[Record]) -> list[str]:
+    """Where statecache's follow-up TTFT goes: the engine's phases (its debug line)
+    and the rest (HTTP, rendering, tokenizing, streaming the first token)."""
+    recs = [r for r in follow if r.system == "statecache" and r.phases_ms]
+    if not recs:
+        return []
+    rows = []
+    for name in ("queue", "plan", "hand-off", "restore", "prefill", "checkpoints",
+                 "engine TTFT"):
+        rows.append([name + (" (in plan)" if name in ("hand-off", "restore") else "")
+                     + (" (in prefill)" if name == "checkpoints" else ""),
+                     _fmt(_med(r.phases_ms[name] for r in recs if r.phases_ms), ".1f")])
+    rows.append(["prefill steps", _fmt(_med(r.phases_ms["prefill steps"] for r in recs
+                                            if r.phases_ms), ".0f")])
+    rows.append(["outside the engine (client TTFT − engine TTFT)",
+                 _fmt(_med(1000 * r.ttft_s - r.phases_ms["engine TTFT"] for r in recs
+                           if r.phases_ms), ".1f")])
+    rows.append(["ideal prefill (bench.ideal)",
+                 _fmt(_med(1000 * r.ideal_prefill_s for r in recs
+                           if r.ideal_prefill_s is not None), ".1f")])
+    rows.append(["client TTFT", _fmt(_med(1000 * r.ttft_s for r in recs), ".1f")])
+    return ["", f"Where statecache's follow-up TTFT goes (median ms over {len(recs)} "
+            "follow-ups; the engine's `phases` debug line):", "",
+            *_table(["phase", "median ms"], rows)]
 
 
 def _variants(records: list[Record], model: str, systems: tuple[str, ...]) -> list[str]:
@@ -255,7 +296,7 @@ def plot(records: list[Record], models: list[str], systems: tuple[str, ...], pat
 
 
 def write(out_dir: Path, prof: Profile, systems: tuple[str, ...], res: Results) -> None:
-    _new_tokens(res.records)
+    fill_new_tokens(res.records)
     models = [p.model.label for p in prof.parts]
     (out_dir / "bench.json").write_text(json.dumps(
         {"records": [r.to_json() for r in res.records], "notes": res.notes,

@@ -134,6 +134,7 @@ def _attach_server_facts(server: Server, agents: list[Agent], sequential: bool) 
         lines = statecache_log_lines(server.log_text())[-len(recs):]
         for r, line in zip(recs, lines, strict=False):
             r.restore_ms = line["restore_ms"]
+            r.phases_ms = line["phases"]
     for r in recs:
         r.peak_rss_kb = rss
 
@@ -185,6 +186,31 @@ def _session_part(prof: Profile, part: Part, system: str, res: Results, log_dir:
         _attach_server_facts(srv, agents, sequential=False)
         for a in agents:
             res.records += a.records
+
+
+def _ideal(prof: Profile, part: Part, res: Results, out_dir: Path) -> None:
+    """bench.ideal: each statecache follow-up's new tokens prefilled at their context
+    length by the binding alone, in its own process; fills ``ideal_prefill_s``."""
+    sessions: dict[tuple[str, int], list[Record]] = {}
+    for r in res.records:
+        if (r.system == "statecache" and r.model == part.model.label and r.variant == "base"
+                and r.kind == "follow" and r.new_tokens is not None and r.prompt_tokens):
+            sessions.setdefault((r.session, r.repeat), []).append(r)
+    if not sessions:
+        return
+    recs = [sorted(rs, key=lambda r: r.turn) for rs in sessions.values()]
+    shapes = [[(r.prompt_tokens - r.new_tokens, r.new_tokens) for r in rs
+               if r.prompt_tokens is not None and r.new_tokens is not None] for rs in recs]
+    src, path = out_dir / f"ideal-{part.model.label}-shapes.json", out_dir / "ideal.json"
+    src.write_text(json.dumps(shapes))
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-m", "bench.ideal", "--model", str(part.model.path),
+                    "--shapes", str(src), "--json", str(path), "--n-ctx", str(prof.n_ctx)],
+                   cwd=ROOT, check=True)
+    for rs, times in zip(recs, json.loads(path.read_text()), strict=True):
+        for r, t in zip(rs, times, strict=True):
+            r.ideal_prefill_s = t
+    res.timings[f"{part.model.label} / ideal"] = time.monotonic() - t0
 
 
 def _build_llama_server(res: Results) -> bool:
@@ -279,6 +305,12 @@ def run(prof: Profile, out_dir: Path, systems: tuple[str, ...]) -> Results:
                                  f"{type(e).__name__}: {str(e)[:300]}")
             res.timings[f"{part.model.label} / {system}"] = time.monotonic() - t0
             log.info("%s / %s: %.0f s", part.model.label, system, time.monotonic() - t0)
+        report.fill_new_tokens(res.records)
+        try:
+            _ideal(prof, part, res, out_dir)
+        except Exception as e:
+            traceback.print_exc()
+            res.notes.append(f"{part.model.label} / ideal: failed: {e}")
     _load_parts(prof, res, out_dir, systems)
     if "statecache" in systems and prof.remote_args:
         _remote(prof, res, out_dir)

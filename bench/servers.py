@@ -76,6 +76,8 @@ def _command(system: str, model: ModelSpec, port: int, n_ctx: int, lanes: int,
             f'[model]\npath = "{model.path}"\nn_ctx = {n_ctx}\nn_batch = {N_BATCH}\n'
             f'n_ubatch = {N_BATCH}\nthreads = {THREADS}\n'
             f'[server]\nlanes = {lanes}\n'
+            # per request only: the engine's phases line, which the records carry
+            f'[log]\nlevel = "debug"\n'
             # a fresh disk tier per start: no run may hit another run's checkpoints
             f'[cache]\ndisk_path = "{scratch / "checkpoints"}"\n' + extra_config)
         cmd = [str(Path(py).parent / "statecache"), "serve", "--config", str(cfg),

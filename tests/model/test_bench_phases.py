@@ -1,0 +1,68 @@
+"""What the benchmark reads about a follow-up's TTFT: the engine's per-phase debug line
+(parsed by ``bench.harness.statecache_log_lines`` from the real engine's log, so a
+change of either side fails here) and ``bench.ideal``'s prefill of new tokens at the
+context length where they land."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+
+from bench.harness import PHASES, statecache_log_lines
+from bench.ideal import measure
+from proxy.engine.scheduler import Engine
+from proxy.engine.types import GenerationRequest, SamplingParams, TokenEvent
+from statecache.config import load_config
+
+
+def _run(eng: Engine, prompt: tuple[int, ...], n: int) -> list[int]:
+    async def go() -> list[int]:
+        out: list[int] = []
+        async for ev in eng.generate(GenerationRequest(
+                "t", prompt, SamplingParams(temperature=0.0, max_tokens=n))):
+            if isinstance(ev, TokenEvent):
+                out += ev.token_ids
+        return out
+    return asyncio.run(go())
+
+
+def test_every_done_line_carries_its_phases_and_they_add_up(
+    hybrid_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = load_config(None, {"model.path": str(hybrid_path), "model.n_ctx": 2048,
+                             "server.lanes": 1, "cache.disk_path": str(tmp_path / "ck")})
+    eng = Engine(cfg, hybrid_path)
+    caplog.set_level(logging.DEBUG, logger="statecache")
+    try:
+        first = tuple(eng.model.tokenize("a first question about state " * 20))
+        reply = _run(eng, first, 8)
+        follow = first + tuple(reply) + tuple(eng.model.tokenize(" and a follow-up " * 10))
+        _run(eng, follow, 8)
+    finally:
+        eng.close()
+    log = "\n".join(f"12:00:00 INFO statecache: {m}" for m in caplog.messages)
+    lines = statecache_log_lines(log)
+    assert [ln["input"] for ln in lines] == [len(first), len(follow)]
+    for ln in lines:
+        ph = ln["phases"]
+        assert ph is not None and set(ph) == set(PHASES)
+        assert ph["restore"] <= ph["plan"] + 0.1 and ph["hand-off"] <= ph["plan"] + 0.1
+        assert ph["checkpoints"] <= ph["prefill"] + 0.1
+        assert ph["prefill"] <= ph["engine TTFT"] + 0.1
+        assert ph["prefill steps"] >= 1
+    assert lines[1]["cached"] > 0  # the follow-up reused the first turn: a real follow-up
+    # the lines without a phases line before them (log at info) carry None, not a neighbour's
+    info_only = "\n".join(m for m in log.splitlines() if " phases " not in m)
+    assert [ln["phases"] for ln in statecache_log_lines(info_only)] == [None, None]
+
+
+def test_ideal_prefill_grows_with_new_tokens_and_refuses_shrinking_sessions(
+    hybrid_path: Path
+) -> None:
+    (times,) = measure(str(hybrid_path), [[(200, 8), (260, 400)]], n_ctx=2048, repeats=1)
+    assert len(times) == 2 and 0 < times[0] < times[1]
+    with pytest.raises(ValueError):
+        measure(str(hybrid_path), [[(300, 10), (100, 10)]], n_ctx=2048, repeats=1)
