@@ -166,8 +166,9 @@ def run_system(system: str, spec: ModelSpec, args: argparse.Namespace) -> dict[s
         out["decode_tps"] = {str(c): statistics.median(
             aggregate_decode(srv.url, args.out_tokens, c) for _ in range(args.repeats))
             for c in (1, 2, 4)}
-        out["itl"] = itl_during_prefill(srv.url, args.long, args.n_ctx - 512)
-        out["short_behind_long"] = short_behind_long(srv.url, args.long)
+        if not args.decode_only:
+            out["itl"] = itl_during_prefill(srv.url, args.long, args.n_ctx - 512)
+            out["short_behind_long"] = short_behind_long(srv.url, args.long)
         out["peak_rss_kb"] = srv.peak_rss_kb()
     one = out["decode_tps"]["1"]
     out["scaling"] = {c: v / one for c, v in out["decode_tps"].items()}
@@ -186,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", default="results/logs")
     p.add_argument("--statecache-config", default="",
                    help='TOML tables for statecache, e.g. "[engine]\\nmin_prefill_chunk = 2"')
+    p.add_argument("--decode-only", action="store_true",
+                   help="only the aggregate decode rates (no long prefill)")
     a = p.parse_args(argv)
     spec = ModelSpec(Path(a.model).stem, Path(a.model), is_gemma=False)
     result: dict[str, Any] = {"model": spec.label, "date": time.strftime("%Y-%m-%d %H:%M"),

@@ -328,7 +328,10 @@ def write(out_dir: Path, prof: Profile, systems: tuple[str, ...], res: Results) 
         lines += ["## Speculative decoding", "",
                   f"Draft length {res.speculative['draft_max']}, greedy, one stream at a "
                   "time through the server; decode tokens/s from the first token to the "
-                  "last; acceptance = accepted / drafted.", ""] \
+                  "last; acceptance = accepted / drafted. A draft model drafts with "
+                  "`draft_min_p = 0` (the synthetic drafts' probabilities are flat, so a "
+                  "threshold would only cut drafts the target accepts); the bench-size "
+                  "pair agrees at the rate set in tools/synth_gguf.py (DRAFTS).", ""] \
             + speculative_table(res.speculative) + [""]
     if res.remote:
         from bench.remote import markdown

@@ -185,7 +185,8 @@ def draft_checkpoint_bytes(model: Path, tokens: int) -> dict[str, Any]:
             "full_bytes": full, "kept_bytes": kept}
 
 
-def rollback_check(target: Path, draft: Path, n_out: int, repeats: int) -> list[dict[str, Any]]:
+def rollback_check(target: Path, draft: Path, n_out: int, repeats: int,
+                   draft_max: int = 3) -> list[dict[str, Any]]:
     """A hybrid target with a draft model, in process (no HTTP): decode tokens/s of one
     greedy stream, drafting or not (``speculative: false``), with rejected drafts rolled
     back through n_rs_seq snapshots or through a staged partial state."""
@@ -200,6 +201,8 @@ def rollback_check(target: Path, draft: Path, n_out: int, repeats: int) -> list[
         cfg = load_config(None, {
             "model.path": str(target), "model.draft_path": str(draft), "model.n_ctx": 4096,
             "server.lanes": 1, "cache.enabled": False, "speculative.source": "draft",
+            "speculative.draft_min_p": 0.0,  # as the server runs of the draft source
+            "speculative.draft_max": draft_max,
             "speculative.rollback": rollback})
         eng = Engine(cfg, target)
         try:
@@ -305,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="results/speculative.json")
     p.add_argument("--full", action="store_true", help="also Gemma 3 and the bench-size pair")
     p.add_argument("--quick", action="store_true", help="only the tiny hybrid and its pair")
-    p.add_argument("--draft-max", type=int, default=4)
+    p.add_argument("--draft-max", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--code-lines", type=int, default=40)
     p.add_argument("--log-dir", default="results/logs")
@@ -316,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.rollback_check:
         rows = rollback_check(MODELS / f"hybrid-{a.pair}.gguf",
-                              MODELS / f"hybrid-{a.pair}-draft.gguf", 256, a.repeats)
+                              MODELS / f"hybrid-{a.pair}-draft.gguf", 256, a.repeats,
+                              a.draft_max)
         print("\n".join(table({"targets": [], "checkpoints": [], "rollback": rows})))
         return 0
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "draft_max": a.draft_max,
@@ -334,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                         for r in verify_cost(t.model.path, a.draft_max + 1)]
     mid = [t for t in ts if t.model.label == "hybrid-mid"]
     if mid and mid[0].draft is not None:
-        result["rollback"] = rollback_check(mid[0].model.path, mid[0].draft, 256, a.repeats)
+        result["rollback"] = rollback_check(mid[0].model.path, mid[0].draft, 256, a.repeats,
+                                            a.draft_max)
     for t in ts:
         if t.draft is not None:
             for n in (2000, 8000):

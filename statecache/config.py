@@ -80,10 +80,11 @@ class EngineConfig:
     # clients before the next decode (the two compete for the cores); 0: never. Off by
     # default: measured on hybrid-mid it lowered one stream from 125 to 102 tokens/s.
     handoff_wait_ms: float = 0.0
-    # A persistent ggml threadpool for the context (builds without OpenMP): its workers
-    # poll this long between decodes (0-100, ggml's scale) before they sleep; -1: none
-    # (llama.cpp then starts the threads of every decode anew)
-    thread_poll: int = -1
+    # A persistent ggml threadpool for the context and its draft's (builds without
+    # OpenMP): its workers poll this long between decodes (0-100, ggml's scale; 50 is
+    # llama-server's) before they sleep; -1: none (llama.cpp then starts the threads of
+    # every decode anew, which stalled the sub-millisecond decodes of tiny models)
+    thread_poll: int = 50
 
 
 @dataclass(slots=True, frozen=True)
@@ -130,7 +131,9 @@ class SpeculativeConfig:
     # "draft": the draft model at model.draft_path; "auto": the draft model if
     # model.draft_path is set, else prompt lookup
     source: str = "off"
-    draft_max: int = 4  # tokens drafted per lane and step
+    # tokens drafted per lane and step; 3 from `python -m bench.speculative --rollback-check
+    # --pair bench [--draft-max 4]`: 33.6 tokens/s against 22.2 undrafted, 31.0 with 4
+    draft_max: int = 3
     draft_min_p: float = 0.5  # a draft model stops where its likeliest token is less likely
     lookup_max: int = 4  # longest n-gram prompt lookup matches
     lookup_min: int = 2  # shortest

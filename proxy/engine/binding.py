@@ -356,14 +356,30 @@ class _ThreadpoolParams(ctypes.Structure):
                 ("paused", ctypes.c_bool)]
 
 
+def _loaded(prefix: str) -> list[Path]:
+    """Files whose name starts with ``prefix`` that this process has mapped (Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[-1].strip() for line in f if prefix in line}
+    except OSError:
+        return []
+    return sorted(Path(p) for p in paths if Path(p).name.startswith(prefix))
+
+
 def _threadpool_api() -> tuple[Any, Any] | None:
-    """(libggml-cpu, libllama) with the threadpool functions typed; None if missing."""
+    """(libggml-cpu, libllama) with the threadpool functions typed; None if missing.
+
+    It must be the copy of libggml-cpu that libllama runs: the wheel ships its libraries
+    as files, not links (``libggml-cpu.so`` beside ``libggml-cpu.so.0``), and a pool made
+    by a second copy runs that copy's code with its own tables never initialised
+    (Gemma 3's logits came out NaN)."""
     lib_dir = Path(_ll.__file__).parent / "lib"
-    names = [p for p in lib_dir.glob("libggml-cpu.*") if p.suffix in (".so", ".dylib")] \
-        or sorted(lib_dir.glob("libggml-cpu*"))
+    names = _loaded("libggml-cpu") or \
+        [p for p in lib_dir.glob("libggml-cpu.*") if p.suffix in (".so", ".dylib")] or \
+        sorted(lib_dir.glob("libggml-cpu*"))
     try:
         cpu = ctypes.CDLL(str(names[0]))
-        llama = ctypes.CDLL(str(next(iter(sorted(lib_dir.glob("libllama.*"))))))
+        llama = ctypes.CDLL(str((_loaded("libllama.") or sorted(lib_dir.glob("libllama.*")))[0]))
         cpu.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(_ThreadpoolParams),
                                                     ctypes.c_int]
         cpu.ggml_threadpool_params_init.restype = None
@@ -428,6 +444,7 @@ class Context:
         self._buf = StateBuffer()
         self.batch = Batch(params.n_batch)
         self._pool: int | None = None
+        self._pool_owned = True
         self._pool_api = _threadpool_api() if params.poll >= 0 and threads > 1 else None
         if self._pool_api is not None:
             cpu, llama = self._pool_api
@@ -437,6 +454,19 @@ class Context:
             self._pool = cpu.ggml_threadpool_new(ctypes.byref(tp))
             if self._pool:
                 llama.llama_attach_threadpool(ptr, self._pool, self._pool)
+
+    def share_threads(self, other: Context) -> bool:
+        """Decode on ``other``'s persistent threadpool (a draft beside its target: one
+        thread owns both contexts, so one set of workers serves both, and no idle pool
+        polls while the other computes). ``other`` must outlive this context."""
+        if not other._pool or other._pool_api is None or self._ptr is None:
+            return False
+        if self._pool and self._pool_owned and self._pool_api is not None:
+            self._pool_api[1].llama_detach_threadpool(self._ptr)
+            self._pool_api[0].ggml_threadpool_free(self._pool)
+        self._pool_api, self._pool, self._pool_owned = other._pool_api, other._pool, False
+        self._pool_api[1].llama_attach_threadpool(self._ptr, self._pool, self._pool)
+        return True
 
     # -- decoding ---------------------------------------------------------
 
@@ -574,9 +604,9 @@ class Context:
                 self._pool_api[1].llama_detach_threadpool(self._ptr)
             _ll.llama_free(self._ptr)
             self._ptr = None
-            if self._pool and self._pool_api is not None:
+            if self._pool and self._pool_api is not None and self._pool_owned:
                 self._pool_api[0].ggml_threadpool_free(self._pool)
-                self._pool = None
+            self._pool = None
 
     def __enter__(self) -> Context:
         return self

@@ -119,7 +119,8 @@ class DraftModel:
 
     def __init__(self, path: Path, target: Model, cfg: SpeculativeConfig, *, lanes: int,
                  n_ctx: int, step_tokens: int, threads: int, pool: CheckpointPool | None,
-                 n_gpu_layers: int = -1, verbose: bool = False) -> None:
+                 n_gpu_layers: int = -1, verbose: bool = False,
+                 threads_of: Context | None = None) -> None:
         self.model = Model(path, n_gpu_layers=n_gpu_layers, verbose=verbose)
         try:
             check_same_vocab(target, self.model)
@@ -130,6 +131,8 @@ class DraftModel:
             self.ctx = Context(self.model, ContextParams(
                 n_ctx=n_ctx * lanes, n_seq_max=lanes, n_batch=n_batch, n_ubatch=n_batch,
                 n_rs_seq=0, threads=threads))
+            if threads_of is not None:  # the target's persistent threadpool, if it has one
+                self.ctx.share_threads(threads_of)
         except BaseException:
             self.model.close()
             raise

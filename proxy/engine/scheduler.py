@@ -108,7 +108,7 @@ class Engine:
                                     lanes=lanes, n_ctx=self.n_ctx, step_tokens=step,
                                     threads=mc.threads,
                                     pool=self.pool, n_gpu_layers=mc.n_gpu_layers,
-                                    verbose=cfg.log.llama_verbose)
+                                    verbose=cfg.log.llama_verbose, threads_of=self.ctx)
         self.counters: collections.Counter[str] = collections.Counter()
         self.exec = Executor(self.ctx, self.memory, self.pool, cfg, self.counters,
                              draft=self.draft)
@@ -243,10 +243,10 @@ class Engine:
             self._closed = True
             if self.pool is not None:
                 self.pool.close()
+            if self.draft is not None:  # first: it may decode on the target's threadpool
+                self.draft.close()
             self.ctx.close()
             self.model.close()
-            if self.draft is not None:
-                self.draft.close()
 
     # -- the engine thread ------------------------------------------------------------
 

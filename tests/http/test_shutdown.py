@@ -10,6 +10,7 @@ import re
 import signal
 import socket
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -60,14 +61,19 @@ def test_sigterm_ends_the_stream_properly_and_keeps_the_cache(
 
 def test_client_leaving_during_prefill_stops_the_prefill(hybrid_path: Path,
                                                          tmp_path: Path) -> None:
-    # Small steps make the 3,000-token prefill take many of them.
+    # Small steps make the 15,000-token prefill take many of them (seconds); the client
+    # leaves as soon as the engine has the request.
     with serve_process(hybrid_path, tmp_path, "[engine]\nstep_tokens = 16\n") as p:
         body = json.dumps({"model": "x", "stream": True, "max_tokens": 4,
-                           "messages": [{"role": "user", "content": "word " * 600}]})
+                           "messages": [{"role": "user", "content": "word " * 3000}]})
         s = socket.create_connection(("127.0.0.1", p.port))
         s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                   f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
-        time.sleep(1.0)
+        deadline = time.monotonic() + 30
+        while "statecache_active_requests 1" not in _metrics(p.url):
+            assert time.monotonic() < deadline, "the request never became active"
+            time.sleep(0.02)
+        time.sleep(0.2)
         s.close()  # before the first token
         time.sleep(1.0)
         p.proc.send_signal(signal.SIGINT)
@@ -130,3 +136,8 @@ def test_sigkill_after_a_turn_loses_seconds_not_the_session(hybrid_path: Path,
     assert r2.usage is not None and r2.usage.prompt_tokens_details is not None
     held = r1.usage.prompt_tokens + r1.usage.completion_tokens
     assert (r2.usage.prompt_tokens_details.cached_tokens or 0) >= held - 32
+
+
+def _metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        return str(r.read().decode())
