@@ -145,7 +145,7 @@ def _summary(records: list[Record], model: str, systems: tuple[str, ...]) -> lis
 def _phases(follow: list[Record]) -> list[str]:
     """Where statecache's follow-up TTFT goes: the engine's phases (its debug line)
     and the rest (HTTP, rendering, tokenizing, streaming the first token)."""
-    recs = [r for r in follow if r.system == "statecache" and r.phases_ms]
+    recs = [(r, r.phases_ms) for r in follow if r.system == "statecache" and r.phases_ms]
     if not recs:
         return []
     rows = []
@@ -153,16 +153,14 @@ def _phases(follow: list[Record]) -> list[str]:
                  "engine TTFT"):
         rows.append([name + (" (in plan)" if name in ("hand-off", "restore") else "")
                      + (" (in prefill)" if name == "checkpoints" else ""),
-                     _fmt(_med(r.phases_ms[name] for r in recs if r.phases_ms), ".1f")])
-    rows.append(["prefill steps", _fmt(_med(r.phases_ms["prefill steps"] for r in recs
-                                            if r.phases_ms), ".0f")])
+                     _fmt(_med(ph[name] for _, ph in recs), ".1f")])
+    rows.append(["prefill steps", _fmt(_med(ph["prefill steps"] for _, ph in recs), ".0f")])
     rows.append(["outside the engine (client TTFT − engine TTFT)",
-                 _fmt(_med(1000 * r.ttft_s - r.phases_ms["engine TTFT"] for r in recs
-                           if r.phases_ms), ".1f")])
+                 _fmt(_med(1000 * r.ttft_s - ph["engine TTFT"] for r, ph in recs), ".1f")])
     rows.append(["ideal prefill (bench.ideal)",
-                 _fmt(_med(1000 * r.ideal_prefill_s for r in recs
+                 _fmt(_med(1000 * r.ideal_prefill_s for r, _ in recs
                            if r.ideal_prefill_s is not None), ".1f")])
-    rows.append(["client TTFT", _fmt(_med(1000 * r.ttft_s for r in recs), ".1f")])
+    rows.append(["client TTFT", _fmt(_med(1000 * r.ttft_s for r, _ in recs), ".1f")])
     return ["", f"Where statecache's follow-up TTFT goes (median ms over {len(recs)} "
             "follow-ups; the engine's `phases` debug line):", "",
             *_table(["phase", "median ms"], rows)]

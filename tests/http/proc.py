@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,6 +32,14 @@ class Proc:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def metric(self, pattern: str) -> float:
+        """The value of the /metrics sample whose name and labels match ``pattern`` (a
+        regex); 0 when there is none."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        m = re.search(r"^" + pattern + r" (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
 
     def output(self, timeout: float = 60) -> str:
         out, _ = self.proc.communicate(timeout=timeout)

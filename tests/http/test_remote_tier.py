@@ -9,7 +9,6 @@ answer, and reuse comes back with the store.
 
 from __future__ import annotations
 
-import re
 import signal
 import time
 import urllib.request
@@ -73,16 +72,9 @@ def _logs_on_failure(*procs: Proc) -> Iterator[None]:
         raise
 
 
-def _metric(p: Proc, pattern: str) -> float:
-    with urllib.request.urlopen(f"{p.url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    m = re.search(r"^" + pattern + r" (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
-
-
 def _counts(p: Proc) -> tuple[float, float]:
-    return (_metric(p, "statecache_idle_saves_total"),
-            _metric(p, r'statecache_remote_total\{event="writes"\}'))
+    return (p.metric("statecache_idle_saves_total"),
+            p.metric(r'statecache_remote_total\{event="writes"\}'))
 
 
 def _wait_shared(p: Proc, before: tuple[float, float]) -> None:
@@ -92,7 +84,7 @@ def _wait_shared(p: Proc, before: tuple[float, float]) -> None:
     while True:
         idle, writes = _counts(p)
         if idle > before[0] and writes > before[1] and \
-                _metric(p, "statecache_remote_write_queue") == 0:
+                p.metric("statecache_remote_write_queue") == 0:
             return
         assert time.monotonic() < deadline, "the proxy never wrote to the store"
         time.sleep(0.1)
@@ -133,7 +125,7 @@ async def test_a_conversation_moves_to_another_proxy(
         # Turn 2 lands on B, which never saw this conversation: it starts from A's state.
         t2 = await _turn(s, _client(b), user_message(1))
         assert t2.cached_tokens >= t1.prompt_tokens + t1.completion_tokens - PAGE, t2
-        assert _metric(b, r'statecache_pool_hits_total\{tier="remote"\}') >= 1
+        assert b.metric(r'statecache_pool_hits_total\{tier="remote"\}') >= 1
         # Another tenant on B gets nothing from it (the same prompt, another namespace).
         other = await ask(_client(b, "mallory"), t2.messages, s.max_tokens,
                           tools=s.kwargs["tools"])
@@ -165,8 +157,8 @@ async def test_an_entry_signed_with_another_key_is_a_miss_and_a_metric(
         _wait_shared(a, (0, 0))
         t2 = await _turn(s, _client(c), user_message(1))
         assert t2.cached_tokens == 0
-        assert _metric(c, r'statecache_remote_rejected_total\{reason="foreign_key"\}') >= 1
-        assert _metric(c, r'statecache_pool_hits_total\{tier="remote"\}') == 0
+        assert c.metric(r'statecache_remote_rejected_total\{reason="foreign_key"\}') >= 1
+        assert c.metric(r'statecache_pool_hits_total\{tier="remote"\}') == 0
     await _same_as_cold(hybrid_path, tmp_path, s.turns[1:], s.max_tokens)
 
 
@@ -185,7 +177,7 @@ async def test_store_killed_mid_session_then_restarted(
         assert t2.cached_tokens > 0
         elsewhere = Session(_client(b), system="You answer in one line.")
         assert (await elsewhere.turn()).completion_tokens > 0
-        assert _metric(b, "statecache_remote_up") == 0
+        assert b.metric("statecache_remote_up") == 0
         store.start()  # empty, same address: both proxies find it again by themselves
         before = _counts(a)
         t3 = await _turn(s, _client(a), user_message(2))
@@ -193,7 +185,7 @@ async def test_store_killed_mid_session_then_restarted(
         # B never held this conversation: it continues from what A wrote after the restart.
         t4 = await _turn(s, _client(b), user_message(3))
         assert t4.cached_tokens >= t3.prompt_tokens + t3.completion_tokens - PAGE, t4
-        assert _metric(b, "statecache_remote_up") == 1
+        assert b.metric("statecache_remote_up") == 1
         log_a = _log(a)
     assert log_a.count("serving from RAM and disk") == 1  # one warning for the outage
     assert "reachable again" in log_a

@@ -10,7 +10,6 @@ import re
 import signal
 import socket
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -70,7 +69,7 @@ def test_client_leaving_during_prefill_stops_the_prefill(hybrid_path: Path,
         s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                   f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
         deadline = time.monotonic() + 30
-        while "statecache_active_requests 1" not in _metrics(p.url):
+        while p.metric("statecache_active_requests") != 1:
             assert time.monotonic() < deadline, "the request never became active"
             time.sleep(0.02)
         time.sleep(0.2)
@@ -136,8 +135,3 @@ def test_sigkill_after_a_turn_loses_seconds_not_the_session(hybrid_path: Path,
     assert r2.usage is not None and r2.usage.prompt_tokens_details is not None
     held = r1.usage.prompt_tokens + r1.usage.completion_tokens
     assert (r2.usage.prompt_tokens_details.cached_tokens or 0) >= held - 32
-
-
-def _metrics(url: str) -> str:
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-        return str(r.read().decode())
