@@ -187,8 +187,8 @@ def explain(seen: Conversation, conv: Conversation, common: int) -> Divergence:
     """Why ``conv`` leaves the remembered ``seen`` (prompt and reply) at token ``common``."""
     n = len(conv.tokens)
     known = min(common, n - 1)
-    if common >= min(len(seen.tokens), n):
-        return Divergence(known, "evicted")  # one holds the other: the text agreed
+    if common >= min(len(seen.tokens), n):  # one holds the other: the text agreed
+        return Divergence(known, "evicted", replayed=n > common == len(seen.tokens))
     tools_changed = seen.tools != conv.tools
     for k, (old, new) in enumerate(zip(seen.turns, conv.turns, strict=False)):
         if _differs(old, new):

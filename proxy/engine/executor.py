@@ -184,6 +184,12 @@ class Executor:
                       ) -> list[tuple[int, Role, Kind]]:
         limit = len(job.prompt) - 1
         replay_at = job.req.history_tokens if job.req.history_tokens is not None else limit
+        d = job.req.divergence
+        if d is not None and d.replayed:
+            # this client sent the last reply back as generated: its next turn continues
+            # from the reply's end, not from before the generation prompt. No cut there
+            # (a cut costs a step, about a pass over the weights)
+            replay_at = 0
         points = publish_points(reuse=job.reuse, limit=limit, replay_at=replay_at,
                                 match_depth=match_depth, page=self.page,
                                 every_pages=self.cfg.cache.periodic_pages)

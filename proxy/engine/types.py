@@ -60,6 +60,9 @@ class Divergence:
     role: str = ""
     old: str = ""  # a short excerpt of the earlier text there
     new: str = ""  # ...and of this prompt's
+    # the prompt holds the whole earlier prompt and its reply as generated: this client
+    # sends replies back verbatim, so the next turn will continue from the reply's end
+    replayed: bool = False
 
     def describe(self) -> str:
         where = f" at token {self.token:,}" if self.token >= 0 else ""

@@ -120,6 +120,7 @@ def test_reasoning_dropped_and_reply_re_rendered() -> None:
     dropped = Turn("assistant", "Reading it.")
     d = m.divergence(conv([*first, dropped, user("And?")]))
     assert (d.cause, d.message, d.role) == ("reasoning dropped", 2, "assistant")
+    assert not d.replayed
     assert (d.old, d.new) == ("I should read the failin…", "")
     spaced = Turn("assistant", "Reading it.", "I should  read the failing test first.")
     d = m.divergence(conv([*first, spaced, user("And?")]))
@@ -147,9 +148,13 @@ def test_continuing_the_conversation_is_known_up_to_the_reply_end() -> None:
     d = m.divergence(follow)
     known = len(render([*first, reply]))
     assert (d.cause, d.known, d.token) == ("evicted", known, -1)  # the text agreed
+    assert d.replayed  # the reply came back as generated
     # the same prompt again (a regenerate): all of it is known but the last token
     again = m.divergence(conv(first))
     assert (again.cause, again.known) == ("evicted", len(render(first)) - 1)
+    assert not again.replayed
+    # the prompt and the reply, nothing after them: not a continuation either
+    assert not m.divergence(conv([*first, reply])).replayed
 
 
 def test_other_tenant_says_so_without_their_text() -> None:
