@@ -52,17 +52,34 @@ class Outbox:
         self._handoff = handoff
         self._owed = False  # events put that the coroutine has not finished handling
 
-    def put(self, ev: Event | BaseException) -> None:
+    def put(self, ev: Event | BaseException, *, defer: bool = False) -> bool:
+        """Add an event; wake the loop unless a wake-up is on its way. ``defer``: leave
+        the wake-up to the caller, who passes this box to ``wake_all`` when this returns
+        True (the engine wakes the loop once per step for all its streams: each wake-up
+        is a write to the loop's self-pipe, and a chance for the loop to take the GIL)."""
         with self._lock:
             self._items.append(ev)
             if self._handoff is not None and not self._owed:
                 self._owed = True
                 self._handoff.owe()
             if self._scheduled:
-                return
+                return False
             self._scheduled = True
+        if defer:
+            return True
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
             self.loop.call_soon_threadsafe(self._wake)
+        return False
+
+    @staticmethod
+    def wake_all(boxes: list[Outbox]) -> None:
+        """One wake-up per event loop for the boxes a deferred ``put`` returned True for."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[Outbox]] = {}
+        for box in boxes:
+            by_loop.setdefault(box.loop, []).append(box)
+        for loop, group in by_loop.items():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_wake_each, group)
 
     def _wake(self) -> None:
         with self._lock:
@@ -92,6 +109,11 @@ class Outbox:
         with self._lock:
             self._items.clear()
             self._settle()
+
+
+def _wake_each(boxes: list[Outbox]) -> None:
+    for box in boxes:
+        box._wake()
 
 
 def _merge_tokens(items: list[Event | BaseException]) -> list[Event | BaseException]:

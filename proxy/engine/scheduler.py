@@ -447,8 +447,17 @@ class Engine:
                 c["step_lane_work"] += len(works)
                 if len(works) > 1:
                     c["steps_multi_lane"] += 1
+        # every stream's tokens first, with one wake-up of the loop for all of them
+        due: list[Outbox] = []
+        try:
+            for job, box in active:
+                if self._deliver(job, box):
+                    due.append(box)
+        finally:
+            Outbox.wake_all(due)
         for job, box in active:
-            self._dispatch(job, box)
+            if job.done:
+                self._end(job, box)
         if works and self.handoff_wait_s:
             self.handoff.wait(self.handoff_wait_s)
 
@@ -458,15 +467,17 @@ class Engine:
                          prefill_chunk=self.prefill_chunk, factor=ec.decode_latency_factor,
                          min_chunk=ec.min_prefill_chunk)
 
-    def _dispatch(self, job: Job, box: Outbox) -> None:
-        if job.deltas or job.logprobs:
-            text = "".join(t for t, _ in job.deltas)
-            ids = tuple(i for _, d in job.deltas for i in d)
-            box.put(TokenEvent(text, ids, tuple(job.logprobs)))
-            job.deltas.clear()
-            job.logprobs.clear()
-        if not job.done:
-            return
+    def _deliver(self, job: Job, box: Outbox) -> bool:
+        """Hand the step's tokens of ``job`` to its outbox; True: the loop must be woken."""
+        if not (job.deltas or job.logprobs):
+            return False
+        ev = TokenEvent("".join(t for t, _ in job.deltas),
+                        tuple(i for _, d in job.deltas for i in d), tuple(job.logprobs))
+        job.deltas.clear()
+        job.logprobs.clear()
+        return box.put(ev, defer=True)
+
+    def _end(self, job: Job, box: Outbox) -> None:
         try:
             self.exec.finish(job)
         except Exception:
