@@ -135,7 +135,9 @@ RULES: tuple[Rule, ...] = (
                        ("idle_saves", "Idle lanes whose state was saved in full."),
                        ("cancelled_queued", "Requests whose client left while queued."),
                        ("waits_for_shared_prefix", "Requests that waited for another one's "
-                        "checkpoint of a prefix they share."))),
+                        "checkpoint of a prefix they share."),
+                       ("fetches_in_background", "Checkpoints read from disk or the shared "
+                        "store on the fetch thread while other requests ran."))),
     Rule(r"pool\.disk_writes", Family("statecache_disk_writes_total", "counter",
                                       "Checkpoints written to disk.")),
     Rule(r"pool\.disk_write_errors", Family("statecache_disk_write_errors_total", "counter",

@@ -41,8 +41,9 @@ from proxy.engine.planner import Plan, Source, make_plan, publish_points
 from proxy.engine.sampling import Sampler, make_sampler
 from proxy.engine.types import GenerationRequest, RequestStats, TokenLogprob
 from statecache.config import Config
+from statecache.lease import Lease
 from statecache.pages import PageChain
-from statecache.pool import CheckpointPool
+from statecache.pool import CheckpointPool, Offer
 from statecache.records import Kind, Owner, Role
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,11 @@ class Job:
     # this prompt too and publishes a FULL checkpoint at ``wait_point``.
     waiting_for: Job | None = None
     wait_point: int = 0
+    # A state to restore from disk or the shared store is read on the fetch thread
+    # while other requests run (once per job); it waits in the queue meanwhile.
+    fetching: bool = False
+    fetched: bool = False
+    prefetched: Lease | None = None
     # speculative decoding (proxy/engine/drafting.py)
     speculate: bool = False  # drafts are verified for this request
     drafts: np.ndarray = field(default_factory=lambda: _NONE)  # this step's drafts
@@ -142,8 +148,13 @@ class Executor:
 
     # -- admission ------------------------------------------------------------------
 
-    def start(self, job: Job) -> None:
-        """Pick a lane and bring it to the longest reusable prefix of the prompt."""
+    def start(self, job: Job, *, held: Lease | None = None, defer_reads: bool = False
+              ) -> Offer | None:
+        """Pick a lane and bring it to the longest reusable prefix of the prompt.
+
+        ``held``: a state fetched for this job in the background (taken over). With
+        ``defer_reads``, a plan that would read from disk or the shared store starts
+        nothing and returns what to fetch; else None: the job has started."""
         t_plan = time.perf_counter()
         free = self.lanes.free()
         assert free, "start() needs a free lane"
@@ -152,9 +163,15 @@ class Executor:
         if job.use_cache and self.pool is not None:
             chain = self.pool.chain(job.prompt, tenant)
             plan = make_plan(job.prompt, chain, free, tenant=tenant, memory=self.memory,
-                             pool=self.pool, pos_min=self.ctx.pos_min, all_lanes=self.lanes.lanes)
+                             pool=self.pool, pos_min=self.ctx.pos_min, all_lanes=self.lanes.lanes,
+                             held=held, defer_reads=defer_reads)
+            if plan.fetch is not None:
+                plan.release()
+                return plan.fetch
             plan.match_depth = max(plan.match_depth, self.pool.match_depth(chain))
         else:
+            if held is not None:
+                held.close()
             plan = Plan(min(free, key=lambda ln: ln.last_used), Source.COLD, 0)
         lane = plan.lane
         lane.busy = True
@@ -179,6 +196,13 @@ class Executor:
                          and not job.sampler.constrained)
         self.counters[f"plan_{job.stats.source}"] += 1
         job.stats.plan_s = time.perf_counter() - t_plan
+        return None
+
+    def fetch(self, job: Job, offer: Offer) -> Lease | None:
+        """Read ``offer`` for ``job`` (any thread): the state its next plan starts from."""
+        assert self.pool is not None
+        chain = self.pool.chain(job.prompt, job.req.tenant)
+        return self.pool.take(offer, job.prompt, chain, tenant=job.req.tenant)
 
     def _publish_plan(self, job: Job, match_depth: int, chain: PageChain | None
                       ) -> list[tuple[int, Role, Kind]]:

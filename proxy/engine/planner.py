@@ -57,6 +57,10 @@ class Plan:
     publish: list[tuple[int, Role]] = field(default_factory=list)
     match_depth: int = 0  # deepest prefix shared with anything cached
     estimate: str = ""  # the cost estimate behind a restore (for the Started line)
+    # with ``defer_reads``: the disk or remote state this plan would read; the engine
+    # fetches it on another thread and plans again, so the streams that are decoding
+    # never wait for a read
+    fetch: Offer | None = None
 
     def release(self) -> None:
         for lease in (self.partial, self.full):
@@ -110,8 +114,15 @@ def make_plan(
     pool: CheckpointPool | None,
     pos_min: Callable[[int], int],
     all_lanes: Sequence[Lane] = (),
+    held: Lease | None = None,
+    defer_reads: bool = False,
 ) -> Plan:
-    """Choose where a prompt starts from. ``free`` must not be empty."""
+    """Choose where a prompt starts from. ``free`` must not be empty.
+
+    ``held``: a FULL state already read for this prompt (fetched in the background); it
+    counts as a copy in memory, and the plan takes it over (uses or closes it).
+    ``defer_reads``: a plan that would read from disk or the shared store says so in
+    ``fetch`` instead of reading (its lane and source are then what it would do now)."""
     assert free, "make_plan needs a free lane"
     limit = max(len(prompt) - 1, 0)
     best: Plan | None = None
@@ -123,6 +134,16 @@ def make_plan(
             best = option
         elif option is not None:
             option.release()
+    if held is not None:
+        n = held.record.n
+        if n > (best.reuse if best else 0) and n <= limit and held.record.matches(prompt):
+            if best is not None:
+                best.release()
+            best = Plan(_lane_for_restore(free, prompt, tenant), Source(held.tier), n,
+                        full=held, role=held.record.role.value,
+                        estimate=f"read in the background ({held.tier})")
+        else:
+            held.close()
     if pool is not None and chain is not None and limit > (best.reuse if best else 0):
         have = best.reuse if best else 0
         offers = [o for o in pool.full_offers(prompt, chain, max_n=limit, tenant=tenant)
@@ -132,6 +153,11 @@ def make_plan(
         for est, offer in rank(offers, pool.costs, len(prompt)):
             if est.total_s >= current.total_s:
                 break  # prefilling what this one saves is cheaper than fetching it
+            if defer_reads and offer.tier != "ram":
+                if best is None:
+                    best = Plan(min(free, key=lambda ln: ln.last_used), Source.COLD, 0)
+                best.fetch = offer
+                break
             lease = pool.take(offer, prompt, chain, tenant=tenant)
             if lease is None:
                 continue  # gone, or refused by its checks: the next option
@@ -140,10 +166,7 @@ def make_plan(
                 continue
             if best is not None:
                 best.release()
-            # an empty lane keeps every live state; else the session's own lane (its
-            # state is stale anyway), else the least recently used
-            target = max(free, key=lambda ln: (ln.n == 0, ln.common(prompt, tenant),
-                                               -ln.last_used))
+            target = _lane_for_restore(free, prompt, tenant)
             got = pool.costs.estimate(lease.tier, lease.record.n, lease.record.nbytes,
                                       len(prompt))
             best = Plan(target, Source(lease.tier), lease.record.n, full=lease,
@@ -158,6 +181,12 @@ def make_plan(
     others = all_lanes or free
     best.match_depth = max([best.reuse] + [min(ln.common(prompt, tenant), limit) for ln in others])
     return best
+
+
+def _lane_for_restore(free: Sequence[Lane], prompt: np.ndarray, tenant: str) -> Lane:
+    # an empty lane keeps every live state; else the session's own lane (its state is
+    # stale anyway), else the least recently used
+    return max(free, key=lambda ln: (ln.n == 0, ln.common(prompt, tenant), -ln.last_used))
 
 
 _ORDER = {"ram": 0, "disk": 1, "remote": 2}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -56,7 +57,7 @@ from proxy.engine.types import (
 )
 from statecache.config import Config
 from statecache.pages import common_prefix
-from statecache.pool import CheckpointPool
+from statecache.pool import CheckpointPool, Offer
 from statecache.sizes import format_size
 
 log = logging.getLogger("statecache")
@@ -117,6 +118,9 @@ class Engine:
             ReplyMemory(size=8 * lanes) if cfg.cache.splice_generated else None)
         self.timer = StepTimer()
         self.handoff = Handoff()
+        # reads from disk or the shared store for a waiting request, off the engine thread
+        self._fetcher = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="statecache-fetch")
         self.handoff_wait_s = ec.handoff_wait_ms / 1000
         self.model_name = model_path.name
         self.chat_template = self.model.chat_template()
@@ -225,7 +229,8 @@ class Engine:
         """Stop admitting; running generations end at their next step with a final event."""
         with self._cv:
             self._stopping = True
-            for _job, box in self._waiting:
+            for job, box in self._waiting:
+                _drop_prefetched(job)
                 box.put(QueueFull(retry_after=5.0))
             self._waiting.clear()
             for job, _ in self._active:
@@ -237,6 +242,7 @@ class Engine:
         Blocking: call it off the event loop. A second call waits for the first."""
         self.begin_shutdown()
         self._thread.join()
+        self._fetcher.shutdown(wait=True)  # no read of the pool outlives it
         with self._close_lock:
             if self._closed:
                 return
@@ -293,6 +299,8 @@ class Engine:
         return any(self._may_start(job) for job, _ in self._waiting)
 
     def _may_start(self, job: Job) -> bool:
+        if job.fetching:
+            return False
         k = job.waiting_for
         if k is None:
             return True
@@ -304,6 +312,7 @@ class Engine:
     def _drop_cancelled_waiting(self) -> None:
         if any(job.cancelled for job, _ in self._waiting):
             for job, _ in [w for w in self._waiting if w[0].cancelled]:
+                _drop_prefetched(job)
                 self.counters["cancelled_queued"] += 1
                 log.info("request %s left while queued", job.req.request_id)
             self._waiting = collections.deque(w for w in self._waiting if not w[0].cancelled)
@@ -374,14 +383,18 @@ class Engine:
 
     def _admit(self, job: Job, box: Outbox) -> None:
         if job.cancelled:
+            _drop_prefetched(job)
             return
         with self._cv:
             if self._should_wait(job):
                 self._waiting.appendleft((job, box))
                 return
+        held, job.prefetched = job.prefetched, None
+        # while others run, a read from disk or the store goes to the fetch thread
+        defer = not job.fetched and any(not k.done for k, _ in self._active)
         try:
             job.stats.queue_s = time.perf_counter() - job.t_submit
-            self.exec.start(job)
+            offer = self.exec.start(job, held=held, defer_reads=defer)
         except Exception as exc:
             log.exception("request %s could not start", job.req.request_id)
             if job.lane is not None:
@@ -390,6 +403,9 @@ class Engine:
                 finally:
                     job.lane.busy = False
             box.put(exc)
+            return
+        if offer is not None:
+            self._fetch(job, box, offer)
             return
         with self._cv:
             self._active.append((job, box))
@@ -402,6 +418,34 @@ class Engine:
             cached += f" · {last[2]}"  # why the planner fetched it (planner.py)
         log.info("Started · lane %d · input %s · cached %s", s.lane, f"{len(job.prompt):,}",
                  cached)
+
+    def _fetch(self, job: Job, box: Outbox, offer: Offer) -> None:
+        """Read ``offer`` on the fetch thread; ``job`` waits in the queue meanwhile and
+        starts from it when the read is done (or plans anew if it failed)."""
+        job.fetching = job.fetched = True
+        self.counters["fetches_in_background"] += 1
+        with self._cv:
+            self._waiting.appendleft((job, box))
+
+        def read() -> None:
+            lease = None
+            try:
+                lease = self.exec.fetch(job, offer)
+            except Exception:
+                log.exception("reading a checkpoint for %s failed", job.req.request_id)
+            with self._cv:
+                job.fetching = False
+                if job.cancelled or self._stopping or (job, box) not in self._waiting:
+                    if lease is not None:
+                        lease.close()
+                else:
+                    job.prefetched = lease
+                self._cv.notify_all()
+
+        try:
+            self._fetcher.submit(read)
+        except RuntimeError:  # shutting down: it plans (and reads) in the engine thread
+            job.fetching = False
 
     def _save_an_idle_lane(self, idle_s: float) -> None:
         if not idle_s or self.pool is None:
@@ -549,3 +593,9 @@ class Engine:
         """The last misses, newest first (``GET /admin/misses``)."""
         with self._cv:
             return list(reversed(self._misses))
+
+
+def _drop_prefetched(job: Job) -> None:
+    if job.prefetched is not None:
+        job.prefetched.close()
+        job.prefetched = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,4 +144,57 @@ async def test_restart_disk_tier_serves_next_turn(
         s.client = srv2.client
         t2 = await s.turn(user_message(1))
     assert t2.cached_tokens >= t1.prompt_tokens + t1.completion_tokens - PAGE
+    await _same_as_cold(hybrid_path, tmp_path, s.turns, s.max_tokens, NEAR_TIE["hybrid"])
+
+
+async def _streaming(srv: Any, n: int) -> tuple[asyncio.Task[int], asyncio.Event]:
+    """A long greedy stream on another lane; the event is set at its first token."""
+    first = asyncio.Event()
+
+    async def go() -> int:
+        got = 0
+        stream = await srv.client.completions.create(
+            model="statecache", prompt="Count on: one two three", max_tokens=n,
+            temperature=0, stream=True)
+        async for chunk in stream:
+            got += len(chunk.choices[0].text) if chunk.choices else 0
+            first.set()
+        return got
+
+    task = asyncio.create_task(go())
+    await asyncio.wait_for(first.wait(), 60)
+    return task, first
+
+
+async def test_a_disk_read_waits_off_the_engine_thread_while_others_stream(
+    hybrid_path: Path, tmp_path: Path, done_lines: DoneLines
+) -> None:
+    # Turn 1 ends in a FULL state on disk; a new server over the same directory restores
+    # it for turn 2 while another request streams. The read happens on the fetch thread
+    # (the stream goes on meanwhile) and turn 2 starts from it; then, with every file
+    # on disk corrupted, turn 3's read fails there and it starts cold: same answers.
+    async with serve(hybrid_path, tmp_path / "ckpt") as srv:
+        s = Session(srv.client)
+        t1 = await s.turn()
+    async with serve(hybrid_path, tmp_path / "ckpt") as srv2:
+        s.client = srv2.client
+        engine = srv2.app[ENGINE]
+        other, _ = await _streaming(srv2, 3000)
+        t2 = await s.turn(user_message(1))
+        assert not other.done()  # it streamed all along
+        assert engine.counters["fetches_in_background"] == 1
+        assert await other > 0
+    assert t2.cached_tokens >= t1.prompt_tokens + t1.completion_tokens - PAGE
+    for f in (tmp_path / "ckpt").glob("*.ckpt"):
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    async with serve(hybrid_path, tmp_path / "ckpt") as srv3:
+        s.client = srv3.client
+        engine = srv3.app[ENGINE]
+        other, _ = await _streaming(srv3, 3000)
+        t3 = await s.turn(user_message(2))
+        assert engine.counters["fetches_in_background"] == 1
+        await other
+    assert t3.cached_tokens == 0  # the corrupt state was a miss, never a wrong state
     await _same_as_cold(hybrid_path, tmp_path, s.turns, s.max_tokens, NEAR_TIE["hybrid"])
