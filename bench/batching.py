@@ -121,6 +121,7 @@ def itl_during_prefill(url: str, n_long: int, max_tokens: int) -> dict[str, floa
     busy = _gaps(stream["arrivals"], long["t0"], t_first_long)
     return {"quiet_p50_ms": 1000 * _pct(quiet, 50), "quiet_p95_ms": 1000 * _pct(quiet, 95),
             "busy_p50_ms": 1000 * _pct(busy, 50), "busy_p95_ms": 1000 * _pct(busy, 95),
+            "busy_p99_ms": 1000 * _pct(busy, 99), "busy_max_ms": 1000 * max(busy, default=0.0),
             "long_prefill_s": t_first_long - long["t0"], "busy_tokens": len(busy)}
 
 

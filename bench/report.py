@@ -228,8 +228,13 @@ def _batching(b: dict[str, Any]) -> list[str]:
     for label, key in (("quiet p50 ms", "quiet_p50_ms"), ("quiet p95 ms", "quiet_p95_ms"),
                        ("during the long prefill p50 ms", "busy_p50_ms"),
                        ("during the long prefill p95 ms", "busy_p95_ms"),
+                       ("during the long prefill p99 ms", "busy_p99_ms"),
+                       ("during the long prefill, longest gap ms", "busy_max_ms"),
+                       ("the stream's tokens during the long prefill", "busy_tokens"),
                        ("long prompt's TTFT s", "long_prefill_s")):
-        rows.append([label] + [f"{b[p]['itl'][key]:.1f}" if "ms" in label else
+        rows.append([label] + ["n/a" if key not in b[p]['itl'] else
+                               f"{b[p]['itl'][key]:.1f}" if "ms" in label else
+                               f"{b[p]['itl'][key]:,}" if key == "busy_tokens" else
                                f"{b[p]['itl'][key]:.2f}" for p in peers])
     rows.append(["p95 during / quiet p95"] + [
         f"{b[p]['itl']['busy_p95_ms'] / b[p]['itl']['quiet_p95_ms']:.2f}" for p in peers])

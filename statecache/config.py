@@ -71,10 +71,12 @@ class EngineConfig:
 
     step_tokens: int = 0  # tokens per step, decode and prefill together; 0: model.n_batch
     prefill_chunk: int = 0  # most prompt tokens of one lane per step; 0: step_tokens
-    # While a stream decodes, a step's prefill is sized so the step takes at most this
-    # many times a decode-only step (measured as it runs); 0 turns the limit off.
-    decode_latency_factor: float = 2.0
-    min_prefill_chunk: int = 16  # prefill progress per step, however busy decoding is
+    # While streams decode, a long prompt prefills in bursts (proxy/engine/steps.py):
+    # one step of at most this long, then the streams alone for as long as it took
+    # (``decode_share`` of the time is theirs); 0: no limit.
+    prefill_pause_ms: float = 250.0
+    decode_share: float = 0.5
+    min_prefill_chunk: int = 16  # the smallest burst, however slow a token is
     idle_save_s: float = 2.0  # an idle lane's state is saved FULL after this long; 0: never
     # After a step, wait up to this long for the event loop to hand its tokens to the
     # clients before the next decode (the two compete for the cores); 0: never. Off by
@@ -201,7 +203,8 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("model.kv_budget", 1 << 20, None),
     ("engine.step_tokens", 0, None),
     ("engine.prefill_chunk", 0, None),
-    ("engine.decode_latency_factor", 0, None),
+    ("engine.prefill_pause_ms", 0, None),
+    ("engine.decode_share", 0.05, 0.95),
     ("engine.min_prefill_chunk", 1, None),
     ("engine.idle_save_s", 0, None),
     ("engine.handoff_wait_ms", 0, 1000),

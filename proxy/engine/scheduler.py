@@ -6,9 +6,10 @@ token of every decoding lane plus prefill chunks of the lanes that are prefillin
 (vLLM's chunked-prefill order: decode tokens first, then prefill under the step's
 token budget). The rules:
 
-- While any stream decodes, a step's prefill is sized from measured step times so
-  the step takes at most ``engine.decode_latency_factor`` times a decode-only step:
-  a long prompt never holds the streams up for long.
+- While any stream decodes, a long prompt prefills in bursts (``proxy/engine/steps.py``):
+  one step of at most ``engine.prefill_pause_ms`` (sized from measured step times),
+  then steps of the streams alone for ``engine.decode_share`` of the time: a long
+  prompt never holds the streams up for long, and both sides run at full efficiency.
 - Prefill goes shortest-remaining first, so a short request behind a long one gets
   its first token quickly; a prefill that got nothing for two steps goes first.
 - Admission follows lane availability, not strict arrival order: a waiting request
@@ -116,7 +117,7 @@ class Engine:
         self.tokenizer = Tokenizer(
             self.model, self.counters,
             ReplyMemory(size=8 * lanes) if cfg.cache.splice_generated else None)
-        self.timer = StepTimer()
+        self.timer = StepTimer(share=cfg.engine.decode_share)
         self.handoff = Handoff()
         # reads from disk or the shared store for a waiting request, off the engine thread
         self._fetcher = concurrent.futures.ThreadPoolExecutor(
@@ -508,7 +509,7 @@ class Engine:
     def _plan_step(self, jobs: list[Job]) -> list[Work]:
         ec = self.cfg.engine
         return plan_step(jobs, self.exec, self.timer, step_tokens=self.step_tokens,
-                         prefill_chunk=self.prefill_chunk, factor=ec.decode_latency_factor,
+                         prefill_chunk=self.prefill_chunk, pause_s=ec.prefill_pause_ms / 1000,
                          min_chunk=ec.min_prefill_chunk)
 
     def _deliver(self, job: Job, box: Outbox) -> bool:
