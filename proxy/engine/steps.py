@@ -8,10 +8,10 @@ While streams decode, a long prompt prefills in bursts: one step carries as many
 its tokens as fit in ``pause_s`` (whole chunks of ``CHUNK`` tokens once it is that
 large), then the streams get steps of their own for as long as the burst took, times
 ``share / (1 - share)`` (a prompt whose rest fits in one burst does not wait). Small
-slices in every step would cost more for both sides on a CPU: a Gated DeltaNet
-(Qwen3.5) runs fewer than 64 tokens of a lane through its recurrence one token at a
-time, about a whole decode step each, and 64 or more in chunks at half that per token
-(``python -m bench.batching`` measures the outcome).
+slices in every step would cost more for both sides on a CPU: ``python -m bench.chunks``
+measures a Gated DeltaNet hybrid (Qwen3.5's kind) at about a decode step per token for
+slices under 64 tokens of a lane, and half that for whole chunks of 64; the outcome for
+the streams is ``python -m bench.batching``'s.
 """
 
 from __future__ import annotations

@@ -66,3 +66,14 @@ def test_ideal_prefill_grows_with_new_tokens_and_refuses_shrinking_sessions(
     assert len(times) == 2 and 0 < times[0] < times[1]
     with pytest.raises(ValueError):
         measure(str(hybrid_path), [[(300, 10), (100, 10)]], n_ctx=2048, repeats=1)
+
+
+def test_chunk_costs_are_measured_alone_and_beside_a_decoding_lane(hybrid_path: Path) -> None:
+    from bench.chunks import measure as chunks
+
+    res = chunks(hybrid_path, 200, (1, 64, 65), 2)
+    assert res["context"] == 200 and float(res["decode_ms"]) > 0  # type: ignore[arg-type]
+    rows = res["rows"]
+    assert [r["tokens"] for r in rows] == [1, 64, 65]  # type: ignore[attr-defined]
+    for r in rows:  # type: ignore[attr-defined]
+        assert r["alone_ms"] > 0 and r["beside_decode_ms"] > 0
