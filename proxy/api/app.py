@@ -353,8 +353,12 @@ class Framing:
 OPENAI_SSE = Framing()
 
 
+# one encoder for every stream event (json.dumps with arguments builds one per call)
+_EVENT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 async def _send(resp: web.StreamResponse, obj: dict[str, Any], named: bool = False) -> None:
-    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    data = _EVENT_JSON.encode(obj)
     head = f"event: {obj['type']}\n" if named else ""
     await resp.write(f"{head}data: {data}\n\n".encode())
 

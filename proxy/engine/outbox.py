@@ -117,6 +117,8 @@ def _wake_each(boxes: list[Outbox]) -> None:
 
 
 def _merge_tokens(items: list[Event | BaseException]) -> list[Event | BaseException]:
+    if len(items) == 1:
+        return items
     out: list[Event | BaseException] = []
     for ev in items:
         prev = out[-1] if out else None
