@@ -74,7 +74,7 @@ class EngineConfig:
     # While streams decode, a long prompt prefills in bursts (proxy/engine/steps.py):
     # one step of at most this long, then the streams alone for as long as it took
     # (``decode_share`` of the time is theirs); 0: no limit.
-    prefill_pause_ms: float = 250.0
+    prefill_pause_ms: float = 400.0
     decode_share: float = 0.5
     min_prefill_chunk: int = 16  # the smallest burst, however slow a token is
     idle_save_s: float = 2.0  # an idle lane's state is saved FULL after this long; 0: never
