@@ -130,9 +130,15 @@ def _attach_server_facts(server: Server, agents: list[Agent], sequential: bool) 
     rss = server.peak_rss_kb()
     recs = [r for a in agents for r in a.records]
     if server.system == "statecache" and sequential:
-        # one Done line per request, in order; the last len(recs) are these
-        lines = statecache_log_lines(server.log_text())[-len(recs):]
-        for r, line in zip(recs, lines, strict=False):
+        # one Done line per request, in order: these are the ones after the server's
+        # earlier requests. The client can have a reply before its lines are logged, so
+        # wait (briefly) until they all are
+        first, server.requests = server.requests, server.requests + len(recs)
+        deadline = time.monotonic() + 10
+        while len(lines := statecache_log_lines(server.log_text())) < server.requests \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for r, line in zip(recs, lines[first:server.requests], strict=False):
             r.restore_ms = line["restore_ms"]
             r.phases_ms = line["phases"]
     for r in recs:

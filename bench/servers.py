@@ -45,6 +45,7 @@ class Server:
     url: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    requests: int = 0  # requests sent one at a time so far whose log lines are read back
 
     def peak_rss_kb(self) -> int | None:
         """VmHWM of the server process (its lifetime peak resident set)."""
