@@ -108,9 +108,7 @@ def plan_step(jobs: list[Job], executor: Executor, timer: StepTimer, *, step_tok
         given += got
     if not decoding:
         timer.owed_s = 0.0
-    elif not long:
-        pass
-    else:
+    elif long:
         burst = timer.burst_tokens(pause_s, min_chunk, budget, beside=1)
         # the streams' turn (or a short request's); a prompt whose rest fits in one
         # burst goes on: its first token is that close, and it then decodes with them

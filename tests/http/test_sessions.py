@@ -133,13 +133,18 @@ async def test_two_sessions_keep_their_lanes_and_a_third_waits(
     await _same_as_cold(hybrid_path, tmp_path, c.turns, c.max_tokens, NEAR_TIE["hybrid"])
 
 
+async def _first_turn(model: Path, ckpt: Path) -> tuple[Session, Turn]:
+    """A session's first turn on a server that then shuts down: its state is on disk. A
+    new process would see only the disk: the callers start a new server over ``ckpt``."""
+    async with serve(model, ckpt) as srv:
+        s = Session(srv.client)
+        return s, await s.turn()
+
+
 async def test_restart_disk_tier_serves_next_turn(
     hybrid_path: Path, tmp_path: Path, done_lines: DoneLines
 ) -> None:
-    async with serve(hybrid_path, tmp_path / "ckpt") as srv:
-        s = Session(srv.client)
-        t1 = await s.turn()
-    # a new process would see only the disk: a new server over the same directory
+    s, t1 = await _first_turn(hybrid_path, tmp_path / "ckpt")
     async with serve(hybrid_path, tmp_path / "ckpt") as srv2:
         s.client = srv2.client
         t2 = await s.turn(user_message(1))
@@ -147,8 +152,9 @@ async def test_restart_disk_tier_serves_next_turn(
     await _same_as_cold(hybrid_path, tmp_path, s.turns, s.max_tokens, NEAR_TIE["hybrid"])
 
 
-async def _streaming(srv: Any, n: int) -> tuple[asyncio.Task[int], asyncio.Event]:
-    """A long greedy stream on another lane; the event is set at its first token."""
+async def _streaming(srv: Any, n: int) -> asyncio.Task[int]:
+    """A long greedy stream on another lane, once its first token is out; the task
+    returns the characters it received."""
     first = asyncio.Event()
 
     async def go() -> int:
@@ -163,7 +169,7 @@ async def _streaming(srv: Any, n: int) -> tuple[asyncio.Task[int], asyncio.Event
 
     task = asyncio.create_task(go())
     await asyncio.wait_for(first.wait(), 60)
-    return task, first
+    return task
 
 
 async def test_a_disk_read_waits_off_the_engine_thread_while_others_stream(
@@ -173,13 +179,11 @@ async def test_a_disk_read_waits_off_the_engine_thread_while_others_stream(
     # it for turn 2 while another request streams. The read happens on the fetch thread
     # (the stream goes on meanwhile) and turn 2 starts from it; then, with every file
     # on disk corrupted, turn 3's read fails there and it starts cold: same answers.
-    async with serve(hybrid_path, tmp_path / "ckpt") as srv:
-        s = Session(srv.client)
-        t1 = await s.turn()
+    s, t1 = await _first_turn(hybrid_path, tmp_path / "ckpt")
     async with serve(hybrid_path, tmp_path / "ckpt") as srv2:
         s.client = srv2.client
         engine = srv2.app[ENGINE]
-        other, _ = await _streaming(srv2, 3000)
+        other = await _streaming(srv2, 3000)
         t2 = await s.turn(user_message(1))
         assert not other.done()  # it streamed all along
         assert engine.counters["fetches_in_background"] == 1
@@ -192,7 +196,7 @@ async def test_a_disk_read_waits_off_the_engine_thread_while_others_stream(
     async with serve(hybrid_path, tmp_path / "ckpt") as srv3:
         s.client = srv3.client
         engine = srv3.app[ENGINE]
-        other, _ = await _streaming(srv3, 3000)
+        other = await _streaming(srv3, 3000)
         t3 = await s.turn(user_message(2))
         assert engine.counters["fetches_in_background"] == 1
         await other
