@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import threading
 import time
@@ -132,6 +133,38 @@ def short_behind_long(url: str, n_long: int) -> dict[str, float]:
             "long_ttft_s": long["arrivals"][0] - long["t0"]}
 
 
+def _thread_cpu(pid: int) -> dict[int, int]:
+    """On-CPU nanoseconds of each thread of ``pid`` (Linux's schedstat); {} elsewhere."""
+    out: dict[int, int] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def cpu_per_token(url: str, pid: int, n_out: int) -> dict[str, float]:
+    """One stream's server CPU per token (microseconds): in the two busiest threads (the
+    decode's: the thread that calls llama_decode and the ggml worker beside it, on 2
+    threads) and in all the others (HTTP, event loop, hand-offs). Every microsecond of
+    the second kind runs on the cores the decode needs. {} where it cannot be read."""
+    before = _thread_cpu(pid)
+    r = _stream(url, _prompt(200, 10), n_out)
+    after = _thread_cpu(pid)
+    n = int((r["usage"] or {}).get("completion_tokens") or 0)
+    used = sorted((after[t] - before.get(t, 0) for t in after), reverse=True)
+    if not n or len(used) < 2:
+        return {}
+    return {"decode_threads_us": sum(used[:2]) / n / 1000,
+            "other_threads_us": sum(used[2:]) / n / 1000}
+
+
 def direct_decode(model_path: Path, n_out: int) -> float:
     """One stream decoded by proxy.engine.binding in a loop: the floor of the proxy."""
     from proxy.engine.binding import Context, ContextParams, Model
@@ -167,6 +200,7 @@ def run_system(system: str, spec: ModelSpec, args: argparse.Namespace) -> dict[s
         out["decode_tps"] = {str(c): statistics.median(
             aggregate_decode(srv.url, args.out_tokens, c) for _ in range(args.repeats))
             for c in (1, 2, 4)}
+        out["cpu_per_token"] = cpu_per_token(srv.url, srv.proc.pid, args.out_tokens)
         if not args.decode_only:
             out["itl"] = itl_during_prefill(srv.url, args.long, args.n_ctx - 512)
             out["short_behind_long"] = short_behind_long(srv.url, args.long)

@@ -224,6 +224,17 @@ def _batching(b: dict[str, Any]) -> list[str]:
     out += _table(["aggregate decode tok/s (x one stream)"] + peers, rows)
     out += ["", "One stream against the binding called directly: " + ", ".join(
         f"{p} {b[p]['decode_tps']['1'] / b['direct_decode_tps']:.2f}x" for p in peers) + ".", ""]
+    cpu = [p for p in peers if b[p].get("cpu_per_token")]
+    if cpu:
+        out += ["The server's CPU per token of one stream, in microseconds (Linux schedstat): "
+                "in the two threads that decode, and in all its other threads (HTTP, event "
+                "loop), which run on the cores the decode needs:", ""]
+        out += _table(["", *cpu], [
+            ["decode threads"] + [f"{b[p]['cpu_per_token']['decode_threads_us']:,.0f}"
+                                  for p in cpu],
+            ["other threads"] + [f"{b[p]['cpu_per_token']['other_threads_us']:,.0f}"
+                                 for p in cpu]])
+        out += [""]
     rows = []
     for label, key in (("quiet p50 ms", "quiet_p50_ms"), ("quiet p95 ms", "quiet_p95_ms"),
                        ("during the long prefill p50 ms", "busy_p50_ms"),

@@ -76,13 +76,13 @@ def _command(system: str, model: ModelSpec, port: int, n_ctx: int, lanes: int,
         cfg.write_text(
             f'[model]\npath = "{model.path}"\nn_ctx = {n_ctx}\nn_batch = {N_BATCH}\n'
             f'n_ubatch = {N_BATCH}\nthreads = {THREADS}\n'
-            f'[server]\nlanes = {lanes}\n'
-            # per request only: the engine's phases line, which the records carry
-            f'[log]\nlevel = "debug"\n'
             # a fresh disk tier per start: no run may hit another run's checkpoints
             f'[cache]\ndisk_path = "{scratch / "checkpoints"}"\n' + extra_config)
+        # lanes and the log level as flags, so that extra_config may hold [server] and
+        # [log] tables; --verbose: per request only, the engine's phases line, which the
+        # records carry
         cmd = [str(Path(py).parent / "statecache"), "serve", "--config", str(cfg),
-               "--host", "127.0.0.1", "--port", str(port)]
+               "--host", "127.0.0.1", "--port", str(port), "--lanes", str(lanes), "--verbose"]
         return cmd + (["--no-cache"] if system == "no-cache" else []) + list(extra_args)
     if system == "llama_cpp.server":
         if lanes != 1:

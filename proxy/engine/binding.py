@@ -179,7 +179,10 @@ class Model:
         self.eos = int(_ll.llama_vocab_eos(self._vocab))
         self.add_bos = bool(_ll.llama_vocab_get_add_bos(self._vocab))
         self.bos = int(_ll.llama_vocab_bos(self._vocab))
-        self._piece_buf = ctypes.create_string_buffer(256)
+        # the engine asks for each generated token's piece and end-of-generation flag:
+        # a dict lookup, not a call into llama.cpp, once a token has been seen
+        self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
         self._facts: VocabFacts | None = None
         self._facts_lock = threading.Lock()
 
@@ -249,13 +252,19 @@ class Model:
 
     def token_bytes(self, token: int, *, special: bool = True) -> bytes:
         """The raw bytes of one token; a piece may be part of a UTF-8 character."""
-        n = _ll.llama_token_to_piece(self._vocab, token, self._piece_buf, len(self._piece_buf), 0,
-                                     special)
+        if special:
+            piece = self._pieces.get(token)
+            if piece is not None:
+                return piece
+        buf = ctypes.create_string_buffer(256)
+        n = _ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
-            big = ctypes.create_string_buffer(-n)
-            n = _ll.llama_token_to_piece(self._vocab, token, big, len(big), 0, special)
-            return big.raw[:n]
-        return self._piece_buf.raw[:n]
+            buf = ctypes.create_string_buffer(-n)
+            n = _ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        piece = buf.raw[:n]
+        if special:
+            self._pieces[token] = piece  # one per token the model produced: at most the vocabulary
+        return piece
 
     def detokenize(self, tokens: Iterable[int], *, special: bool = True) -> str:
         return b"".join(self.token_bytes(t, special=special) for t in tokens).decode(
@@ -266,7 +275,10 @@ class Model:
         return raw.decode("utf-8", "replace") if raw else ""
 
     def is_eog(self, token: int) -> bool:
-        return bool(_ll.llama_vocab_is_eog(self._vocab, token))
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = bool(_ll.llama_vocab_is_eog(self._vocab, token))
+        return eog
 
     def is_control(self, token: int) -> bool:
         return bool(_ll.llama_vocab_is_control(self._vocab, token))
@@ -307,6 +319,14 @@ class Batch:
         k = len(tokens)
         if self.n + k > self.capacity:
             raise ValueError(f"batch overflow: {self.n}+{k} > {self.capacity}")
+        if k == 1:  # a decoding lane: one token, the common case of every step
+            i = self.n
+            self._tok[i] = tokens[0]
+            self._pos[i] = pos0
+            self._logits[i] = (logits_from == 0) if logits_from >= 0 else logits_last
+            self._b.seq_id[i][0] = lane
+            self.n = i + 1
+            return i
         s = slice(self.n, self.n + k)
         self._tok[s] = tokens
         self._pos[s] = np.arange(pos0, pos0 + k, dtype=np.int32)
@@ -442,6 +462,7 @@ class Context:
         self._mem = _ll.llama_get_memory(ptr)
         self._n_vocab = model.n_vocab
         self._buf = StateBuffer()
+        self._views: dict[int, np.ndarray] = {}
         self.batch = Batch(params.n_batch)
         self._pool: int | None = None
         self._pool_owned = True
@@ -490,7 +511,15 @@ class Context:
         ptr = _ll.llama_get_logits_ith(self._ptr, row)
         if not ptr:
             raise LlamaError(f"no logits for row {row}")
-        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        # llama.cpp keeps one output buffer and hands out the same rows step after step:
+        # a view per address (a few: rows of the buffer, and a new buffer when it grows)
+        addr = ctypes.addressof(ptr.contents)
+        view = self._views.get(addr)
+        if view is None:
+            if len(self._views) >= 256:
+                self._views.clear()
+            view = self._views[addr] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        return view
 
     def prefill(self, lane: int, tokens: Sequence[int] | np.ndarray, pos0: int, *,
                 logits_last: bool = True) -> np.ndarray | None:

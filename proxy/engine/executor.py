@@ -441,10 +441,12 @@ class Executor:
         ctx_left = self.ctx.n_ctx_seq - job.lane.n - n
         return max(0, min(self.cfg.speculative.draft_max, budget - n, left, ctx_left))
 
-    def _tokens(self, w: Work) -> np.ndarray:
+    def _tokens(self, w: Work) -> np.ndarray | list[int]:
         job = w.job
         if job.prefilling:
             return job.prompt[w.pos0: w.pos0 + w.n]
+        if not len(job.replay) and not len(job.drafts):
+            return [job.pending]  # a plain decode: one token
         return np.concatenate([job.replay, np.array([job.pending], dtype=np.int32),
                                job.drafts])
 
@@ -543,10 +545,13 @@ class Executor:
         job, lane = w.job, w.job.lane
         assert lane is not None
         drafts = job.drafts
-        lane.extend(job.replay)
-        job.replay = _NONE
+        if len(job.replay):
+            lane.extend(job.replay)
+            job.replay = _NONE
         lane.extend([job.pending])
         self._take(job, w.row)
+        if not len(drafts):
+            return
         accepted = 0
         for i, d in enumerate(drafts.tolist()):
             if job.done or job.pending != d:
@@ -555,8 +560,6 @@ class Executor:
             accepted += 1
             self._take(job, w.row + 1 + i)
         job.drafts = _NONE
-        if not len(drafts):
-            return
         job.stats.drafted += len(drafts)
         job.stats.accepted += accepted
         self.counters["spec_drafted"] += len(drafts)

@@ -222,7 +222,7 @@ class Sampler:
 
     def sample(self, ctx: Context, row: int) -> int:
         if self.chain is None:
-            return int(np.argmax(ctx.logits_view(row)))  # no copy of the vocabulary
+            return int(ctx.logits_view(row).argmax())  # no copy of the vocabulary
         return self.chain.sample(ctx, row)
 
     def close(self) -> None:

@@ -311,7 +311,7 @@ class Engine:
         return False
 
     def _drop_cancelled_waiting(self) -> None:
-        if any(job.cancelled for job, _ in self._waiting):
+        if self._waiting and any(job.cancelled for job, _ in self._waiting):
             for job, _ in [w for w in self._waiting if w[0].cancelled]:
                 _drop_prefetched(job)
                 self.counters["cancelled_queued"] += 1
@@ -320,9 +320,9 @@ class Engine:
 
     def _choose_admissions(self) -> list[tuple[Job, Outbox]]:
         """Which waiting requests start now (called with the lock held)."""
-        free = self.exec.lanes.free()
-        if self._stopping:
+        if self._stopping or not self._waiting:
             return []
+        free = self.exec.lanes.free()
         out: list[tuple[Job, Outbox]] = []
         while free and self._waiting:
             ready = [w for w in self._waiting if self._may_start(w[0])]
