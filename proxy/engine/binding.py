@@ -256,6 +256,7 @@ class Model:
             piece = self._pieces.get(token)
             if piece is not None:
                 return piece
+        self._check_token(token)
         buf = ctypes.create_string_buffer(256)
         n = _ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
@@ -277,8 +278,15 @@ class Model:
     def is_eog(self, token: int) -> bool:
         eog = self._eog.get(token)
         if eog is None:
+            self._check_token(token)
             eog = self._eog[token] = bool(_ll.llama_vocab_is_eog(self._vocab, token))
         return eog
+
+    def _check_token(self, token: int) -> None:
+        # llama.cpp throws a C++ exception for an id outside the vocabulary, which ends
+        # the process: refuse it here
+        if not 0 <= token < self.n_vocab:
+            raise ValueError(f"token {token} is outside the vocabulary (0 to {self.n_vocab - 1})")
 
     def is_control(self, token: int) -> bool:
         return bool(_ll.llama_vocab_is_control(self._vocab, token))

@@ -85,6 +85,14 @@ def test_token_pieces_and_end_flags_are_remembered_exactly(gemma_path: Path) -> 
         assert any(f != p for f, p in zip(fresh, plain, strict=True))
         assert model.is_eog(model.eos) and model.is_eog(model.eos)
         assert not model.is_eog(ids[100]) and not model.is_eog(ids[100])
+        # an id outside the vocabulary is an error, not a C++ exception that ends the process
+        for bad in (-1, model.n_vocab, 2**31 - 1):
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                model.token_bytes(bad)
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                model.token_bytes(bad, special=False)
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                model.is_eog(bad)
         # many threads at once (the tokenizer threads and the engine): the same pieces
         out: list[list[bytes]] = [[] for _ in range(4)]
 
