@@ -46,6 +46,7 @@ from statecache.remotefmt import (
     n_chunks,
     new_nonce,
 )
+from statecache.writer import run_in_background
 
 log = logging.getLogger(__name__)
 
@@ -316,6 +317,7 @@ class RemoteTier:
                 self._lock.wait(max(wait, 0.01) if wait is not None else None)
 
     def _loop(self) -> None:
+        run_in_background()
         while True:
             job = self._next()
             if job is None:

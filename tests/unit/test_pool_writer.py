@@ -91,6 +91,23 @@ def test_full_states_reach_the_disk_while_the_pool_runs(
     pool.sanity_check()
 
 
+def test_the_writer_yields_the_cores_to_the_engine(make_pool: PoolFactory) -> None:
+    # the writer's MAC and writes of tens of MB would otherwise take a core from a decode:
+    # its thread runs BACKGROUND_NICE lower than the rest of the process, and still writes
+    from statecache.writer import BACKGROUND_NICE
+
+    if not sys.platform.startswith("linux"):
+        return  # a thread has its own nice value on Linux only; elsewhere nothing changes
+    pool = make_pool()
+    rec = put(pool, [7] + T, b"x" * 64)
+    assert wait_for(lambda: rec.id in on_disk(pool))
+    thread = pool._writer._thread
+    assert thread is not None and thread.native_id is not None
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert os.getpriority(os.PRIO_PROCESS, thread.native_id) == min(mine + BACKGROUND_NICE, 19)
+    assert mine == os.getpriority(os.PRIO_PROCESS, 0)  # the caller's own thread is untouched
+
+
 CHILD = textwrap.dedent("""
     import os, signal, sys, time
     from statecache.config import CacheConfig
