@@ -152,7 +152,8 @@ def _thread_cpu(pid: int) -> dict[int, int]:
 def cpu_per_token(url: str, pid: int, n_out: int) -> dict[str, float]:
     """One stream's server CPU per token (microseconds): in the two busiest threads (the
     decode's: the thread that calls llama_decode and the ggml worker beside it, on 2
-    threads) and in all the others (HTTP, event loop, hand-offs). Every microsecond of
+    threads) and in all the others (HTTP, event loop, and statecache's checkpoint
+    writers, busy with the states of the streams before this one). Every microsecond of
     the second kind runs on the cores the decode needs. {} where it cannot be read."""
     before = _thread_cpu(pid)
     r = _stream(url, _prompt(200, 10), n_out)

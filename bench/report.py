@@ -228,7 +228,8 @@ def _batching(b: dict[str, Any]) -> list[str]:
     if cpu:
         out += ["The server's CPU per token of one stream, in microseconds (Linux schedstat): "
                 "in the two threads that decode, and in all its other threads (HTTP, event "
-                "loop), which run on the cores the decode needs:", ""]
+                "loop; statecache's checkpoint writers, which write the states of the streams "
+                "before it), which run on the cores the decode needs:", ""]
         out += _table(["", *cpu], [
             ["decode threads"] + [f"{b[p]['cpu_per_token']['decode_threads_us']:,.0f}"
                                   for p in cpu],
