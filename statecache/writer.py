@@ -27,9 +27,9 @@ log = logging.getLogger(__name__)
 Buffer = bytes | bytearray | memoryview
 
 # How much the background writers (this one, the shared store's) yield to the engine:
-# their MAC, copies and writes of tens of MB otherwise take a core from a decode, and
-# on 2 cores the request that comes right after a turn prefilled at about half speed
-# while its checkpoints were written (README, "Looking at the cache").
+# their MAC, copies and writes of tens of MB otherwise take a core from the decode of
+# the request that comes right after a turn, while that turn's checkpoints are written
+# (README, "Looking at the cache", has what it changed in the full bench).
 BACKGROUND_NICE = 10
 
 

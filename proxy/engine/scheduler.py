@@ -311,7 +311,7 @@ class Engine:
         return False
 
     def _drop_cancelled_waiting(self) -> None:
-        if self._waiting and any(job.cancelled for job, _ in self._waiting):
+        if any(job.cancelled for job, _ in self._waiting):
             for job, _ in [w for w in self._waiting if w[0].cancelled]:
                 _drop_prefetched(job)
                 self.counters["cancelled_queued"] += 1

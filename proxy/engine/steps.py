@@ -95,7 +95,7 @@ def plan_step(jobs: list[Job], executor: Executor, timer: StepTimer, *, step_tok
         assert w is not None
         works.append(w)
         used += w.n
-    if len(works) == len(jobs):
+    if works and len(works) == len(jobs):
         return works  # every lane decodes: nothing to prefill
     budget = step_tokens - used
     prefilling = sorted((j for j in jobs if j.prefilling), key=lambda j: len(j.prompt) - j.pos)
