@@ -3,7 +3,10 @@ and number of lanes (slots), side by side in one run:
 
 1. aggregate decode tokens/s with 1, 2 and 4 concurrent streams (and each as a ratio
    to the system's own one-stream rate), and one stream against ``proxy.engine.binding``
-   decoding the same way in a loop (no HTTP);
+   decoding the same way in a loop (no HTTP); every system is started at once and
+   their runs take turns (see ``decode_rates``), so the machine's drift falls on all;
+   statecache runs twice: as configured, and writing every token on its own
+   (``statecache-per-token``, ``server.stream_interval_ms = 0``, as llama-server does);
 2. inter-token latency p50/p95 of a stream while another request prefills a long
    prompt, against the same stream's quiet p50/p95;
 3. TTFT of a short request sent right behind a long one.
@@ -18,6 +21,7 @@ one gap then k-1 gaps of zero, which is what a reader of the stream sees.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -29,7 +33,11 @@ from typing import Any
 import numpy as np
 
 from bench.harness import _sse_lines
-from bench.servers import LLAMA_SERVER, ModelSpec, running
+from bench.servers import LLAMA_SERVER, ModelSpec, Server, running
+
+# statecache again, with server.stream_interval_ms = 0: every step's tokens written at
+# once, as llama-server writes them (the default writes a stream at most every 10 ms)
+PER_TOKEN = "statecache-per-token"
 
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "theta", "kappa")
 
@@ -166,49 +174,100 @@ def cpu_per_token(url: str, pid: int, n_out: int) -> dict[str, float]:
             "other_threads_us": sum(used[2:]) / n / 1000}
 
 
-def direct_decode(model_path: Path, n_out: int) -> float:
-    """One stream decoded by proxy.engine.binding in a loop: the floor of the proxy."""
-    from proxy.engine.binding import Context, ContextParams, Model
+class DirectDecoder:
+    """One stream decoded by proxy.engine.binding in a loop, in this process: the floor
+    of the proxy. The model stays loaded so that its runs can sit between the servers'."""
 
-    model = Model(model_path)
-    ctx = Context(model, ContextParams(n_ctx=4096, n_seq_max=1, n_batch=512, n_ubatch=512))
-    try:
-        toks = model.tokenize(_prompt(200, 10))
-        rates = []
-        for _ in range(3):
-            ctx.clear_all()
-            logits = ctx.prefill(0, toks, 0)
+    def __init__(self, model_path: Path) -> None:
+        from proxy.engine.binding import Context, ContextParams, Model
+
+        self.model = Model(model_path)
+        self.ctx = Context(self.model, ContextParams(n_ctx=4096, n_seq_max=1, n_batch=512,
+                                                     n_ubatch=512, poll=50))
+        self.prompt = self.model.tokenize(_prompt(200, 10))
+
+    def rate(self, n_out: int) -> float:
+        ctx = self.ctx
+        ctx.clear_all()
+        logits = ctx.prefill(0, self.prompt, 0)
+        assert logits is not None
+        tok, pos = int(np.argmax(logits)), len(self.prompt)
+        t0 = time.perf_counter()
+        for _ in range(n_out):
+            logits = ctx.prefill(0, [tok], pos)
             assert logits is not None
-            tok, pos = int(np.argmax(logits)), len(toks)
-            t0 = time.perf_counter()
-            for _ in range(n_out):
-                logits = ctx.prefill(0, [tok], pos)
-                assert logits is not None
-                tok, pos = int(np.argmax(logits)), pos + 1
-            rates.append(n_out / (time.perf_counter() - t0))
-        return statistics.median(rates)
-    finally:
-        ctx.close()
-        model.close()
+            tok, pos = int(np.argmax(logits)), pos + 1
+        return n_out / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()
 
 
-def run_system(system: str, spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
+def _process_cpu_ns(pid: int) -> int:
+    return sum(_thread_cpu(pid).values())
+
+
+def wait_quiet(pids: list[int], *, share: float = 0.03, window: float = 0.25,
+               limit: float = 30.0) -> bool:
+    """Wait until each process in ``pids`` uses under ``share`` of a core over
+    ``window`` seconds (a server that is idle, not saving or writing what the last
+    request left); False if one is still busy after ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    while True:
+        before = {p: _process_cpu_ns(p) for p in pids}
+        time.sleep(window)
+        busy = [p for p in pids if _process_cpu_ns(p) - before[p] > share * window * 1e9]
+        if not busy:
+            return True
+        if time.monotonic() > deadline:
+            return False
+
+
+def decode_rates(servers: dict[str, Server], direct: DirectDecoder | None, n_out: int,
+                 repeats: int) -> tuple[dict[str, dict[str, float]], float]:
+    """Aggregate decode rates with 1, 2 and 4 streams of every server, and the binding's
+    one-stream rate, each the median of ``repeats`` runs that take turns: in each
+    repeat every system runs once per stream count, in an order that rotates, and
+    the other servers are idle while one runs. So a machine that slows down over the
+    run (these cores drift by several percent in minutes) slows every system alike."""
+    names = list(servers)
+    runs: dict[str, dict[str, list[float]]] = {n: {"1": [], "2": [], "4": []} for n in names}
+    direct_runs: list[float] = []
+    for rep in range(repeats):
+        order = names[rep % len(names):] + names[:rep % len(names)] if names else []
+        for c in ("1", "2", "4"):
+            for name in order:
+                wait_quiet([s.proc.pid for n, s in servers.items() if n != name])
+                runs[name][c].append(aggregate_decode(servers[name].url, n_out, int(c)))
+        if direct is not None:
+            wait_quiet([s.proc.pid for s in servers.values()])
+            direct_runs.append(direct.rate(n_out))
+    rates = {n: {c: statistics.median(v) for c, v in r.items()} for n, r in runs.items()}
+    return rates, statistics.median(direct_runs) if direct_runs else float("nan")
+
+
+def measure_system(srv: Server, others: list[Server], args: argparse.Namespace
+                   ) -> dict[str, Any]:
+    """What is measured on one system at a time, the others idle."""
     out: dict[str, Any] = {}
-    extra = args.statecache_config.replace("\\n", "\n") if system == "statecache" else ""
-    with running(system, spec, n_ctx=args.n_ctx, lanes=4, log_dir=Path(args.log_dir),
-                 extra_config=extra) as srv:
-        _stream(srv.url, _prompt(100, 0), 16)  # warm-up
-        out["decode_tps"] = {str(c): statistics.median(
-            aggregate_decode(srv.url, args.out_tokens, c) for _ in range(args.repeats))
-            for c in (1, 2, 4)}
-        out["cpu_per_token"] = cpu_per_token(srv.url, srv.proc.pid, args.out_tokens)
-        if not args.decode_only:
-            out["itl"] = itl_during_prefill(srv.url, args.long, args.n_ctx - 512)
-            out["short_behind_long"] = short_behind_long(srv.url, args.long)
-        out["peak_rss_kb"] = srv.peak_rss_kb()
-    one = out["decode_tps"]["1"]
-    out["scaling"] = {c: v / one for c, v in out["decode_tps"].items()}
+    quiet = [s.proc.pid for s in others]
+    wait_quiet(quiet)
+    out["cpu_per_token"] = cpu_per_token(srv.url, srv.proc.pid, args.out_tokens)
+    if not args.decode_only:
+        wait_quiet(quiet)
+        out["itl"] = itl_during_prefill(srv.url, args.long, args.n_ctx - 512)
+        wait_quiet(quiet)
+        out["short_behind_long"] = short_behind_long(srv.url, args.long)
+    out["peak_rss_kb"] = srv.peak_rss_kb()
     return out
+
+
+def _server_key(toml: str, line: str) -> str:
+    """``toml`` with ``line`` in its [server] table (added if it has none)."""
+    if "[server]" in toml:
+        return toml.replace("[server]", "[server]\n" + line, 1)
+    return f"{toml}\n[server]\n{line}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,15 +284,42 @@ def main(argv: list[str] | None = None) -> int:
                    help='TOML tables for statecache, e.g. "[engine]\\nmin_prefill_chunk = 2"')
     p.add_argument("--decode-only", action="store_true",
                    help="only the aggregate decode rates (no long prefill)")
+    p.add_argument("--no-per-token", action="store_true",
+                   help=f"without {PER_TOKEN} (statecache writing every token on its own)")
     a = p.parse_args(argv)
     spec = ModelSpec(Path(a.model).stem, Path(a.model), is_gemma=False)
     result: dict[str, Any] = {"model": spec.label, "date": time.strftime("%Y-%m-%d %H:%M"),
-                              "direct_decode_tps": direct_decode(spec.path, a.out_tokens)}
+                              "interleaved": True}
+    systems = []
     for system in a.systems.split(","):
         if system == "llama-server" and not LLAMA_SERVER.exists():
             result[system] = {"skipped": "not built (bench/build_llama_server.sh)"}
-            continue
-        result[system] = run_system(system, spec, a)
+        else:
+            systems.append(system)
+        if system == "statecache" and not a.no_per_token:
+            systems.append(PER_TOKEN)
+    with contextlib.ExitStack() as stack:
+        # every system runs at once, each idle while another is measured
+        servers: dict[str, Server] = {}
+        for system in systems:
+            extra = a.statecache_config.replace("\\n", "\n") if system != "llama-server" else ""
+            if system == PER_TOKEN:
+                extra = _server_key(extra, "stream_interval_ms = 0")
+            servers[system] = stack.enter_context(running(
+                "statecache" if system == PER_TOKEN else system, spec, n_ctx=a.n_ctx,
+                lanes=4, log_dir=Path(a.log_dir), extra_config=extra,
+                tag="-per-token" if system == PER_TOKEN else ""))
+            _stream(servers[system].url, _prompt(100, 0), 16)  # warm-up
+        direct = DirectDecoder(spec.path)
+        stack.callback(direct.close)
+        rates, result["direct_decode_tps"] = decode_rates(servers, direct, a.out_tokens,
+                                                          a.repeats)
+        for system, srv in servers.items():
+            out = {"decode_tps": rates[system]}
+            out.update(measure_system(srv, [s for s in servers.values() if s is not srv], a))
+            one = rates[system]["1"]
+            out["scaling"] = {c: v / one for c, v in rates[system].items()}
+            result[system] = out
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

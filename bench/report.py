@@ -213,10 +213,18 @@ def _micro(m: dict[str, Any]) -> list[str]:
 
 
 def _batching(b: dict[str, Any]) -> list[str]:
-    peers = [k for k in ("statecache", "llama-server") if isinstance(b.get(k), dict)
-             and "decode_tps" in b[k]]
+    peers = [k for k in ("statecache", "statecache-per-token", "llama-server")
+             if isinstance(b.get(k), dict) and "decode_tps" in b[k]]
     out = [f"Model {b['model']}, 4 lanes (slots), greedy. `proxy.engine.binding` decoding one "
-           f"stream in a loop (no HTTP): {b['direct_decode_tps']:.1f} tokens/s.", ""]
+           f"stream in a loop (no HTTP): {b['direct_decode_tps']:.1f} tokens/s."]
+    if b.get("interleaved"):
+        out[0] += (" Every system runs at once, the others idle while one is measured, and "
+                   "the decode rates are medians of repeats that take turns.")
+    if "statecache-per-token" in peers:
+        out[0] += (" statecache-per-token is statecache with `server.stream_interval_ms = 0`: "
+                   "each step's tokens written at once, as llama-server writes them; by "
+                   "default a stream is written at most every 10 ms.")
+    out.append("")
     rows = []
     for c in ("1", "2", "4"):
         rows.append([f"{c} stream{'s' if c != '1' else ''}"] + [

@@ -58,6 +58,10 @@ class ServerConfig:
     max_tokens_default: int = 512
     max_body: int = field(default=8 << 20, metadata=_SIZE)  # larger request bodies get 413
     parse_concurrency: int = 2  # requests read, parsed and tokenized at the same time
+    # A stream is written at most once per this long: tokens that come sooner go with
+    # the next write (its first and last tokens go at once, and none waits through a
+    # step that prefills or saves). 0: every step's tokens at once. README, "One batch per step".
+    stream_interval_ms: float = 10.0
     # API key -> tenant. Set: every request needs a known key, whose tenant it gets.
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)
     admin_key: str = field(default="", repr=False)  # the admin routes need it once any key is set
@@ -226,6 +230,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("server.max_tokens_default", 1, None),
     ("server.max_body", 1024, None),
     ("server.parse_concurrency", 1, None),
+    ("server.stream_interval_ms", 0, 1000),
     ("cache.page_size", 1, None),
     ("cache.periodic_pages", 0, None),
     ("sampling.temperature", 0, None),

@@ -123,6 +123,7 @@ class Engine:
         self._fetcher = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="statecache-fetch")
         self.handoff_wait_s = ec.handoff_wait_ms / 1000
+        self.stream_interval_s = cfg.server.stream_interval_ms / 1000
         self.model_name = model_path.name
         self.chat_template = self.model.chat_template()
         self.bos_token = self.model.token_text(self.model.bos) if self.model.bos >= 0 else ""
@@ -286,6 +287,8 @@ class Engine:
                 if self._stopping and not self._active:
                     return
                 admitted = self._choose_admissions()
+            if admitted:
+                self._write_streams(flush=True)  # an admission may read or restore a state
             for job, box in admitted:
                 self._admit(job, box)
             self._save_an_idle_lane(idle_s)
@@ -454,6 +457,7 @@ class Engine:
         now = time.monotonic()
         for lane in self.exec.lanes:
             if not lane.busy and not lane.saved_full and lane.n and now - lane.last_used > idle_s:
+                self._write_streams(flush=True)
                 try:
                     self.exec.idle_save(lane)
                 except Exception:
@@ -469,6 +473,8 @@ class Engine:
             elif job.stopping and not job.done and job.prefilling:
                 job.finish_reason = "length"  # shutting down: nothing more to prefill
         works = self._plan_step([job for job, _ in active if not job.done])
+        if any(w.job.prefilling for w in works):
+            self._write_streams(active, flush=True)  # a prefill makes the step long
         if works:
             n_decode = sum(1 for w in works if not w.job.prefilling)
             n_prefill = sum(w.n for w in works if w.job.prefilling)
@@ -492,14 +498,9 @@ class Engine:
                 c["step_lane_work"] += len(works)
                 if len(works) > 1:
                     c["steps_multi_lane"] += 1
-        # every stream's tokens first, with one wake-up of the loop for all of them
-        due: list[Outbox] = []
-        try:
-            for job, box in active:
-                if self._deliver(job, box):
-                    due.append(box)
-        finally:
-            Outbox.wake_all(due)
+        # every stream's tokens first, with one wake-up of the loop for all of them;
+        # a request that ends here saves its state next: nothing waits through that
+        self._write_streams(active, flush=any(job.done for job, _ in active))
         for job, box in active:
             if job.done:
                 self._end(job, box)
@@ -511,6 +512,32 @@ class Engine:
         return plan_step(jobs, self.exec, self.timer, step_tokens=self.step_tokens,
                          prefill_chunk=self.prefill_chunk, pause_s=ec.prefill_pause_ms / 1000,
                          min_chunk=ec.min_prefill_chunk)
+
+    def _write_streams(self, active: list[tuple[Job, Outbox]] | None = None, *,
+                       flush: bool = False) -> None:
+        """Hand each stream's new tokens to its outbox, and wake the event loop once
+        for the streams that are due: a stream is woken at most once per
+        ``server.stream_interval_ms``, so that a model decoding faster than that costs
+        the loop, the socket and the client one write for several tokens. Its first
+        tokens and its last go at once; ``flush``: everything goes now (the engine is
+        about to do something that takes longer than a decode step)."""
+        if active is None:
+            with self._cv:
+                active = list(self._active)
+        now = time.perf_counter()
+        due: list[Outbox] = []
+        try:
+            for job, box in active:
+                if not (self._deliver(job, box) or box.held):
+                    continue
+                if flush or job.done or now - box.last_wake >= self.stream_interval_s:
+                    box.held = False
+                    box.last_wake = now
+                    due.append(box)
+                else:
+                    box.hold()
+        finally:
+            Outbox.wake_all(due)
 
     def _deliver(self, job: Job, box: Outbox) -> bool:
         """Hand the step's tokens of ``job`` to its outbox; True: the loop must be woken."""
