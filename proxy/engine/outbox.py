@@ -51,10 +51,6 @@ class Outbox:
         self._ready = asyncio.Event()
         self._handoff = handoff
         self._owed = False  # events put that the coroutine has not finished handling
-        # the engine thread's own: when it last woke the loop for this box, and whether
-        # events wait in it for a wake-up the engine has put off (``hold``)
-        self.last_wake = 0.0
-        self.held = False
 
     def put(self, ev: Event | BaseException, *, defer: bool = False) -> bool:
         """Add an event; wake the loop unless a wake-up is on its way. ``defer``: leave
@@ -74,13 +70,6 @@ class Outbox:
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
             self.loop.call_soon_threadsafe(self._wake)
         return False
-
-    def hold(self) -> None:
-        """The engine puts off the wake-up a deferred ``put`` returned True for: the
-        events stay here, and the next ``put`` wakes the loop (or returns True) again."""
-        with self._lock:
-            self._scheduled = False
-        self.held = True
 
     @staticmethod
     def wake_all(boxes: list[Outbox]) -> None:

@@ -516,11 +516,12 @@ class Engine:
     def _write_streams(self, active: list[tuple[Job, Outbox]] | None = None, *,
                        flush: bool = False) -> None:
         """Hand each stream's new tokens to its outbox, and wake the event loop once
-        for the streams that are due: a stream is woken at most once per
-        ``server.stream_interval_ms``, so that a model decoding faster than that costs
-        the loop, the socket and the client one write for several tokens. Its first
-        tokens and its last go at once; ``flush``: everything goes now (the engine is
-        about to do something that takes longer than a decode step)."""
+        for all of them. A stream is written at most once per
+        ``server.stream_interval_ms``: tokens that come sooner wait in the job for a
+        later step, so a model decoding faster than that costs the loop, the socket
+        and the client one write for several tokens. A stream's first tokens and its
+        last go at once; ``flush``: everything goes now (the engine is about to do
+        something that takes longer than a decode step)."""
         if active is None:
             with self._cv:
                 active = list(self._active)
@@ -528,21 +529,18 @@ class Engine:
         due: list[Outbox] = []
         try:
             for job, box in active:
-                if not (self._deliver(job, box) or box.held):
+                if not (job.deltas or job.logprobs):
                     continue
-                if flush or job.done or now - box.last_wake >= self.stream_interval_s:
-                    box.held = False
-                    box.last_wake = now
+                if not (flush or job.done) and now - job.last_write < self.stream_interval_s:
+                    continue
+                job.last_write = now
+                if self._deliver(job, box):
                     due.append(box)
-                else:
-                    box.hold()
         finally:
             Outbox.wake_all(due)
 
     def _deliver(self, job: Job, box: Outbox) -> bool:
-        """Hand the step's tokens of ``job`` to its outbox; True: the loop must be woken."""
-        if not (job.deltas or job.logprobs):
-            return False
+        """Hand the tokens ``job`` holds to its outbox; True: the loop must be woken."""
         ev = TokenEvent("".join(t for t, _ in job.deltas),
                         tuple(i for _, d in job.deltas for i in d), tuple(job.logprobs))
         job.deltas.clear()

@@ -71,24 +71,3 @@ def test_wake_all_on_a_closed_loop_is_harmless() -> None:
     t.start()
     t.join(5)
     assert not t.is_alive()
-
-
-async def test_a_held_box_wakes_on_the_next_put_and_loses_nothing() -> None:
-    # The engine puts a stream's wake-up off (server.stream_interval_ms): the events
-    # stay in the box, a later deferred put asks for a wake-up again, and a plain put
-    # (an error from the engine) wakes the reader by itself.
-    loop = asyncio.get_running_loop()
-    box = Outbox(loop)
-    reader = asyncio.ensure_future(box.get())
-    await asyncio.sleep(0.02)
-    assert await asyncio.to_thread(box.put, _tok("a", 1), defer=True) is True
-    box.hold()
-    assert box.held
-    done, _ = await asyncio.wait([reader], timeout=0.1)
-    assert not done  # held: the reader was not woken
-    assert await asyncio.to_thread(box.put, _tok("b", 2), defer=True) is True  # due again
-    box.hold()
-    await asyncio.to_thread(box.put, RuntimeError("the engine stopped"))  # wakes by itself
-    got = await asyncio.wait_for(reader, 5)
-    assert isinstance(got[0], TokenEvent) and got[0].text == "ab"
-    assert isinstance(got[1], RuntimeError)
