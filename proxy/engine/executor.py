@@ -28,6 +28,7 @@ Checkpoint policy by memory kind (DESIGN.md facts 5-9):
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -79,7 +80,7 @@ class Job:
     stopping: bool = False  # the server is shutting down: end at the next step
     logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet sent
     deltas: list[Delta] = field(default_factory=list)  # text produced and not yet sent
-    last_write: float = 0.0  # when the engine last handed this stream's tokens on
+    last_write: float = -math.inf  # when the engine last handed this stream's tokens on
     starved: int = 0  # steps in a row this prefilling job got no tokens
     skipped: int = 0  # admissions that passed this waiting job over
     # Admission may make this job wait for ``waiting_for``, which prefills a prefix of
