@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -209,22 +210,24 @@ def _process_cpu_ns(pid: int) -> int:
 
 
 def wait_quiet(pids: list[int], *, share: float = 0.03, window: float = 0.25,
-               limit: float = 30.0) -> bool:
+               limit: float = 30.0) -> None:
     """Wait until each process in ``pids`` uses under ``share`` of a core over
     ``window`` seconds (a server that is idle, not saving or writing what the last
-    request left); False if one is still busy after ``limit`` seconds."""
+    request left); after ``limit`` seconds, say which is still busy and go on."""
     deadline = time.monotonic() + limit
     while True:
         before = {p: _process_cpu_ns(p) for p in pids}
         time.sleep(window)
         busy = [p for p in pids if _process_cpu_ns(p) - before[p] > share * window * 1e9]
         if not busy:
-            return True
+            return
         if time.monotonic() > deadline:
-            return False
+            print(f"bench.batching: process {busy} still busy after {limit:.0f} s; "
+                  "measuring beside it", file=sys.stderr)
+            return
 
 
-def decode_rates(servers: dict[str, Server], direct: DirectDecoder | None, n_out: int,
+def decode_rates(servers: dict[str, Server], direct: DirectDecoder, n_out: int,
                  repeats: int) -> tuple[dict[str, dict[str, float]], float]:
     """Aggregate decode rates with 1, 2 and 4 streams of every server, and the binding's
     one-stream rate, each the median of ``repeats`` runs that take turns: in each
@@ -240,9 +243,8 @@ def decode_rates(servers: dict[str, Server], direct: DirectDecoder | None, n_out
             for name in order:
                 wait_quiet([s.proc.pid for n, s in servers.items() if n != name])
                 runs[name][c].append(aggregate_decode(servers[name].url, n_out, int(c)))
-        if direct is not None:
-            wait_quiet([s.proc.pid for s in servers.values()])
-            direct_runs.append(direct.rate(n_out))
+        wait_quiet([s.proc.pid for s in servers.values()])
+        direct_runs.append(direct.rate(n_out))
     rates = {n: {c: statistics.median(v) for c, v in r.items()} for n, r in runs.items()}
     return rates, statistics.median(direct_runs) if direct_runs else float("nan")
 

@@ -473,10 +473,10 @@ class Engine:
             elif job.stopping and not job.done and job.prefilling:
                 job.finish_reason = "length"  # shutting down: nothing more to prefill
         works = self._plan_step([job for job, _ in active if not job.done])
-        if any(w.job.prefilling for w in works):
+        n_decode = sum(1 for w in works if not w.job.prefilling)
+        if n_decode < len(works):
             self._write_streams(active, flush=True)  # a prefill makes the step long
         if works:
-            n_decode = sum(1 for w in works if not w.job.prefilling)
             n_prefill = sum(w.n for w in works if w.job.prefilling)
             t0 = time.perf_counter()
             try:
