@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import tomllib
 from collections.abc import Mapping
@@ -82,10 +83,6 @@ class EngineConfig:
     decode_share: float = 0.5
     min_prefill_chunk: int = 16  # the smallest burst, however slow a token is
     idle_save_s: float = 2.0  # an idle lane's state is saved FULL after this long; 0: never
-    # After a step, wait up to this long for the event loop to hand its tokens to the
-    # clients before the next decode (the two compete for the cores); 0: never. Off by
-    # default: measured on hybrid-mid it lowered one stream from 125 to 102 tokens/s.
-    handoff_wait_ms: float = 0.0
     # A persistent ggml threadpool for the context and its draft's (builds without
     # OpenMP): its workers poll this long between decodes (0-100, ggml's scale; 50 is
     # llama-server's) before they sleep; -1: none (llama.cpp then starts the threads of
@@ -211,7 +208,6 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("engine.decode_share", 0.05, 0.95),
     ("engine.min_prefill_chunk", 1, None),
     ("engine.idle_save_s", 0, None),
-    ("engine.handoff_wait_ms", 0, 1000),
     ("engine.thread_poll", -1, 100),
     ("model.n_batch", 1, None),
     ("model.n_ubatch", 1, None),
@@ -350,6 +346,14 @@ def _volatile_rules(key: str, value: object) -> tuple[VolatileRule, ...]:
     return rules
 
 
+# Keys that older versions took and this one ignores, with why: a config that still
+# sets one starts, with a warning, instead of failing on an unknown key.
+_RETIRED = MappingProxyType({
+    "engine.handoff_wait_ms": "the engine no longer waits for the event loop after a step "
+                              "(it measured no gain)",
+})
+
+
 def _merge(raw: dict[str, dict[str, object]], data: Mapping[str, object], source: str) -> None:
     for section, table in data.items():
         if section not in _SECTIONS:
@@ -360,6 +364,11 @@ def _merge(raw: dict[str, dict[str, object]], data: Mapping[str, object], source
             raise ConfigError(f"{source}: [{section}] must be a table, got {table!r}")
         valid = [f.name for f in dataclasses.fields(_SECTIONS[section])]
         for key, value in table.items():
+            if f"{section}.{key}" in _RETIRED:
+                logging.getLogger("statecache").warning(
+                    "%s: %s.%s is ignored: %s", source, section, key,
+                    _RETIRED[f"{section}.{key}"])
+                continue
             if key not in valid:
                 raise ConfigError(
                     f"{source}: unknown key {section}.{key}; valid keys: {', '.join(valid)}"

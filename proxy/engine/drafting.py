@@ -187,7 +187,7 @@ class DraftModel:
             for ln in going:
                 lane = self.lanes.lanes[ln]
                 rows[ln] = batch.add(ln, [out[ln][-1]], lane.n, logits_last=True)
-                lane.extend([out[ln][-1]])
+                lane.push(out[ln][-1])
             self.counters["draft_tokens_decoded"] += batch.n
             self.ctx.decode()
             for ln in going:

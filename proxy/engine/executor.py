@@ -550,7 +550,7 @@ class Executor:
         if len(job.replay):
             lane.extend(job.replay)
             job.replay = _NONE
-        lane.extend([job.pending])
+        lane.push(job.pending)
         self._take(job, w.row)
         if not len(drafts):
             return
@@ -558,7 +558,7 @@ class Executor:
         for i, d in enumerate(drafts.tolist()):
             if job.done or job.pending != d:
                 break
-            lane.extend([d])
+            lane.push(d)
             accepted += 1
             self._take(job, w.row + 1 + i)
         job.drafts = _NONE

@@ -72,6 +72,16 @@ class Lane:
         self._n += k
         self._changed()
 
+    def push(self, token: int) -> None:
+        """The live state consumed one more token: a decode step's (``extend`` converts
+        a sequence, which costs several times as much for a single token)."""
+        n = self._n
+        if n == self._buf.size:
+            self._reserve(n + 1)
+        self._buf[n] = token
+        self._n = n + 1
+        self.saved_full = self.replay_saved = False
+
     def truncate(self, n: int) -> None:
         assert 0 <= n <= self._n
         if n < self._n:

@@ -41,7 +41,7 @@ import numpy as np
 from proxy.engine.binding import Context, ContextParams, Model, supports_rs_rollback
 from proxy.engine.drafting import DraftModel
 from proxy.engine.executor import Executor, Job, Work
-from proxy.engine.outbox import Handoff, Outbox
+from proxy.engine.outbox import Outbox
 from proxy.engine.sampling import check_logit_bias
 from proxy.engine.sizing import choose_n_ctx, state_format
 from proxy.engine.splice import ReplyMemory
@@ -118,11 +118,9 @@ class Engine:
             self.model, self.counters,
             ReplyMemory(size=8 * lanes) if cfg.cache.splice_generated else None)
         self.timer = StepTimer(share=cfg.engine.decode_share)
-        self.handoff = Handoff()
         # reads from disk or the shared store for a waiting request, off the engine thread
         self._fetcher = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="statecache-fetch")
-        self.handoff_wait_s = ec.handoff_wait_ms / 1000
         self.stream_interval_s = cfg.server.stream_interval_ms / 1000
         self.model_name = model_path.name
         self.chat_template = self.model.chat_template()
@@ -168,7 +166,7 @@ class Engine:
         job = Job(req=req, prompt=np.asarray(req.prompt_tokens, dtype=np.int32),
                   use_cache=self.pool is not None and req.use_cache,
                   t_submit=time.perf_counter())
-        box = Outbox(asyncio.get_running_loop(), self.handoff)
+        box = Outbox(asyncio.get_running_loop())
         with self._cv:
             if self._dead is not None:
                 raise EngineDead(f"the engine stopped: {self._dead}")
@@ -473,11 +471,15 @@ class Engine:
             elif job.stopping and not job.done and job.prefilling:
                 job.finish_reason = "length"  # shutting down: nothing more to prefill
         works = self._plan_step([job for job, _ in active if not job.done])
-        n_decode = sum(1 for w in works if not w.job.prefilling)
+        n_decode = 0
+        for w in works:
+            if not w.job.prefilling:
+                n_decode += 1
         if n_decode < len(works):
             self._write_streams(active, flush=True)  # a prefill makes the step long
         if works:
-            n_prefill = sum(w.n for w in works if w.job.prefilling)
+            n_prefill = 0 if n_decode == len(works) else \
+                sum(w.n for w in works if w.job.prefilling)
             t0 = time.perf_counter()
             try:
                 self.exec.run_step(works)
@@ -494,7 +496,7 @@ class Engine:
                     self.pool.costs.note_prefill(n_prefill, dt)
                 c = self.counters
                 c["steps"] += 1
-                c["step_tokens"] += sum(w.n for w in works)
+                c["step_tokens"] += sum(w.n for w in works)  # with the drafts it carried
                 c["step_lane_work"] += len(works)
                 if len(works) > 1:
                     c["steps_multi_lane"] += 1
@@ -504,8 +506,6 @@ class Engine:
         for job, box in active:
             if job.done:
                 self._end(job, box)
-        if works and self.handoff_wait_s:
-            self.handoff.wait(self.handoff_wait_s)
 
     def _plan_step(self, jobs: list[Job]) -> list[Work]:
         ec = self.cfg.engine
@@ -537,7 +537,8 @@ class Engine:
                 if self._deliver(job, box):
                     due.append(box)
         finally:
-            Outbox.wake_all(due)
+            if due:
+                Outbox.wake_all(due)
 
     def _deliver(self, job: Job, box: Outbox) -> bool:
         """Hand the tokens ``job`` holds to its outbox; True: the loop must be woken."""

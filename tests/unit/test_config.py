@@ -113,3 +113,16 @@ def test_speculative_mistakes_are_named(tmp_path: Path, text: str, message: str)
 def test_speculative_defaults_and_agent_config() -> None:
     assert load_config(None).speculative.source == "off"
     assert load_config(REPO / "configs" / "hybrid-agent.toml").speculative.source == "lookup"
+
+
+def test_a_retired_key_is_ignored_with_a_warning(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text("[engine]\nhandoff_wait_ms = 20.0\nidle_save_s = 3.0\n")
+    with caplog.at_level("WARNING", logger="statecache"):
+        cfg = load_config(p)
+    assert cfg.engine.idle_save_s == 3.0  # the rest of the table still applies
+    assert "engine.handoff_wait_ms is ignored" in caplog.text
+    p.write_text("[engine]\nhandoff_wait_msx = 20.0\n")
+    with pytest.raises(ConfigError, match="unknown key engine.handoff_wait_msx"):
+        load_config(p)

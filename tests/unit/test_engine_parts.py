@@ -135,3 +135,16 @@ def test_lane_common_prefix_respects_tenant() -> None:
     prompt = np.array([1, 2, 9, 4], dtype=np.int32)
     assert lane.common(prompt, "a") == 2
     assert lane.common(prompt, "b") == 0  # another tenant never shares a lane's state
+
+
+def test_lane_push_grows_and_marks_the_lane_changed() -> None:
+    lane = Lane(0)
+    lane.set_tokens(np.arange(256, dtype=np.int32), "")  # the buffer is exactly full
+    lane.saved_full = lane.replay_saved = True
+    lane.push(7)
+    lane.push(8)
+    assert lane.n == 258
+    assert lane.tokens[-3:].tolist() == [255, 7, 8]
+    assert not lane.saved_full and not lane.replay_saved
+    lane.extend([9, 10])
+    assert lane.tokens[-4:].tolist() == [7, 8, 9, 10]
