@@ -39,6 +39,7 @@ from bench.servers import LLAMA_SERVER, ModelSpec, Server, running
 # statecache again, with server.stream_interval_ms = 0: every step's tokens written at
 # once, as llama-server writes them (the default writes a stream at most every 10 ms)
 PER_TOKEN = "statecache-per-token"
+BINDING = "binding"  # proxy.engine.binding decoding in this process, among the servers' turns
 
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "theta", "kappa")
 
@@ -231,22 +232,26 @@ def decode_rates(servers: dict[str, Server], direct: DirectDecoder, n_out: int,
                  repeats: int) -> tuple[dict[str, dict[str, float]], float]:
     """Aggregate decode rates with 1, 2 and 4 streams of every server, and the binding's
     one-stream rate, each the median of ``repeats`` runs that take turns: in each
-    repeat every system runs once per stream count, in an order that rotates, and
-    the other servers are idle while one runs. So a machine that slows down over the
-    run (these cores drift by several percent in minutes) slows every system alike."""
+    repeat every system runs once per stream count, in an order that rotates (the
+    binding among the one-stream runs it is compared with), and the other servers are
+    idle while one runs. So a machine that slows down over the run (these cores drift
+    by several percent in minutes) slows every system alike."""
     names = list(servers)
     runs: dict[str, dict[str, list[float]]] = {n: {"1": [], "2": [], "4": []} for n in names}
     direct_runs: list[float] = []
     for rep in range(repeats):
-        order = names[rep % len(names):] + names[:rep % len(names)] if names else []
         for c in ("1", "2", "4"):
-            for name in order:
+            turn = names + [BINDING] if c == "1" else names
+            k = rep % len(turn)
+            for name in turn[k:] + turn[:k]:
+                if name == BINDING:
+                    wait_quiet([s.proc.pid for s in servers.values()])
+                    direct_runs.append(direct.rate(n_out))
+                    continue
                 wait_quiet([s.proc.pid for n, s in servers.items() if n != name])
                 runs[name][c].append(aggregate_decode(servers[name].url, n_out, int(c)))
-        wait_quiet([s.proc.pid for s in servers.values()])
-        direct_runs.append(direct.rate(n_out))
     rates = {n: {c: statistics.median(v) for c, v in r.items()} for n, r in runs.items()}
-    return rates, statistics.median(direct_runs) if direct_runs else float("nan")
+    return rates, statistics.median(direct_runs)
 
 
 def measure_system(srv: Server, others: list[Server], args: argparse.Namespace
@@ -280,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-ctx", type=int, default=12288, help="context per lane")
     p.add_argument("--long", type=int, default=8000, help="tokens of the long prompt")
     p.add_argument("--out-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--log-dir", default="results/logs")
     p.add_argument("--statecache-config", default="",
                    help='TOML tables for statecache, e.g. "[engine]\\nmin_prefill_chunk = 2"')
@@ -291,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     spec = ModelSpec(Path(a.model).stem, Path(a.model), is_gemma=False)
     result: dict[str, Any] = {"model": spec.label, "date": time.strftime("%Y-%m-%d %H:%M"),
-                              "interleaved": True}
+                              "interleaved": True, "repeats": a.repeats}
     systems = []
     for system in a.systems.split(","):
         if system == "llama-server" and not LLAMA_SERVER.exists():
