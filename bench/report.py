@@ -218,10 +218,11 @@ def _batching(b: dict[str, Any]) -> list[str]:
     out = [f"Model {b['model']}, 4 lanes (slots), greedy. `proxy.engine.binding` decoding one "
            f"stream in a loop (no HTTP): {b['direct_decode_tps']:.1f} tokens/s."]
     if b.get("interleaved"):
-        n = f"{b['repeats']} " if b.get("repeats") else ""
+        n = b.get("repeats")
+        runs = "single runs" if n == 1 else f"medians of {n or 'several'} repeats"
         out[0] += (" Every system runs at once, the others idle while one is measured, and "
-                   f"the decode rates are medians of {n}repeats that take turns (the "
-                   "binding's among the one-stream runs).")
+                   f"the decode rates are {runs} that take turns (the binding's among the "
+                   "one-stream runs).")
     if "statecache-per-token" in peers:
         out[0] += (" statecache-per-token is statecache with `server.stream_interval_ms = 0`: "
                    "each step's tokens written at once, as llama-server writes them; by "
