@@ -163,43 +163,58 @@ def cpu_per_token(url: str, pid: int, n_out: int) -> dict[str, float]:
     """One stream's server CPU per token (microseconds): in the two busiest threads (the
     decode's: the thread that calls llama_decode and the ggml worker beside it, on 2
     threads) and in all the others (HTTP, event loop, and statecache's checkpoint
-    writers, busy with the states of the streams before this one). Every microsecond of
-    the second kind runs on the cores the decode needs. {} where it cannot be read."""
+    writers, busy with the states of the streams before this one); and the benchmark
+    client's (this thread: reading the stream). Every microsecond of the last two kinds
+    runs on the cores the decode needs. {} where it cannot be read."""
     before = _thread_cpu(pid)
+    client = time.thread_time()
     r = _stream(url, _prompt(200, 10), n_out)
+    client = time.thread_time() - client
     after = _thread_cpu(pid)
     n = int((r["usage"] or {}).get("completion_tokens") or 0)
     used = sorted((after[t] - before.get(t, 0) for t in after), reverse=True)
     if not n or len(used) < 2:
         return {}
     return {"decode_threads_us": sum(used[:2]) / n / 1000,
-            "other_threads_us": sum(used[2:]) / n / 1000}
+            "other_threads_us": sum(used[2:]) / n / 1000,
+            "client_us": client / n * 1e6}
 
 
 class DirectDecoder:
-    """One stream decoded by proxy.engine.binding in a loop, in this process: the floor
-    of the proxy. The model stays loaded so that its runs can sit between the servers'."""
+    """``streams`` streams decoded by proxy.engine.binding in a loop, in this process:
+    one batch per step, greedy, no HTTP: the floor of the proxy (and of llama-server).
+    The model stays loaded so that its runs can sit between the servers'."""
 
-    def __init__(self, model_path: Path) -> None:
+    def __init__(self, model_path: Path, lanes: int = 4) -> None:
         from proxy.engine.binding import Context, ContextParams, Model
 
         self.model = Model(model_path)
-        self.ctx = Context(self.model, ContextParams(n_ctx=4096, n_seq_max=1, n_batch=512,
-                                                     n_ubatch=512, poll=50))
-        self.prompt = self.model.tokenize(_prompt(200, 10))
+        self.ctx = Context(self.model, ContextParams(n_ctx=4096 * lanes, n_seq_max=lanes,
+                                                     n_batch=512, n_ubatch=512, poll=50))
+        self.prompts = [self.model.tokenize(_prompt(200, 10 + i)) for i in range(lanes)]
 
-    def rate(self, n_out: int) -> float:
+    def rate(self, n_out: int, streams: int = 1) -> float:
+        """Tokens/s of ``streams`` lanes that decode ``n_out`` tokens each, together."""
         ctx = self.ctx
         ctx.clear_all()
-        logits = ctx.prefill(0, self.prompt, 0)
-        assert logits is not None
-        tok, pos = int(np.argmax(logits)), len(self.prompt)
+        toks: list[int] = []
+        pos: list[int] = []
+        for lane, prompt in enumerate(self.prompts[:streams]):
+            logits = ctx.prefill(lane, prompt, 0)
+            assert logits is not None
+            toks.append(int(np.argmax(logits)))
+            pos.append(len(prompt))
+        batch = ctx.batch
         t0 = time.perf_counter()
         for _ in range(n_out):
-            logits = ctx.prefill(0, [tok], pos)
-            assert logits is not None
-            tok, pos = int(np.argmax(logits)), pos + 1
-        return n_out / (time.perf_counter() - t0)
+            batch.clear()
+            rows = [batch.add(lane, [toks[lane]], pos[lane], logits_last=True)
+                    for lane in range(streams)]
+            ctx.decode()
+            for lane, row in enumerate(rows):
+                toks[lane] = int(ctx.logits_view(row).argmax())
+                pos[lane] += 1
+        return n_out * streams / (time.perf_counter() - t0)
 
     def close(self) -> None:
         self.ctx.close()
@@ -229,29 +244,25 @@ def wait_quiet(pids: list[int], *, share: float = 0.03, window: float = 0.25,
 
 
 def decode_rates(servers: dict[str, Server], direct: DirectDecoder, n_out: int,
-                 repeats: int) -> tuple[dict[str, dict[str, float]], float]:
-    """Aggregate decode rates with 1, 2 and 4 streams of every server, and the binding's
-    one-stream rate, each the median of ``repeats`` runs that take turns: in each
-    repeat every system runs once per stream count, in an order that rotates (the
-    binding among the one-stream runs it is compared with), and the other servers are
-    idle while one runs. So a machine that slows down over the run (these cores drift
-    by several percent in minutes) slows every system alike."""
-    names = list(servers)
-    runs: dict[str, dict[str, list[float]]] = {n: {"1": [], "2": [], "4": []} for n in names}
-    direct_runs: list[float] = []
+                 repeats: int) -> dict[str, dict[str, float]]:
+    """Aggregate decode rates with 1, 2 and 4 streams of every server and of the binding
+    (``BINDING``), each the median of ``repeats`` runs that take turns: in each repeat
+    every system runs once per stream count, in an order that rotates, and the other
+    servers are idle while one runs. So a machine that slows down over the run (these
+    cores drift by several percent in minutes) slows every system alike."""
+    turn = [*servers, BINDING]
+    runs: dict[str, dict[str, list[float]]] = {n: {"1": [], "2": [], "4": []} for n in turn}
     for rep in range(repeats):
+        k = rep % len(turn)
         for c in ("1", "2", "4"):
-            turn = names + [BINDING] if c == "1" else names
-            k = rep % len(turn)
             for name in turn[k:] + turn[:k]:
                 if name == BINDING:
                     wait_quiet([s.proc.pid for s in servers.values()])
-                    direct_runs.append(direct.rate(n_out))
+                    runs[name][c].append(direct.rate(n_out, int(c)))
                     continue
                 wait_quiet([s.proc.pid for n, s in servers.items() if n != name])
                 runs[name][c].append(aggregate_decode(servers[name].url, n_out, int(c)))
-    rates = {n: {c: statistics.median(v) for c, v in r.items()} for n, r in runs.items()}
-    return rates, statistics.median(direct_runs)
+    return {n: {c: statistics.median(v) for c, v in r.items()} for n, r in runs.items()}
 
 
 def measure_system(srv: Server, others: list[Server], args: argparse.Namespace
@@ -319,8 +330,11 @@ def main(argv: list[str] | None = None) -> int:
             _stream(servers[system].url, _prompt(100, 0), 16)  # warm-up
         direct = DirectDecoder(spec.path)
         stack.callback(direct.close)
-        rates, result["direct_decode_tps"] = decode_rates(servers, direct, a.out_tokens,
-                                                          a.repeats)
+        rates = decode_rates(servers, direct, a.out_tokens, a.repeats)
+        result["direct_decode_tps"] = rates[BINDING]["1"]
+        result[BINDING] = {"decode_tps": rates[BINDING],
+                           "scaling": {c: v / rates[BINDING]["1"]
+                                       for c, v in rates[BINDING].items()}}
         for system, srv in servers.items():
             out = {"decode_tps": rates[system]}
             out.update(measure_system(srv, [s for s in servers.values() if s is not srv], a))

@@ -216,7 +216,8 @@ def _batching(b: dict[str, Any]) -> list[str]:
     peers = [k for k in ("statecache", "statecache-per-token", "llama-server")
              if isinstance(b.get(k), dict) and "decode_tps" in b[k]]
     out = [f"Model {b['model']}, 4 lanes (slots), greedy. `proxy.engine.binding` decoding one "
-           f"stream in a loop (no HTTP): {b['direct_decode_tps']:.1f} tokens/s."]
+           f"stream in a loop (no HTTP): {b['direct_decode_tps']:.1f} tokens/s (the binding "
+           "column: as many lanes in one batch per step, in a loop)."]
     if b.get("interleaved"):
         n = b.get("repeats")
         runs = "single runs" if n == 1 else f"medians of {n or 'several'} repeats"
@@ -228,24 +229,45 @@ def _batching(b: dict[str, Any]) -> list[str]:
                    "each step's tokens written at once, as llama-server writes them; by "
                    "default a stream is written at most every 10 ms.")
     out.append("")
+    binding = b.get("binding") if isinstance(b.get("binding"), dict) else None
+    cols = peers + (["binding (no HTTP)"] if binding else [])
     rows = []
     for c in ("1", "2", "4"):
         rows.append([f"{c} stream{'s' if c != '1' else ''}"] + [
-            f"{b[p]['decode_tps'][c]:.1f} ({b[p]['scaling'][c]:.2f}x)" for p in peers])
-    out += _table(["aggregate decode tok/s (x one stream)"] + peers, rows)
-    out += ["", "One stream against the binding called directly: " + ", ".join(
-        f"{p} {b[p]['decode_tps']['1'] / b['direct_decode_tps']:.2f}x" for p in peers) + ".", ""]
+            f"{x['decode_tps'][c]:.1f} ({x['scaling'][c]:.2f}x)"
+            for x in [b[p] for p in peers] + ([binding] if binding else [])])
+    out += _table(["aggregate decode tok/s (x one stream)"] + cols, rows)
+    if binding:
+        out += [""] + [
+            f"{c} stream{'s' if c != '1' else ''} against the binding: " + ", ".join(
+                f"{p} {b[p]['decode_tps'][c] / binding['decode_tps'][c]:.2f}x" for p in peers)
+            + "." for c in ("1", "2", "4")]
+        if "statecache" in peers and "llama-server" in peers:
+            out += ["", "statecache against llama-server: " + ", ".join(
+                f"{c} stream{'s' if c != '1' else ''} "
+                f"{b['statecache']['decode_tps'][c] / b['llama-server']['decode_tps'][c]:.3f}x"
+                for c in ("1", "2", "4")) + "."]
+        out += [""]
+    else:
+        out += ["", "One stream against the binding called directly: " + ", ".join(
+            f"{p} {b[p]['decode_tps']['1'] / b['direct_decode_tps']:.2f}x" for p in peers)
+            + ".", ""]
     cpu = [p for p in peers if b[p].get("cpu_per_token")]
     if cpu:
         out += ["The server's CPU per token of one stream, in microseconds (Linux schedstat): "
                 "in the two threads that decode, and in all its other threads (HTTP, event "
                 "loop; statecache's checkpoint writers, which write the states of the streams "
-                "before it), which run on the cores the decode needs:", ""]
+                "before it), which run on the cores the decode needs; and the benchmark's "
+                "client reading the stream (Python, on the same cores, as with every system):",
+                ""]
         out += _table(["", *cpu], [
             ["decode threads"] + [f"{b[p]['cpu_per_token']['decode_threads_us']:,.0f}"
                                   for p in cpu],
             ["other threads"] + [f"{b[p]['cpu_per_token']['other_threads_us']:,.0f}"
-                                 for p in cpu]])
+                                 for p in cpu]] + ([
+            ["the benchmark's client"] + [f"{b[p]['cpu_per_token']['client_us']:,.0f}"
+                                          for p in cpu]]
+            if all("client_us" in b[p]["cpu_per_token"] for p in cpu) else []))
         out += [""]
     rows = []
     for label, key in (("quiet p50 ms", "quiet_p50_ms"), ("quiet p95 ms", "quiet_p95_ms"),

@@ -77,3 +77,19 @@ def test_chunk_costs_are_measured_alone_and_beside_a_decoding_lane(hybrid_path: 
     assert [r["tokens"] for r in rows] == [1, 64, 65]  # type: ignore[attr-defined]
     for r in rows:  # type: ignore[attr-defined]
         assert r["alone_ms"] > 0 and r["beside_decode_ms"] > 0
+
+
+def test_the_binding_floor_decodes_several_lanes_in_one_batch(hybrid_path: Path) -> None:
+    from bench.batching import DirectDecoder
+
+    d = DirectDecoder(hybrid_path, lanes=4)
+    try:
+        for streams in (1, 4):
+            assert d.rate(8, streams) > 0
+            # every lane it used holds its prompt and the 8 tokens decoded after it
+            for lane in range(streams):
+                assert d.ctx.pos_max(lane) == len(d.prompts[lane]) + 8 - 1
+            if streams == 1:
+                assert d.ctx.pos_max(1) == -1  # the other lanes stay empty
+    finally:
+        d.close()
