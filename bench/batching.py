@@ -227,10 +227,13 @@ def _process_cpu_ns(pid: int) -> int:
 
 def wait_quiet(pids: list[int], *, share: float = 0.03, window: float = 0.25,
                limit: float = 30.0) -> None:
-    """Wait until each process in ``pids`` uses under ``share`` of a core over
-    ``window`` seconds (a server that is idle, not saving or writing what the last
-    request left); after ``limit`` seconds, say which is still busy and go on."""
+    """Wait until each process in ``pids``, and this one, uses under ``share`` of a core
+    over ``window`` seconds (a server that is idle, not saving or writing what the last
+    request left; the binding's threadpool here, whose worker polls for a good part of
+    a second after a run, as every server's does); after ``limit`` seconds, say which
+    is still busy and go on."""
     deadline = time.monotonic() + limit
+    pids = [*pids, os.getpid()]
     while True:
         before = {p: _process_cpu_ns(p) for p in pids}
         time.sleep(window)
