@@ -2,8 +2,8 @@
 and number of lanes (slots), side by side in one run:
 
 1. aggregate decode tokens/s with 1, 2 and 4 concurrent streams (and each as a ratio
-   to the system's own one-stream rate), and one stream against ``proxy.engine.binding``
-   decoding the same way in a loop (no HTTP); every system is started at once and
+   to the system's own one-stream rate), against ``proxy.engine.binding`` decoding as
+   many lanes in one batch per step in a loop (no HTTP); every system is started at once and
    their runs take turns (see ``decode_rates``), so the machine's drift falls on all;
    statecache runs twice: as configured, and writing every token on its own
    (``statecache-per-token``, ``server.stream_interval_ms = 0``, as llama-server does);
@@ -335,15 +335,13 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(direct.close)
         rates = decode_rates(servers, direct, a.out_tokens, a.repeats)
         result["direct_decode_tps"] = rates[BINDING]["1"]
-        result[BINDING] = {"decode_tps": rates[BINDING],
-                           "scaling": {c: v / rates[BINDING]["1"]
-                                       for c, v in rates[BINDING].items()}}
-        for system, srv in servers.items():
-            out = {"decode_tps": rates[system]}
-            out.update(measure_system(srv, [s for s in servers.values() if s is not srv], a))
-            one = rates[system]["1"]
-            out["scaling"] = {c: v / one for c, v in rates[system].items()}
-            result[system] = out
+        for name, r in rates.items():
+            out = {"decode_tps": r, "scaling": {c: v / r["1"] for c, v in r.items()}}
+            srv = servers.get(name)
+            if srv is not None:
+                out.update(measure_system(srv, [s for s in servers.values() if s is not srv],
+                                          a))
+            result[name] = out
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -212,6 +212,10 @@ def _micro(m: dict[str, Any]) -> list[str]:
     return out
 
 
+def _streams(c: str) -> str:
+    return f"{c} stream{'s' if c != '1' else ''}"
+
+
 def _batching(b: dict[str, Any]) -> list[str]:
     peers = [k for k in ("statecache", "statecache-per-token", "llama-server")
              if isinstance(b.get(k), dict) and "decode_tps" in b[k]]
@@ -222,8 +226,8 @@ def _batching(b: dict[str, Any]) -> list[str]:
         n = b.get("repeats")
         runs = "single runs" if n == 1 else f"medians of {n or 'several'} repeats"
         out[0] += (" Every system runs at once, the others idle while one is measured, and "
-                   f"the decode rates are {runs} that take turns (the binding's among the "
-                   "one-stream runs).")
+                   f"the decode rates are {runs} that take turns (the binding's among "
+                   "them).")
     if "statecache-per-token" in peers:
         out[0] += (" statecache-per-token is statecache with `server.stream_interval_ms = 0`: "
                    "each step's tokens written at once, as llama-server writes them; by "
@@ -233,18 +237,18 @@ def _batching(b: dict[str, Any]) -> list[str]:
     cols = peers + (["binding (no HTTP)"] if binding else [])
     rows = []
     for c in ("1", "2", "4"):
-        rows.append([f"{c} stream{'s' if c != '1' else ''}"] + [
+        rows.append([_streams(c)] + [
             f"{x['decode_tps'][c]:.1f} ({x['scaling'][c]:.2f}x)"
             for x in [b[p] for p in peers] + ([binding] if binding else [])])
     out += _table(["aggregate decode tok/s (x one stream)"] + cols, rows)
     if binding:
         out += [""] + [
-            f"{c} stream{'s' if c != '1' else ''} against the binding: " + ", ".join(
+            f"{_streams(c)} against the binding: " + ", ".join(
                 f"{p} {b[p]['decode_tps'][c] / binding['decode_tps'][c]:.2f}x" for p in peers)
             + "." for c in ("1", "2", "4")]
         if "statecache" in peers and "llama-server" in peers:
             out += ["", "statecache against llama-server: " + ", ".join(
-                f"{c} stream{'s' if c != '1' else ''} "
+                f"{_streams(c)} "
                 f"{b['statecache']['decode_tps'][c] / b['llama-server']['decode_tps'][c]:.3f}x"
                 for c in ("1", "2", "4")) + "."]
         out += [""]

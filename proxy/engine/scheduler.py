@@ -471,15 +471,15 @@ class Engine:
             elif job.stopping and not job.done and job.prefilling:
                 job.finish_reason = "length"  # shutting down: nothing more to prefill
         works = self._plan_step([job for job, _ in active if not job.done])
-        n_decode = 0
+        n_decode = n_prefill = 0  # lanes that decode; prompt tokens this step prefills
         for w in works:
-            if not w.job.prefilling:
+            if w.job.prefilling:
+                n_prefill += w.n
+            else:
                 n_decode += 1
-        if n_decode < len(works):
+        if n_prefill:
             self._write_streams(active, flush=True)  # a prefill makes the step long
         if works:
-            n_prefill = 0 if n_decode == len(works) else \
-                sum(w.n for w in works if w.job.prefilling)
             t0 = time.perf_counter()
             try:
                 self.exec.run_step(works)
