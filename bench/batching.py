@@ -247,12 +247,13 @@ def wait_quiet(pids: list[int], *, share: float = 0.03, window: float = 0.25,
 
 
 def decode_rates(servers: dict[str, Server], direct: DirectDecoder, n_out: int,
-                 repeats: int) -> dict[str, dict[str, float]]:
+                 repeats: int) -> dict[str, dict[str, list[float]]]:
     """Aggregate decode rates with 1, 2 and 4 streams of every server and of the binding
-    (``BINDING``), each the median of ``repeats`` runs that take turns: in each repeat
-    every system runs once per stream count, in an order that rotates, and the other
-    servers are idle while one runs. So a machine that slows down over the run (these
-    cores drift by several percent in minutes) slows every system alike."""
+    (``BINDING``): ``repeats`` runs each, that take turns: in each repeat every system
+    runs once per stream count, in an order that rotates, and the other servers are
+    idle while one runs. So a machine that slows down over the run (these cores drift
+    by several percent in minutes) slows every system alike; ``paired`` compares the
+    runs of one repeat."""
     turn = [*servers, BINDING]
     runs: dict[str, dict[str, list[float]]] = {n: {"1": [], "2": [], "4": []} for n in turn}
     for rep in range(repeats):
@@ -265,7 +266,22 @@ def decode_rates(servers: dict[str, Server], direct: DirectDecoder, n_out: int,
                     continue
                 wait_quiet([s.proc.pid for n, s in servers.items() if n != name])
                 runs[name][c].append(aggregate_decode(servers[name].url, n_out, int(c)))
-    return {n: {c: statistics.median(v) for c, v in r.items()} for n, r in runs.items()}
+    return runs
+
+
+def paired(runs: dict[str, dict[str, list[float]]], a: str, b: str
+           ) -> dict[str, dict[str, float]]:
+    """``a`` against ``b`` per stream count: the ratio of the two systems' runs in each
+    repeat (seconds apart, in the same stretch of the machine's drift), as the median
+    over repeats with the lowest and highest (the ratio of the medians, which mixes
+    runs minutes apart, is ``decode_tps``'s)."""
+    out: dict[str, dict[str, float]] = {}
+    for c, xs in runs[a].items():
+        ratios = sorted(x / y for x, y in zip(xs, runs[b][c], strict=True))
+        if ratios:
+            out[c] = {"median": statistics.median(ratios), "low": ratios[0],
+                      "high": ratios[-1]}
+    return out
 
 
 def measure_system(srv: Server, others: list[Server], args: argparse.Namespace
@@ -299,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-ctx", type=int, default=12288, help="context per lane")
     p.add_argument("--long", type=int, default=8000, help="tokens of the long prompt")
     p.add_argument("--out-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--log-dir", default="results/logs")
     p.add_argument("--statecache-config", default="",
                    help='TOML tables for statecache, e.g. "[engine]\\nmin_prefill_chunk = 2"')
@@ -333,15 +349,20 @@ def main(argv: list[str] | None = None) -> int:
             _stream(servers[system].url, _prompt(100, 0), 16)  # warm-up
         direct = DirectDecoder(spec.path)
         stack.callback(direct.close)
-        rates = decode_rates(servers, direct, a.out_tokens, a.repeats)
-        result["direct_decode_tps"] = rates[BINDING]["1"]
-        for name, r in rates.items():
-            out = {"decode_tps": r, "scaling": {c: v / r["1"] for c, v in r.items()}}
+        runs = decode_rates(servers, direct, a.out_tokens, a.repeats)
+        for other in (BINDING, "llama-server"):
+            if "statecache" in runs and other in runs:
+                result[f"paired_statecache_{other}"] = paired(runs, "statecache", other)
+        for name, rr in runs.items():
+            r = {c: statistics.median(v) for c, v in rr.items()}
+            out = {"decode_tps": r, "scaling": {c: v / r["1"] for c, v in r.items()},
+                   "decode_runs": rr}
             srv = servers.get(name)
             if srv is not None:
                 out.update(measure_system(srv, [s for s in servers.values() if s is not srv],
                                           a))
             result[name] = out
+        result["direct_decode_tps"] = result[BINDING]["decode_tps"]["1"]
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -216,6 +216,23 @@ def _streams(c: str) -> str:
     return f"{c} stream{'s' if c != '1' else ''}"
 
 
+def _paired(b: dict[str, Any]) -> list[str]:
+    """statecache against the binding and llama-server, run by run (bench.batching.paired)."""
+    rows = []
+    for other, label in (("binding", "the binding"), ("llama-server", "llama-server")):
+        p = b.get(f"paired_statecache_{other}")
+        if isinstance(p, dict) and p:
+            rows.append([f"statecache ÷ {label}"] + [
+                f"{p[c]['median']:.3f} ({p[c]['low']:.2f}–{p[c]['high']:.2f})"
+                if c in p else "–" for c in ("1", "2", "4")])
+    if not rows:
+        return []
+    return ["", "The same ratios run by run: in each repeat, statecache's run against the "
+            "other system's in the same turn, seconds apart; the median over the repeats "
+            "(the lowest and highest):", ""] + _table(
+        ["", *(_streams(c) for c in ("1", "2", "4"))], rows)
+
+
 def _batching(b: dict[str, Any]) -> list[str]:
     peers = [k for k in ("statecache", "statecache-per-token", "llama-server")
              if isinstance(b.get(k), dict) and "decode_tps" in b[k]]
@@ -251,6 +268,7 @@ def _batching(b: dict[str, Any]) -> list[str]:
                 f"{_streams(c)} "
                 f"{b['statecache']['decode_tps'][c] / b['llama-server']['decode_tps'][c]:.3f}x"
                 for c in ("1", "2", "4")) + "."]
+        out += _paired(b)
         out += [""]
     else:
         out += ["", "One stream against the binding called directly: " + ", ".join(
