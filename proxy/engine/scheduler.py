@@ -30,6 +30,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -129,6 +130,7 @@ class Engine:
         self._cv = threading.Condition()
         self._waiting: collections.deque[tuple[Job, Outbox]] = collections.deque()
         self._active: list[tuple[Job, Outbox]] = []
+        self._last_write = -math.inf  # when the streams were last written together
         self._stopping = False
         self._dead: str | None = None
         self._misses: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_MISSES)
@@ -516,22 +518,25 @@ class Engine:
     def _write_streams(self, active: list[tuple[Job, Outbox]] | None = None, *,
                        flush: bool = False) -> None:
         """Hand each stream's new tokens to its outbox, and wake the event loop once
-        for all of them. A stream is written at most once per
-        ``server.stream_interval_ms``: tokens that come sooner wait in the job for a
-        later step, so a model decoding faster than that costs the loop, the socket
-        and the client one write for several tokens. A stream's first tokens and its
-        last go at once; ``flush``: everything goes now (the engine is about to do
-        something that takes longer than a decode step)."""
+        for all of them. The streams are written together, at most once per
+        ``server.stream_interval_ms``: tokens that come sooner wait in their jobs for a
+        later step, so a model decoding faster than that costs the loop, the sockets
+        and the clients one write for several tokens, and the loop one wake-up for
+        every stream (each stream on a clock of its own would drift out of step with
+        the others, and the loop would be woken for a few of them at a time). A
+        stream's first tokens and its last go at once; ``flush``: everything goes now
+        (the engine is about to do something that takes longer than a decode step)."""
         if active is None:
             with self._cv:
                 active = list(self._active)
         now = time.perf_counter()
+        due_all = flush or now - self._last_write >= self.stream_interval_s
         due: list[Outbox] = []
         try:
             for job, box in active:
                 if not (job.deltas or job.logprobs):
                     continue
-                if not (flush or job.done) and now - job.last_write < self.stream_interval_s:
+                if not (due_all or job.done or job.last_write == -math.inf):
                     continue
                 job.last_write = now
                 if self._deliver(job, box):
@@ -539,7 +544,8 @@ class Engine:
         finally:
             if due:
                 Outbox.wake_all(due)
-
+                if due_all:
+                    self._last_write = now
     def _deliver(self, job: Job, box: Outbox) -> bool:
         """Hand the tokens ``job`` holds to its outbox; True: the loop must be woken."""
         ev = TokenEvent("".join(t for t, _ in job.deltas),
