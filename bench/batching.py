@@ -193,13 +193,15 @@ class DirectDecoder:
                                                      n_batch=512, n_ubatch=512, poll=50))
         self.prompts = [self.model.tokenize(_prompt(200, 10 + i)) for i in range(lanes)]
 
-    def rate(self, n_out: int, streams: int = 1) -> float:
-        """Tokens/s of ``streams`` lanes that decode ``n_out`` tokens each, together."""
+    def rate(self, n_out: int, streams: int = 1, lanes: tuple[int, ...] = ()) -> float:
+        """Tokens/s of ``streams`` lanes (``lanes``: these ones; else 0, 1, ...) that
+        decode ``n_out`` tokens each, together."""
         ctx = self.ctx
         ctx.clear_all()
+        ids = lanes or tuple(range(streams))
         toks: list[int] = []
         pos: list[int] = []
-        for lane, prompt in enumerate(self.prompts[:streams]):
+        for lane, prompt in zip(ids, self.prompts, strict=False):
             logits = ctx.prefill(lane, prompt, 0)
             assert logits is not None
             toks.append(int(np.argmax(logits)))
@@ -208,13 +210,13 @@ class DirectDecoder:
         t0 = time.perf_counter()
         for _ in range(n_out):
             batch.clear()
-            rows = [batch.add(lane, [toks[lane]], pos[lane], logits_last=True)
-                    for lane in range(streams)]
+            rows = [batch.add(lane, [toks[i]], pos[i], logits_last=True)
+                    for i, lane in enumerate(ids)]
             ctx.decode()
-            for lane, row in enumerate(rows):
-                toks[lane] = int(ctx.logits_view(row).argmax())
-                pos[lane] += 1
-        return n_out * streams / (time.perf_counter() - t0)
+            for i, row in enumerate(rows):
+                toks[i] = int(ctx.logits_view(row).argmax())
+                pos[i] += 1
+        return n_out * len(ids) / (time.perf_counter() - t0)
 
     def close(self) -> None:
         self.ctx.close()
@@ -267,6 +269,17 @@ def decode_rates(servers: dict[str, Server], direct: DirectDecoder, n_out: int,
                 wait_quiet([s.proc.pid for n, s in servers.items() if n != name])
                 runs[name][c].append(aggregate_decode(servers[name].url, n_out, int(c)))
     return runs
+
+
+def lane_gap(direct: DirectDecoder, n_out: int, repeats: int) -> dict[str, float]:
+    """The binding decoding two streams in lanes 0 and 1, and in lanes 0 and 2, in turn
+    (medians): llama.cpp (kv_unified off) puts separate lanes in one ubatch only while
+    their ids follow each other, so lanes 0 and 2 take a pass over the weights each."""
+    runs: dict[str, list[float]] = {"0,1": [], "0,2": []}
+    for _ in range(repeats):
+        for key in runs:
+            runs[key].append(direct.rate(n_out, lanes=tuple(int(x) for x in key.split(","))))
+    return {k: statistics.median(v) for k, v in runs.items()}
 
 
 def paired(runs: dict[str, dict[str, list[float]]], a: str, b: str
@@ -363,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                                           a))
             result[name] = out
         result["direct_decode_tps"] = result[BINDING]["decode_tps"]["1"]
+        result["lane_gap"] = lane_gap(direct, a.out_tokens, a.repeats)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

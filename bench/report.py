@@ -269,6 +269,13 @@ def _batching(b: dict[str, Any]) -> list[str]:
                 f"{b['statecache']['decode_tps'][c] / b['llama-server']['decode_tps'][c]:.3f}x"
                 for c in ("1", "2", "4")) + "."]
         out += _paired(b)
+        gap = b.get("lane_gap")
+        if isinstance(gap, dict) and gap.get("0,2"):
+            out += ["", f"The binding decoding two streams in lanes 0 and 1: {gap['0,1']:.1f} "
+                    f"tokens/s; in lanes 0 and 2: {gap['0,2']:.1f} "
+                    f"({gap['0,2'] / gap['0,1']:.2f}x): llama.cpp puts separate lanes in one "
+                    "ubatch only while their ids follow each other, so statecache keeps the "
+                    "lanes that decode together in one run of ids."]
         out += [""]
     else:
         out += ["", "One stream against the binding called directly: " + ", ".join(

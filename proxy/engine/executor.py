@@ -42,6 +42,7 @@ from proxy.engine.planner import Plan, Source, make_plan, publish_points
 from proxy.engine.sampling import Sampler, make_sampler
 from proxy.engine.types import GenerationRequest, RequestStats, TokenLogprob
 from statecache.config import Config
+from statecache.costs import RESTORE_BPS
 from statecache.lease import Lease
 from statecache.pages import PageChain
 from statecache.pool import CheckpointPool, Offer
@@ -50,6 +51,7 @@ from statecache.records import Kind, Owner, Role
 log = logging.getLogger(__name__)
 
 PREVIEW_TOKENS = 24
+MIN_TOKENS_TO_MOVE = 16  # a request may reply with fewer: not worth copying its lane
 
 Delta = tuple[str, tuple[int, ...]]
 _NONE: np.ndarray = np.empty(0, dtype=np.int32)
@@ -175,11 +177,12 @@ class Executor:
             if held is not None:
                 held.close()
             plan = Plan(min(free, key=lambda ln: ln.last_used), Source.COLD, 0)
-        lane = plan.lane
-        lane.busy = True
-        job.lane = lane
         t0 = time.perf_counter()
         try:
+            self._in_line(plan, free, job)
+            lane = plan.lane
+            lane.busy = True
+            job.lane = lane
             self._carry_out(plan, job)
         finally:
             plan.release()
@@ -294,6 +297,93 @@ class Executor:
         pts.append((at, Role.BRANCH, Kind.FULL))
         pts.sort(key=lambda p: p[0])
         return at
+
+    def _in_line(self, plan: Plan, free: list[Lane], job: Job) -> None:
+        """Keep the lanes that decode together in one run of ids. llama.cpp puts separate
+        lanes (kv_unified off) in one ubatch only while their ids follow each other:
+        lanes 0 and 2 decode in two passes over the weights a step, where 0 and 1 take
+        one (``lane_gap`` in ``python -m bench.batching``). When the plan's lane would
+        leave such a gap among the busy lanes and another free lane would not, the
+        request runs in that one (an empty lane first, then one whose state is saved,
+        then the least recently used); a live state the plan reuses is copied there
+        (FULL save and restore: milliseconds, against a pass over the weights every step
+        of the reply), and the lane it came from keeps it. A request of a few tokens is
+        not moved."""
+        busy = [ln.id for ln in self.lanes if ln.busy]
+        if not busy:
+            return
+        src = plan.lane
+        gaps = _runs(busy + [src.id])
+        better = [ln for ln in free if ln is not src and _runs(busy + [ln.id]) < gaps]
+        if not better:
+            return
+        if plan.source is Source.LANE and src.n:
+            if job.req.sampling.max_tokens < MIN_TOKENS_TO_MOVE:
+                return
+            if self.memory.kind is MemoryKind.SWA and plan.truncate:
+                return  # a restored SWA state is never cut below its own position (fact 8)
+        dst = _target(better)
+        if plan.source is Source.LANE and src.n:
+            self._hand_off_timed(dst, job)
+            if not self._copy(src, dst):
+                return
+            self.counters["lane_copies"] += 1
+        plan.lane = dst
+        self.counters["lanes_kept_in_line"] += 1
+
+    def close_gap(self, jobs: list[Job], pass_s: float) -> None:
+        """A request that ended may leave a gap among the lanes that decode: move one
+        decoding request into a free lane that closes it, when copying its state takes
+        less time than the extra passes over the weights (``pass_s`` each) of the next
+        tokens it may produce (at most 64 counted). Its old lane keeps the state."""
+        busy = [ln.id for ln in self.lanes if ln.busy]
+        gaps = _runs(busy)
+        if gaps < 2 or pass_s <= 0:
+            return
+        free = self.lanes.free()
+        best: tuple[int, Job, list[Lane]] | None = None  # the cheapest copy
+        for job in jobs:
+            src = job.lane
+            left = job.req.sampling.max_tokens - len(job.generated)
+            if (src is None or job.done or job.prefilling or len(job.replay)
+                    or left < MIN_TOKENS_TO_MOVE):
+                continue
+            rest = [i for i in busy if i != src.id]
+            better = [ln for ln in free if _runs(rest + [ln.id]) < gaps]
+            if not better:
+                continue
+            size = self.ctx.state_size(src.id)
+            if 2 * size / RESTORE_BPS >= pass_s * min(left, 64):  # a save, a restore
+                continue  # the copy costs more than the gap would
+            if best is None or size < best[0]:
+                best = (size, job, better)
+        if best is None:
+            return
+        _, job, better = best
+        src, dst = job.lane, _target(better)
+        assert src is not None
+        self.hand_off(dst)
+        if not self._copy(src, dst):
+            return
+        dst.busy = True
+        src.busy = False
+        src.last_used = time.monotonic()
+        job.lane = dst
+        job.stats.lane = dst.id
+        self.counters["lane_moves"] += 1
+
+    def _copy(self, src: Lane, dst: Lane) -> bool:
+        """Make ``dst`` hold ``src``'s live state (FULL save and restore)."""
+        self.clear(dst)
+        if not self.ctx.restore(dst.id, self.ctx.save(src.id, FLAGS_FULL), FLAGS_FULL):
+            log.warning("lane %d: copying lane %d's state failed", dst.id, src.id)
+            self.clear(dst)
+            return False
+        dst.set_tokens(src.tokens, src.tenant)
+        dst.saved_full = src.saved_full
+        # a restored SWA state is never cut below its own position (fact 8)
+        dst.floor = src.n if self.memory.kind is MemoryKind.SWA else src.floor
+        return True
 
     def _carry_out(self, plan: Plan, job: Job) -> None:
         lane, prompt, tenant = plan.lane, job.prompt, job.req.tenant
@@ -676,3 +766,16 @@ class Executor:
         for lane in self.lanes:
             if not lane.busy:
                 self.hand_off(lane)
+
+
+def _target(lanes: list[Lane]) -> Lane:
+    """Of free lanes, the one to take over: an empty one, then one whose state is
+    saved, then the least recently used."""
+    return max(lanes, key=lambda ln: (ln.n == 0, ln.saved_full, -ln.last_used))
+
+
+def _runs(ids: list[int]) -> int:
+    """How many runs of consecutive ids ``ids`` make: the ubatches a decode step of
+    those lanes takes (llama.cpp, kv_unified off)."""
+    xs = sorted(set(ids))
+    return sum(1 for i, x in enumerate(xs) if i == 0 or x != xs[i - 1] + 1)

@@ -504,10 +504,14 @@ class Engine:
                     c["steps_multi_lane"] += 1
         # every stream's tokens first, with one wake-up of the loop for all of them;
         # a request that ends here saves its state next: nothing waits through that
-        self._write_streams(active, flush=any(job.done for job, _ in active))
+        ended = any(job.done for job, _ in active)
+        self._write_streams(active, flush=ended)
         for job, box in active:
             if job.done:
                 self._end(job, box)
+        if ended:  # the lanes that decode together stay one run of ids (executor._in_line)
+            pass_s = min((s for s in self.timer.decode_s.values() if s > 0), default=0.0)
+            self.exec.close_gap([job for job, _ in active if not job.done], pass_s)
 
     def _plan_step(self, jobs: list[Job]) -> list[Work]:
         ec = self.cfg.engine
