@@ -543,13 +543,13 @@ class Engine:
                 if not (due_all or job.done or job.last_write == -math.inf):
                     continue
                 job.last_write = now
+                if due_all:
+                    self._last_write = now  # a loop that lags merges, not the clock
                 if self._deliver(job, box):
                     due.append(box)
         finally:
             if due:
                 Outbox.wake_all(due)
-                if due_all:
-                    self._last_write = now
     def _deliver(self, job: Job, box: Outbox) -> bool:
         """Hand the tokens ``job`` holds to its outbox; True: the loop must be woken."""
         ev = TokenEvent("".join(t for t, _ in job.deltas),
