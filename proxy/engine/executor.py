@@ -307,21 +307,20 @@ class Executor:
         request runs in that one (an empty lane first, then one whose state is saved,
         then the least recently used); a live state the plan reuses is copied there
         (FULL save and restore: milliseconds, against a pass over the weights every step
-        of the reply), and the lane it came from keeps it. A request of a few tokens is
-        not moved."""
+        of the reply), and the lane it came from keeps it. A request of a few tokens
+        stays where the plan put it: the other lane's state may need saving first, and
+        its first token is most of what it waits for."""
         busy = [ln.id for ln in self.lanes if ln.busy]
-        if not busy:
-            return
+        if not busy or job.req.sampling.max_tokens < MIN_TOKENS_TO_MOVE:
+            return  # a short reply: its first token first (the other lane may need a save)
         src = plan.lane
         gaps = _runs(busy + [src.id])
         better = [ln for ln in free if ln is not src and _runs(busy + [ln.id]) < gaps]
         if not better:
             return
-        if plan.source is Source.LANE and src.n:
-            if job.req.sampling.max_tokens < MIN_TOKENS_TO_MOVE:
-                return
-            if self.memory.kind is MemoryKind.SWA and plan.truncate:
-                return  # a restored SWA state is never cut below its own position (fact 8)
+        if plan.source is Source.LANE and src.n and self.memory.kind is MemoryKind.SWA \
+                and plan.truncate:
+            return  # a restored SWA state is never cut below its own position (fact 8)
         dst = _target(better)
         if plan.source is Source.LANE and src.n:
             self._hand_off_timed(dst, job)

@@ -105,3 +105,39 @@ def test_a_request_that_ends_leaves_no_gap_behind(hybrid_path: Path) -> None:
     finally:
         eng.begin_shutdown()
         eng.close()
+
+
+def test_a_new_conversation_takes_the_lane_that_closes_the_gap_unless_it_is_short(
+        hybrid_path: Path) -> None:
+    cfg = load_config(None, {"model.path": str(hybrid_path), "model.n_ctx": 2048,
+                             "server.lanes": 3, "cache.disk_enabled": False})
+    eng = Engine(cfg, hybrid_path)
+    tok = eng.model.tokenize
+    p = {k: tuple(tok(f"conversation {k}: tell me about the {k} recurrent state " * 5))
+         for k in ("a", "b", "c", "new", "other")}
+    try:
+        async def go() -> None:
+            for k in ("a", "b", "c", "b"):  # lanes 0, 1, 2, then 1 again: lane 2 is older
+                await _one(eng, k, p[k], 8)
+
+            async def beside_a(rid: str, prompt: tuple[int, ...], max_tokens: int
+                               ) -> FinishEvent:
+                ta = asyncio.create_task(_one(eng, f"a-{rid}", p["a"], 200))
+                while not eng.exec.lanes.lanes[0].busy:
+                    await asyncio.sleep(0.001)
+                _, fin = await _one(eng, rid, prompt, max_tokens)
+                await ta
+                return fin
+
+            # a new conversation would go to the least recently used lane, 2, beside a
+            # gap: it takes lane 1 (nothing live to copy: a cold start)
+            assert (await beside_a("other", p["other"], 64)).stats.lane == 1
+            assert eng.counters["lanes_kept_in_line"] == 1
+            assert eng.counters["lane_copies"] == 0
+            # lane 2 is the least recently used again; a reply of a few tokens stays there
+            assert (await beside_a("new", p["new"], 4)).stats.lane == 2
+            assert eng.counters["lanes_kept_in_line"] == 1
+        asyncio.run(go())
+    finally:
+        eng.begin_shutdown()
+        eng.close()
