@@ -1,13 +1,13 @@
 """``make bench``: every system on every model on the same agent workload.
 
-    python -m bench.run            # the full run (< 25 min on 2 cores), results/
+    python -m bench.run            # the full run (about 30 min on 2 cores), results/
     python -m bench.run --quick    # smoke run: tiny hybrid, statecache vs no cache
 
 Writes ``results/bench.md``, ``results/ttft.png``, ``results/bench.json`` (all
 records) and the servers' logs under ``results/logs/``. One server runs at a
 time; each is killed when its part ends, also on error.
 
-Sizes of the full run, chosen to fit 25 minutes on 2 cores that other jobs
+Sizes of the full run, chosen to fit 30 minutes on 2 cores that other jobs
 share (the 0.8B-class hybrid prefills ~290 tokens/s on a quiet machine, ~80
 with the other jobs of this machine running; Gemma 3 270M about the same):
 sessions of 6 turns (below the 10-20 of the workload: the peers without a
