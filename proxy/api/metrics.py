@@ -133,6 +133,12 @@ RULES: tuple[Rule, ...] = (
                        ("step_lane_work", "Lanes served by engine steps, summed over steps."),
                        ("steps_multi_lane", "Engine steps that carried more than one lane."),
                        ("idle_saves", "Idle lanes whose state was saved in full."),
+                       ("lanes_kept_in_line", "Requests started in another free lane than "
+                        "their plan's, so the busy lanes stay one run of ids."),
+                       ("lane_copies", "Live lane states copied to such a lane at the "
+                        "start of a request."),
+                       ("lane_moves", "Decoding requests moved into the gap a finished "
+                        "request left among the busy lanes."),
                        ("cancelled_queued", "Requests whose client left while queued."),
                        ("waits_for_shared_prefix", "Requests that waited for another one's "
                         "checkpoint of a prefix they share."),
