@@ -275,10 +275,11 @@ def lane_gap(direct: DirectDecoder, n_out: int, repeats: int) -> dict[str, float
     """The binding decoding two streams in lanes 0 and 1, and in lanes 0 and 2, in turn
     (medians): llama.cpp (kv_unified off) puts separate lanes in one ubatch only while
     their ids follow each other, so lanes 0 and 2 take a pass over the weights each."""
-    runs: dict[str, list[float]] = {"0,1": [], "0,2": []}
+    pairs = {"0,1": (0, 1), "0,2": (0, 2)}
+    runs: dict[str, list[float]] = {key: [] for key in pairs}
     for _ in range(repeats):
-        for key in runs:
-            runs[key].append(direct.rate(n_out, lanes=tuple(int(x) for x in key.split(","))))
+        for key, lanes in pairs.items():
+            runs[key].append(direct.rate(n_out, lanes=lanes))
     return {k: statistics.median(v) for k, v in runs.items()}
 
 

@@ -28,7 +28,6 @@ Checkpoint policy by memory kind (DESIGN.md facts 5-9):
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -82,7 +81,7 @@ class Job:
     stopping: bool = False  # the server is shutting down: end at the next step
     logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet sent
     deltas: list[Delta] = field(default_factory=list)  # text produced and not yet sent
-    last_write: float = -math.inf  # when the engine last handed this stream's tokens on
+    written: bool = False  # the engine has handed this stream's tokens on before
     starved: int = 0  # steps in a row this prefilling job got no tokens
     skipped: int = 0  # admissions that passed this waiting job over
     # Admission may make this job wait for ``waiting_for``, which prefills a prefix of
@@ -314,15 +313,14 @@ class Executor:
         if not busy or job.req.sampling.max_tokens < MIN_TOKENS_TO_MOVE:
             return  # a short reply: its first token first (the other lane may need a save)
         src = plan.lane
-        gaps = _runs(busy + [src.id])
-        better = [ln for ln in free if ln is not src and _runs(busy + [ln.id]) < gaps]
+        better = _closing([ln for ln in free if ln is not src], busy, _runs(busy + [src.id]))
         if not better:
             return
-        if plan.source is Source.LANE and src.n and self.memory.kind is MemoryKind.SWA \
-                and plan.truncate:
+        copy = plan.source is Source.LANE and src.n > 0
+        if copy and self.memory.kind is MemoryKind.SWA and plan.truncate:
             return  # a restored SWA state is never cut below its own position (fact 8)
         dst = _target(better)
-        if plan.source is Source.LANE and src.n:
+        if copy:
             self._hand_off_timed(dst, job)
             if not self._copy(src, dst):
                 return
@@ -347,8 +345,7 @@ class Executor:
             if (src is None or job.done or job.prefilling or len(job.replay)
                     or left < MIN_TOKENS_TO_MOVE):
                 continue
-            rest = [i for i in busy if i != src.id]
-            better = [ln for ln in free if _runs(rest + [ln.id]) < gaps]
+            better = _closing(free, [i for i in busy if i != src.id], gaps)
             if not better:
                 continue
             size = self.ctx.state_size(src.id)
@@ -771,6 +768,12 @@ def _target(lanes: list[Lane]) -> Lane:
     """Of free lanes, the one to take over: an empty one, then one whose state is
     saved, then the least recently used."""
     return max(lanes, key=lambda ln: (ln.n == 0, ln.saved_full, -ln.last_used))
+
+
+def _closing(free: list[Lane], others: list[int], than: int) -> list[Lane]:
+    """The free lanes that, beside the busy lanes ``others``, make fewer than ``than``
+    runs of ids."""
+    return [ln for ln in free if _runs([*others, ln.id]) < than]
 
 
 def _runs(ids: list[int]) -> int:

@@ -540,9 +540,9 @@ class Engine:
             for job, box in active:
                 if not (job.deltas or job.logprobs):
                     continue
-                if not (due_all or job.done or job.last_write == -math.inf):
+                if not (due_all or job.done or not job.written):
                     continue
-                job.last_write = now
+                job.written = True
                 if due_all:
                     self._last_write = now  # a loop that lags merges, not the clock
                 if self._deliver(job, box):
@@ -550,6 +550,7 @@ class Engine:
         finally:
             if due:
                 Outbox.wake_all(due)
+
     def _deliver(self, job: Job, box: Outbox) -> bool:
         """Hand the tokens ``job`` holds to its outbox; True: the loop must be woken."""
         ev = TokenEvent("".join(t for t, _ in job.deltas),
