@@ -35,9 +35,11 @@ import numpy as np
 
 from bench.harness import _sse_lines
 from bench.servers import LLAMA_SERVER, ModelSpec, Server, running
+from statecache.config import ServerConfig
 
 # statecache again, with server.stream_interval_ms = 0: every step's tokens written at
-# once, as llama-server writes them (the default writes a stream at most every 10 ms)
+# once, as llama-server writes them (by default a stream is written at most every
+# server.stream_interval_ms)
 PER_TOKEN = "statecache-per-token"
 BINDING = "binding"  # proxy.engine.binding decoding in this process, among the servers' turns
 
@@ -340,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     spec = ModelSpec(Path(a.model).stem, Path(a.model), is_gemma=False)
     result: dict[str, Any] = {"model": spec.label, "date": time.strftime("%Y-%m-%d %H:%M"),
-                              "interleaved": True, "repeats": a.repeats}
+                              "interleaved": True, "repeats": a.repeats,
+                              "stream_interval_ms": ServerConfig().stream_interval_ms}
     systems = []
     for system in a.systems.split(","):
         if system == "llama-server" and not LLAMA_SERVER.exists():

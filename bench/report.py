@@ -248,7 +248,8 @@ def _batching(b: dict[str, Any]) -> list[str]:
     if "statecache-per-token" in peers:
         out[0] += (" statecache-per-token is statecache with `server.stream_interval_ms = 0`: "
                    "each step's tokens written at once, as llama-server writes them; by "
-                   "default a stream is written at most every 10 ms.")
+                   "default a stream is written at most every "
+                   f"{b.get('stream_interval_ms', 10):g} ms.")
     out.append("")
     binding = b.get("binding") if isinstance(b.get("binding"), dict) else None
     cols = peers + (["binding (no HTTP)"] if binding else [])

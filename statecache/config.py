@@ -61,8 +61,9 @@ class ServerConfig:
     parse_concurrency: int = 2  # requests read, parsed and tokenized at the same time
     # A stream is written at most once per this long: tokens that come sooner go with
     # the next write (its first and last tokens go at once, and none waits through a
-    # step that prefills or saves). 0: every step's tokens at once. README, "One batch per step".
-    stream_interval_ms: float = 10.0
+    # step that prefills or saves). 32: as often as Ink, the terminal UI that Claude Code
+    # draws with, redraws. 0: every step's tokens at once. README, "One batch per step".
+    stream_interval_ms: float = 32.0
     # API key -> tenant. Set: every request needs a known key, whose tenant it gets.
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)
     admin_key: str = field(default="", repr=False)  # the admin routes need it once any key is set

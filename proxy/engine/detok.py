@@ -17,12 +17,24 @@ class TextStream:
         self._dec = codecs.getincrementaldecoder("utf-8")("replace")
         self._stops = tuple(s for s in stops if s)
         self._held = ""
+        self._partial = False  # the decoder holds the first bytes of a character
         self.stopped = False
 
     def feed(self, data: bytes) -> str:
         if self.stopped:
             return ""
-        self._held += self._dec.decode(data)
+        if self._partial:
+            text = self._dec.decode(data)
+            self._partial = bool(self._dec.getstate()[0])
+        else:
+            try:  # whole characters, most tokens: as the incremental decoder would
+                text = data.decode()
+            except UnicodeDecodeError:
+                text = self._dec.decode(data)
+                self._partial = bool(self._dec.getstate()[0])
+        if not self._stops:
+            return text
+        self._held += text
         return self._release(final=False)
 
     def finish(self) -> str:

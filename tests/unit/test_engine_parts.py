@@ -104,6 +104,22 @@ def test_text_stream_holds_split_characters_and_stop_strings() -> None:
     assert s.feed(b"more") == "" and s.finish() == ""
 
 
+def test_text_stream_without_stops_decodes_as_the_whole_reply() -> None:
+    # Pieces of tokens as a byte-level vocabulary cuts them: characters split over two
+    # and three pieces, whole ones, invalid bytes (one alone, one inside a character)
+    # and a character left unfinished at the end. Fed one piece at a time, the text is
+    # the whole reply's bytes decoded at once, and no piece gives half a character.
+    pieces = [b"ab", "€".encode()[:1], "€".encode()[1:2], "€".encode()[2:] + b"c",
+              "é".encode(), b"\xff", b"d", "ü".encode()[:1], b"e", "😀".encode()[:2],
+              "😀".encode()[2:], b" f", "€".encode()[:2]]
+    s = TextStream()
+    out = [s.feed(p) for p in pieces]
+    out.append(s.finish())
+    assert "".join(out) == b"".join(pieces).decode("utf-8", "replace")
+    assert out[1] == out[2] == "" and out[3] == "€c"
+    assert out[9] == "" and out[10] == "😀" and out[-2] == "" and out[-1] == "\ufffd"
+
+
 # -- pool calls made by the planner and executor ---------------------------------------
 
 
