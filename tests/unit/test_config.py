@@ -47,6 +47,12 @@ def test_example_configs_load(name: str) -> None:
         assert cfg.model.path == "models/hybrid-tiny.gguf" and cfg.server.lanes == 3
 
 
+def test_default_config_file_is_the_defaults() -> None:
+    # configs/default.toml says "these are the defaults": every key it sets must be
+    # the value the code uses without it
+    assert load_config(REPO / "configs" / "default.toml") == load_config(None)
+
+
 def test_precedence_defaults_file_overrides(tmp_path: Path) -> None:
     f = tmp_path / "c.toml"
     f.write_text(
