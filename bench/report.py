@@ -233,6 +233,10 @@ def _paired(b: dict[str, Any]) -> list[str]:
         ["", *(_streams(c) for c in ("1", "2", "4"))], rows)
 
 
+def _itl_ratio(busy: float, quiet: float) -> str:
+    return f"{busy / quiet:.2f}" if quiet > 0 else "n/a"
+
+
 def _batching(b: dict[str, Any]) -> list[str]:
     peers = [k for k in ("statecache", "statecache-per-token", "llama-server")
              if isinstance(b.get(k), dict) and "decode_tps" in b[k]]
@@ -312,9 +316,12 @@ def _batching(b: dict[str, Any]) -> list[str]:
                                f"{b[p]['itl'][key]:,}" if key == "busy_tokens" else
                                f"{b[p]['itl'][key]:.2f}" for p in peers])
     rows.append(["p95 during / quiet p95"] + [
-        f"{b[p]['itl']['busy_p95_ms'] / b[p]['itl']['quiet_p95_ms']:.2f}" for p in peers])
+        _itl_ratio(b[p]["itl"]["busy_p95_ms"], b[p]["itl"]["quiet_p95_ms"]) for p in peers])
     out += ["Inter-token latency of a stream while another request prefills a long prompt:", ""]
     out += _table(["", *peers], rows)
+    if any(b[p]["itl"]["quiet_p95_ms"] == 0 for p in peers):
+        out += ["", "A p95 of 0 ms: more than 95 in 100 tokens came in the same write as the "
+                "token before them (a model that decodes many tokens per write interval)."]
     out += ["", "TTFT of a short request sent 0.2 s after a long one:", ""]
     out += _table(["", *peers], [
         ["short request TTFT s"] + [f"{b[p]['short_behind_long']['short_ttft_s']:.2f}"
