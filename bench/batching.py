@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from bench.harness import _sse_lines
-from bench.servers import LLAMA_SERVER, ModelSpec, Server, running
+from bench.servers import LLAMA_SERVER, ModelSpec, Server, checkout, running
 from statecache.config import ServerConfig
 
 # statecache again, with server.stream_interval_ms = 0: every step's tokens written at
@@ -339,8 +339,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the aggregate decode rates (no long prefill)")
     p.add_argument("--no-per-token", action="store_true",
                    help=f"without {PER_TOKEN} (statecache writing every token on its own)")
+    p.add_argument("--against", default="", metavar="REV",
+                   help="also statecache at git revision REV (a worktree of it), as the "
+                        "system statecache@REV, paired with this checkout's statecache")
     a = p.parse_args(argv)
-    spec = ModelSpec(Path(a.model).stem, Path(a.model), is_gemma=False)
+    # resolved: a checkout of another revision runs from its own folder
+    spec = ModelSpec(Path(a.model).stem, Path(a.model).resolve(), is_gemma=False)
+    against = f"statecache@{a.against}" if a.against else ""
     result: dict[str, Any] = {"model": spec.label, "date": time.strftime("%Y-%m-%d %H:%M"),
                               "interleaved": True, "repeats": a.repeats,
                               "stream_interval_ms": ServerConfig().stream_interval_ms}
@@ -352,7 +357,10 @@ def main(argv: list[str] | None = None) -> int:
             systems.append(system)
         if system == "statecache" and not a.no_per_token:
             systems.append(PER_TOKEN)
+    if against:
+        systems.append(against)
     with contextlib.ExitStack() as stack:
+        other_root = stack.enter_context(checkout(a.against)) if against else None
         # every system runs at once, each idle while another is measured
         servers: dict[str, Server] = {}
         for system in systems:
@@ -360,14 +368,15 @@ def main(argv: list[str] | None = None) -> int:
             if system == PER_TOKEN:
                 extra = _server_key(extra, "stream_interval_ms = 0")
             servers[system] = stack.enter_context(running(
-                "statecache" if system == PER_TOKEN else system, spec, n_ctx=a.n_ctx,
-                lanes=4, log_dir=Path(a.log_dir), extra_config=extra,
-                tag="-per-token" if system == PER_TOKEN else ""))
+                "statecache" if system in (PER_TOKEN, against) else system, spec,
+                n_ctx=a.n_ctx, lanes=4, log_dir=Path(a.log_dir), extra_config=extra,
+                tag={PER_TOKEN: "-per-token", against: "-against"}.get(system, ""),
+                root=other_root if system == against else None))
             _stream(servers[system].url, _prompt(100, 0), 16)  # warm-up
         direct = DirectDecoder(spec.path)
         stack.callback(direct.close)
         runs = decode_rates(servers, direct, a.out_tokens, a.repeats)
-        for other in (BINDING, "llama-server"):
+        for other in (BINDING, "llama-server", against):
             if "statecache" in runs and other in runs:
                 result[f"paired_statecache_{other}"] = paired(runs, "statecache", other)
         for name, rr in runs.items():
@@ -384,7 +393,22 @@ def main(argv: list[str] | None = None) -> int:
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
+    print(summary(result))
     return 0
+
+
+def summary(result: dict[str, Any]) -> str:
+    """Each system's median tokens/s per stream count, and statecache's paired ratios."""
+    lines = []
+    for name, r in result.items():
+        if isinstance(r, dict) and "decode_tps" in r:
+            lines.append(f"{name:32s} " + "  ".join(
+                f"{c}: {v:7.1f}" for c, v in r["decode_tps"].items()))
+    for key, r in result.items():
+        if key.startswith("paired_statecache_"):
+            lines.append(f"statecache ÷ {key.removeprefix('paired_statecache_'):19s} " + "  ".join(
+                f"{c}: {x['median']:.3f} ({x['low']:.2f}-{x['high']:.2f})" for c, x in r.items()))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

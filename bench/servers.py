@@ -68,8 +68,8 @@ def free_port() -> int:
 
 
 def _command(system: str, model: ModelSpec, port: int, n_ctx: int, lanes: int,
-             scratch: Path, extra_config: str = "", extra_args: tuple[str, ...] = ()
-             ) -> list[str]:
+             scratch: Path, extra_config: str = "", extra_args: tuple[str, ...] = (),
+             root: Path | None = None) -> list[str]:
     py = sys.executable
     if system in ("statecache", "no-cache"):
         cfg = scratch / "statecache.toml"
@@ -81,7 +81,10 @@ def _command(system: str, model: ModelSpec, port: int, n_ctx: int, lanes: int,
         # lanes and the log level as flags, so that extra_config may hold [server] and
         # [log] tables; --verbose: per request only, the engine's phases line, which the
         # records carry
-        cmd = [str(Path(py).parent / "statecache"), "serve", "--config", str(cfg),
+        # another checkout (``root``): its own packages, run from its folder (``-m``
+        # puts that first on sys.path, before this checkout's editable install)
+        entry = [py, "-m", "proxy"] if root is not None else [str(Path(py).parent / "statecache")]
+        cmd = [*entry, "serve", "--config", str(cfg),
                "--host", "127.0.0.1", "--port", str(port), "--lanes", str(lanes), "--verbose"]
         return cmd + (["--no-cache"] if system == "no-cache" else []) + list(extra_args)
     if system == "llama_cpp.server":
@@ -124,6 +127,21 @@ def _gemma_template_for_llama_server(scratch: Path) -> Path:
     return out
 
 
+@contextlib.contextmanager
+def checkout(rev: str) -> Iterator[Path]:
+    """A worktree of this repository at git revision ``rev``, removed on the way out: the
+    statecache of another commit, to run beside this checkout's (``running(root=)``)."""
+    path = Path(tempfile.mkdtemp(prefix="bench-checkout-"))
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet",
+                    str(path), rev], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
+                       check=False)
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _health_path(system: str) -> str:
     return "/v1/models" if system == "llama_cpp.server" else "/health"
 
@@ -131,17 +149,19 @@ def _health_path(system: str) -> str:
 @contextlib.contextmanager
 def running(system: str, model: ModelSpec, *, n_ctx: int, lanes: int, log_dir: Path,
             timeout: float = 300.0, extra_config: str = "", extra_args: tuple[str, ...] = (),
-            tag: str = "") -> Iterator[Server]:
+            tag: str = "", root: Path | None = None) -> Iterator[Server]:
     """Start ``system``, wait until it answers, yield it, always kill it.
     ``extra_config``: TOML tables appended to statecache's config; ``extra_args``: flags
-    of ``statecache serve``."""
+    of ``statecache serve``; ``root``: statecache from another checkout (a worktree)."""
+    if root is not None and system not in ("statecache", "no-cache"):
+        raise ValueError(f"{system} has no checkout of its own")
     scratch = Path(tempfile.mkdtemp(prefix=f"bench-{system}-"))
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{system}{tag}-{model.label}-{lanes}lane-{port}.log"
-    cmd = _command(system, model, port, n_ctx, lanes, scratch, extra_config, extra_args)
+    cmd = _command(system, model, port, n_ctx, lanes, scratch, extra_config, extra_args, root)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root or ROOT,
                                 start_new_session=True)
     server = Server(system, f"http://127.0.0.1:{port}", proc, log_path)
     try:

@@ -3,10 +3,15 @@ machine that drifts between repeats moves both sides of a ratio alike."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from bench.batching import paired
+from bench.batching import paired, summary
 from bench.report import _batching, _paired
+from bench.servers import ModelSpec, _command, checkout
 
 
 def test_each_repeat_is_compared_with_itself() -> None:
@@ -51,3 +56,31 @@ def test_a_quiet_p95_of_zero_is_no_ratio() -> None:
                                 "statecache": peer}))
     assert "| p95 during / quiet p95 | n/a |" in text
     assert "more than 95 in 100 tokens came in the same write" in text
+
+
+def test_another_revision_runs_its_own_packages() -> None:
+    """``bench.batching --against REV`` runs statecache from a worktree of REV: a Python
+    started there imports that checkout's packages, not this one's editable install."""
+    with checkout("HEAD") as root:
+        assert (root / "proxy" / "engine" / "outbox.py").is_file()
+        out = subprocess.run([sys.executable, "-c", "import proxy, statecache; "
+                              "print(proxy.__file__); print(statecache.__file__)"],
+                             cwd=root, capture_output=True, text=True, check=True).stdout
+        assert [Path(line).resolve().is_relative_to(root.resolve())
+                for line in out.split()] == [True, True]
+        cmd = _command("statecache", ModelSpec("m", Path("/m.gguf"), is_gemma=False), 1, 512,
+                       1, root, root=root)
+        assert cmd[1:3] == ["-m", "proxy"]  # not the installed `statecache` script
+    assert not root.exists()
+
+
+def test_the_summary_gives_medians_and_paired_ratios() -> None:
+    result = {"statecache": {"decode_tps": {"1": 300.0, "4": 400.0}},
+              "llama-server": {"decode_tps": {"1": 290.0, "4": 410.0}},
+              "paired_statecache_llama-server": {
+                  "1": {"median": 1.03, "low": 0.98, "high": 1.1},
+                  "4": {"median": 0.99, "low": 0.95, "high": 1.02}}}
+    lines = summary(result).splitlines()
+    assert lines[0].split() == ["statecache", "1:", "300.0", "4:", "400.0"]
+    assert lines[2].split() == ["statecache", "÷", "llama-server", "1:", "1.030", "(0.98-1.10)",
+                                "4:", "0.990", "(0.95-1.02)"]
