@@ -363,6 +363,7 @@ class Executor:
             return
         dst.busy = True
         src.busy = False
+        src.prompt_n = min(len(job.prompt), src.n)  # it holds the job's prompt and some reply
         src.last_used = time.monotonic()
         job.lane = dst
         job.stats.lane = dst.id
@@ -377,6 +378,7 @@ class Executor:
             return False
         dst.set_tokens(src.tokens, src.tenant)
         dst.saved_full = src.saved_full
+        dst.prompt_n = src.prompt_n
         # a restored SWA state is never cut below its own position (fact 8)
         dst.floor = src.n if self.memory.kind is MemoryKind.SWA else src.floor
         return True
@@ -386,7 +388,7 @@ class Executor:
         job.stats.source, job.stats.role = plan.source.value, plan.role
         if plan.source is Source.LANE:
             if plan.partial is not None or plan.truncate:
-                self._hand_off_timed(lane, job, convert_replay=False)
+                self._hand_off_unless_replaced(lane, job, convert_replay=False)
             if plan.partial is not None and not self.ctx.restore(
                     lane.id, plan.partial.data, FLAGS_PARTIAL):
                 self._fall_back_cold(lane, job, "partial restore failed")
@@ -399,7 +401,7 @@ class Executor:
                 if self.pool is not None:
                     self.pool.drop_lane(lane.id, above=plan.reuse)
             return
-        self._hand_off_timed(lane, job)
+        self._hand_off_unless_replaced(lane, job)
         self.clear(lane)
         if plan.full is not None:
             if not self.ctx.restore(lane.id, plan.full.data, FLAGS_FULL):
@@ -453,6 +455,20 @@ class Executor:
     def publish_kind(self) -> Kind:
         return Kind.PARTIAL if self.memory.needs_partial and \
             self.memory.kind is not MemoryKind.SWA else Kind.FULL
+
+    def _hand_off_unless_replaced(self, lane: Lane, job: Job, *,
+                                  convert_replay: bool = True) -> None:
+        """Keep the state ``job`` cuts back or replaces, unless all it loses is the reply
+        of the lane's last request and ``job`` holds that request's prompt whole: the
+        client replaced that reply (a retry, a regenerate, a client that strips the
+        reasoning from replies) and will not continue from it. The FULL save of a lane
+        grows with its context (the KV of every token) and comes before this request's
+        first token. A request served without the cache keeps nothing of its own, so
+        it replaces nothing."""
+        if job.use_cache and lane.only_reply_beyond(job.prompt, job.req.tenant):
+            self.counters["replaced_replies"] += 1
+            return
+        self._hand_off_timed(lane, job, convert_replay=convert_replay)
 
     def _hand_off_timed(self, lane: Lane, job: Job, *, convert_replay: bool = True) -> None:
         t0 = time.perf_counter()
@@ -754,6 +770,8 @@ class Executor:
                 # a cold-only request leaves nothing reusable behind
                 self.clear(lane)
         finally:
+            if lane.n:  # the reply (or what the request got of it) starts there
+                lane.prompt_n = min(len(job.prompt), lane.n)
             lane.busy = False
             lane.last_used = time.monotonic()
 
