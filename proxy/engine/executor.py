@@ -363,7 +363,7 @@ class Executor:
             return
         dst.busy = True
         src.busy = False
-        src.prompt_n = min(len(job.prompt), src.n)  # it holds the job's prompt and some reply
+        src.history_n = min(_history(job), src.n)  # it holds the job's turn, in part
         src.last_used = time.monotonic()
         job.lane = dst
         job.stats.lane = dst.id
@@ -378,7 +378,7 @@ class Executor:
             return False
         dst.set_tokens(src.tokens, src.tenant)
         dst.saved_full = src.saved_full
-        dst.prompt_n = src.prompt_n
+        dst.history_n = src.history_n
         # a restored SWA state is never cut below its own position (fact 8)
         dst.floor = src.n if self.memory.kind is MemoryKind.SWA else src.floor
         return True
@@ -458,14 +458,15 @@ class Executor:
 
     def _hand_off_unless_replaced(self, lane: Lane, job: Job, *,
                                   convert_replay: bool = True) -> None:
-        """Keep the state ``job`` cuts back or replaces, unless all it loses is the reply
-        of the lane's last request and ``job`` holds that request's prompt whole: the
-        client replaced that reply (a retry, a regenerate, a client that strips the
-        reasoning from replies) and will not continue from it. The FULL save of a lane
-        grows with its context (the KV of every token) and comes before this request's
-        first token. A request served without the cache keeps nothing of its own, so
-        it replaces nothing."""
-        if job.use_cache and lane.only_reply_beyond(job.prompt, job.req.tenant):
+        """Keep the state ``job`` cuts back or replaces, unless all it loses is the turn
+        of the lane's last request (its generation prompt and reply) and ``job`` holds
+        that request's history whole: the client replaced that turn or renders it
+        anew (a retry, a regenerate, a client that strips the reasoning from replies)
+        and will not go on from it. The FULL save of a lane grows with its context
+        (the KV of every token) and comes before this request's first token. A
+        request served without the cache keeps nothing of its own: it replaces
+        nothing."""
+        if job.use_cache and lane.replaced_by(job.prompt, job.req.tenant):
             self.counters["replaced_replies"] += 1
             return
         self._hand_off_timed(lane, job, convert_replay=convert_replay)
@@ -770,8 +771,8 @@ class Executor:
                 # a cold-only request leaves nothing reusable behind
                 self.clear(lane)
         finally:
-            if lane.n:  # the reply (or what the request got of it) starts there
-                lane.prompt_n = min(len(job.prompt), lane.n)
+            if lane.n:  # this request's own turn starts there
+                lane.history_n = min(_history(job), lane.n)
             lane.busy = False
             lane.last_used = time.monotonic()
 
@@ -780,6 +781,12 @@ class Executor:
         for lane in self.lanes:
             if not lane.busy:
                 self.hand_off(lane)
+
+
+def _history(job: Job) -> int:
+    """The prompt's tokens before its generation prompt (all of them where unknown)."""
+    h = job.req.history_tokens
+    return len(job.prompt) if h is None else min(h, len(job.prompt))
 
 
 def _target(lanes: list[Lane]) -> Lane:

@@ -31,9 +31,10 @@ class Lane:
     saved_full: bool = False
     # Whether the lane's replay points (partial checkpoints) are saved as FULL ones too.
     replay_saved: bool = False
-    # The prompt length of the last request served here: its reply begins there
-    # (0: unknown, as after a restore).
-    prompt_n: int = 0
+    # Tokens of the last request served here before its own turn: its history (the
+    # prompt before the generation prompt), else its whole prompt; beyond them the lane
+    # holds that turn's generation prompt and reply (0: unknown, as after a restore).
+    history_n: int = 0
 
     @property
     def n(self) -> int:
@@ -65,7 +66,7 @@ class Lane:
         self._buf[: arr.size] = arr
         self._n = int(arr.size)
         self.tenant = tenant
-        self.prompt_n = 0
+        self.history_n = 0
         self._changed()
 
     def extend(self, tokens: np.ndarray | list[int]) -> None:
@@ -90,20 +91,21 @@ class Lane:
         assert 0 <= n <= self._n
         if n < self._n:
             self._n = n
-            self.prompt_n = min(self.prompt_n, n)
+            self.history_n = min(self.history_n, n)
             self._changed()
 
     def clear(self) -> None:
         self._n = 0
         self.floor = 0
-        self.prompt_n = 0
+        self.history_n = 0
         self._changed()
 
-    def only_reply_beyond(self, prompt: np.ndarray, tenant: str) -> bool:
-        """Whether ``prompt`` holds the whole prompt of the last request served here:
-        what the lane holds beyond it is that request's reply, which this prompt
-        replaces (a retry, a regenerate, a client that rewrites replies)."""
-        return 0 < self.prompt_n <= self.common(prompt, tenant)
+    def replaced_by(self, prompt: np.ndarray, tenant: str) -> bool:
+        """Whether ``prompt`` holds the whole history of the last request served here:
+        what the lane holds beyond it is that request's own turn, which this prompt
+        replaces or renders anew (a retry, a regenerate, a client that strips the
+        reasoning from replies, a template that drops it from earlier turns)."""
+        return 0 < self.history_n <= self.common(prompt, tenant)
 
 
 class LaneSet:
