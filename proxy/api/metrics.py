@@ -127,8 +127,8 @@ RULES: tuple[Rule, ...] = (
                        ("checkpoint_bytes_saved", "Bytes of checkpoints published."),
                        ("restore_failures", "Checkpoint restores that failed (fell back cold)."),
                        ("handoffs", "Lane states handed to the pool to free a lane."),
-                       ("replaced_replies", "Lane states not kept when a request that "
-                        "holds the last one's prompt replaced its reply."),
+                       ("replaced_replies", "Lane states cut back unsaved: the request "
+                        "held the last one's history and replaced its turn."),
                        ("replies_spliced", "Replies whose generated ids were spliced in."),
                        ("steps", "Engine steps: one llama_decode each, for every lane."),
                        ("step_tokens", "Tokens decoded in engine steps (all lanes)."),
