@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from bench.harness import _sse_lines
+from bench.report import _paired
 from bench.servers import LLAMA_SERVER, ModelSpec, Server, checkout, running
 from statecache.config import ServerConfig
 
@@ -398,17 +399,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary(result: dict[str, Any]) -> str:
-    """Each system's median tokens/s per stream count, and statecache's paired ratios."""
+    """Each system's median tokens/s per stream count, and statecache's paired ratios
+    (the report's table of them)."""
     lines = []
     for name, r in result.items():
         if isinstance(r, dict) and "decode_tps" in r:
             lines.append(f"{name:32s} " + "  ".join(
                 f"{c}: {v:7.1f}" for c, v in r["decode_tps"].items()))
-    for key, r in result.items():
-        if key.startswith("paired_statecache_"):
-            lines.append(f"statecache ÷ {key.removeprefix('paired_statecache_'):19s} " + "  ".join(
-                f"{c}: {x['median']:.3f} ({x['low']:.2f}-{x['high']:.2f})" for c, x in r.items()))
-    return "\n".join(lines)
+    return "\n".join(lines + _paired(result))
 
 
 if __name__ == "__main__":

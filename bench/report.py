@@ -217,9 +217,14 @@ def _streams(c: str) -> str:
 
 
 def _paired(b: dict[str, Any]) -> list[str]:
-    """statecache against the binding and llama-server, run by run (bench.batching.paired)."""
+    """statecache against the binding, llama-server and any other system it was paired
+    with (``bench.batching --against``), run by run (bench.batching.paired)."""
     rows = []
-    for other, label in (("binding", "the binding"), ("llama-server", "llama-server")):
+    others = [("binding", "the binding"), ("llama-server", "llama-server")]
+    others += [(k, k) for k in (key.removeprefix("paired_statecache_") for key in b
+                                if key.startswith("paired_statecache_"))
+               if k not in ("binding", "llama-server")]
+    for other, label in others:
         p = b.get(f"paired_statecache_{other}")
         if isinstance(p, dict) and p:
             rows.append([f"statecache ÷ {label}"] + [

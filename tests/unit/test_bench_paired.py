@@ -82,5 +82,12 @@ def test_the_summary_gives_medians_and_paired_ratios() -> None:
                   "4": {"median": 0.99, "low": 0.95, "high": 1.02}}}
     lines = summary(result).splitlines()
     assert lines[0].split() == ["statecache", "1:", "300.0", "4:", "400.0"]
-    assert lines[2].split() == ["statecache", "÷", "llama-server", "1:", "1.030", "(0.98-1.10)",
-                                "4:", "0.990", "(0.95-1.02)"]
+    assert lines[-1] == "| statecache ÷ llama-server | 1.030 (0.98–1.10) | – | 0.990 (0.95–1.02) |"
+
+
+def test_the_report_shows_a_commit_it_was_paired_with() -> None:
+    pair = {"1": {"median": 1.01, "low": 0.97, "high": 1.04}}
+    lines = _paired({"paired_statecache_binding": pair,
+                     "paired_statecache_statecache@abc123": pair})
+    assert lines[-2:] == ["| statecache ÷ the binding | 1.010 (0.97–1.04) | – | – |",
+                          "| statecache ÷ statecache@abc123 | 1.010 (0.97–1.04) | – | – |"]
