@@ -134,6 +134,8 @@ RULES: tuple[Rule, ...] = (
                        ("step_tokens", "Tokens decoded in engine steps (all lanes)."),
                        ("step_lane_work", "Lanes served by engine steps, summed over steps."),
                        ("steps_multi_lane", "Engine steps that carried more than one lane."),
+                       ("steps_alone", "Engine steps of a lone decoding stream, run "
+                        "without planning each one."),
                        ("idle_saves", "Idle lanes whose state was saved in full."),
                        ("lanes_kept_in_line", "Requests started in another free lane than "
                         "their plan's, so the busy lanes stay one run of ids."),

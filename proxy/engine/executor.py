@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -621,6 +622,39 @@ class Executor:
                 log.exception("request %s failed", w.job.req.request_id)
                 w.job.error = exc
                 w.job.finish_reason = "error"
+
+    @staticmethod
+    def decodes_alone(job: Job) -> bool:
+        """Whether a step of ``job`` alone is one token and its logits: a decoding lane
+        with no drafts to verify and nothing to replay (``decode_alone`` may run it)."""
+        return not (job.prefilling or job.done or job.speculate or len(job.replay))
+
+    def decode_alone(self, job: Job, more: Callable[[], bool]) -> int:
+        """Decode ``job``'s lane by itself, a token per ``llama_decode``, while the job
+        goes on and ``more()`` says so; returns the steps run (at least one).
+
+        The common case of the engine (one stream, nothing else to do) without planning
+        a step each time: what a step of ``run_step`` would do for this one ``Work``, so
+        the tokens are the same. A failed decode raises; a failed commit sets
+        ``job.error`` as in ``run_step``."""
+        lane = job.lane
+        assert lane is not None and self.decodes_alone(job)
+        batch, decode, take, push = self.ctx.batch, self.ctx.decode, self._take, lane.push
+        steps = 0
+        while True:
+            batch.clear()
+            batch.add(lane.id, (job.pending,), lane.n, logits_last=True)
+            decode()
+            steps += 1
+            try:
+                push(job.pending)
+                take(job, 0)
+            except Exception as exc:  # as run_step's commit
+                log.exception("request %s failed", job.req.request_id)
+                job.error = exc
+                job.finish_reason = "error"
+            if job.finish_reason or not more():
+                return steps
 
     def _commit(self, w: Work) -> None:
         job, lane = w.job, w.job.lane

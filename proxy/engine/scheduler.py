@@ -17,6 +17,9 @@ token budget). The rules:
   over twice goes next; a request that shares a prefix with one being prefilled
   waits for that one's FULL checkpoint there instead of prefilling it side by side
   (and starts at once from it if that one's lane is exactly there).
+- One stream decoding with nothing else to do (the most common case) runs steps of
+  its own without planning each one (``_decode_alone``), until a request arrives,
+  the stream ends or is cancelled, or a quarter of a second has passed.
 - Per-lane everything: a lane that is cancelled, fails, or hits its limit ends
   alone. A failed ``llama_decode`` fails the lanes of that step and clears them.
 - The thread cannot die silently: if the loop fails outside the per-request guards,
@@ -66,6 +69,7 @@ log = logging.getLogger("statecache")
 
 MAX_SKIPS = 2  # admissions that may pass a waiting request over
 MAX_MISSES = 100  # kept for GET /admin/misses
+ALONE_S = 0.25  # a lone stream's run of steps between the loop's checks (_decode_alone)
 
 
 class EngineDead(RuntimeError):
@@ -119,6 +123,7 @@ class Engine:
             self.model, self.counters,
             ReplyMemory(size=8 * lanes) if cfg.cache.splice_generated else None)
         self.timer = StepTimer(share=cfg.engine.decode_share)
+        self.alone_s = ALONE_S
         # reads from disk or the shared store for a waiting request, off the engine thread
         self._fetcher = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="statecache-fetch")
@@ -294,7 +299,9 @@ class Engine:
             self._save_an_idle_lane(idle_s)
             with self._cv:
                 active = list(self._active)
-            if active:
+            if len(active) == 1 and self._alone(active[0][0]):
+                self._decode_alone(*active[0])
+            elif active:
                 self._step(active)
 
     # admission ------------------------------------------------------------------
@@ -502,6 +509,44 @@ class Engine:
                 c["step_lane_work"] += len(works)
                 if len(works) > 1:
                     c["steps_multi_lane"] += 1
+        self._after_step(active)
+
+    def _alone(self, job: Job) -> bool:
+        """Whether ``job``, the only active one, may run steps of its own: it decodes a
+        token a step, and nobody waits."""
+        return not (self._waiting or job.cancelled) and self.exec.decodes_alone(job)
+
+    def _decode_alone(self, job: Job, box: Outbox) -> None:
+        """One stream and nothing else to do, the most common case: its steps without
+        planning each one (``Executor.decode_alone``) until a request arrives, the stream
+        ends, is cancelled or the server stops, or ``alone_s`` have passed (the loop's
+        own work between steps, as an idle lane's save, then gets its turn)."""
+        pair = [(job, box)]
+        write = self._write_streams
+        t0 = time.perf_counter()
+        until = t0 + self.alone_s
+
+        def more() -> bool:
+            write(pair)
+            return not (self._waiting or job.cancelled or job.stopping) and \
+                time.perf_counter() < until
+
+        try:
+            steps = self.exec.decode_alone(job, more)
+        except Exception as exc:
+            log.exception("a lone run of request %s failed", job.req.request_id)
+            job.error = exc
+            job.finish_reason = "error"
+        else:
+            self.timer.record(time.perf_counter() - t0, 1, 0, steps=steps)
+            c = self.counters
+            c["steps"] += steps
+            c["step_tokens"] += steps
+            c["step_lane_work"] += steps
+            c["steps_alone"] += steps
+        self._after_step(pair)
+
+    def _after_step(self, active: list[tuple[Job, Outbox]]) -> None:
         # every stream's tokens first, with one wake-up of the loop for all of them;
         # a request that ends here saves its state next: nothing waits through that
         ended = any(job.done for job, _ in active)

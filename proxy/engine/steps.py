@@ -42,13 +42,15 @@ class StepTimer:
     owed_s: float = 0.0  # time the streams get before the next burst
     burst: bool = False  # the step planned last carries a burst
 
-    def record(self, seconds: float, n_decode: int, n_prefill: int) -> None:
-        self.steps += 1
+    def record(self, seconds: float, n_decode: int, n_prefill: int, *, steps: int = 1) -> None:
+        """``steps`` alike took ``seconds`` in all."""
+        self.steps += steps
         burst, self.burst = self.burst, False
         if burst:
             self.owed_s = seconds * self.share / (1.0 - self.share)
         elif n_decode:
             self.owed_s -= seconds
+        seconds /= steps
         if n_decode == 0:
             if n_prefill >= MIN_SAMPLE:
                 self._per_token(seconds / n_prefill)
