@@ -84,6 +84,10 @@ class EngineConfig:
     decode_share: float = 0.5
     min_prefill_chunk: int = 16  # the smallest burst, however slow a token is
     idle_save_s: float = 2.0  # an idle lane's state is saved FULL after this long; 0: never
+    # One stream decoding with nothing else to do runs steps of its own, without
+    # planning each one, for up to this long between the loop's checks; 0: every step
+    # is planned
+    lone_run_ms: float = 250.0
     # A persistent ggml threadpool for the context and its draft's (builds without
     # OpenMP): its workers poll this long between decodes (0-100, ggml's scale; 50 is
     # llama-server's) before they sleep; -1: none (llama.cpp then starts the threads of
@@ -209,6 +213,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("engine.decode_share", 0.05, 0.95),
     ("engine.min_prefill_chunk", 1, None),
     ("engine.idle_save_s", 0, None),
+    ("engine.lone_run_ms", 0, 60000),
     ("engine.thread_poll", -1, 100),
     ("model.n_batch", 1, None),
     ("model.n_ubatch", 1, None),

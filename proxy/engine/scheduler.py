@@ -19,7 +19,7 @@ token budget). The rules:
   (and starts at once from it if that one's lane is exactly there).
 - One stream decoding with nothing else to do (the most common case) runs steps of
   its own without planning each one (``_decode_alone``), until a request arrives,
-  the stream ends or is cancelled, or a quarter of a second has passed.
+  the stream ends or is cancelled, or ``engine.lone_run_ms`` have passed.
 - Per-lane everything: a lane that is cancelled, fails, or hits its limit ends
   alone. A failed ``llama_decode`` fails the lanes of that step and clears them.
 - The thread cannot die silently: if the loop fails outside the per-request guards,
@@ -69,7 +69,6 @@ log = logging.getLogger("statecache")
 
 MAX_SKIPS = 2  # admissions that may pass a waiting request over
 MAX_MISSES = 100  # kept for GET /admin/misses
-ALONE_S = 0.25  # a lone stream's run of steps between the loop's checks (_decode_alone)
 
 
 class EngineDead(RuntimeError):
@@ -123,7 +122,7 @@ class Engine:
             self.model, self.counters,
             ReplyMemory(size=8 * lanes) if cfg.cache.splice_generated else None)
         self.timer = StepTimer(share=cfg.engine.decode_share)
-        self.alone_s = ALONE_S
+        self.alone_s = ec.lone_run_ms / 1000
         # reads from disk or the shared store for a waiting request, off the engine thread
         self._fetcher = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="statecache-fetch")
@@ -514,13 +513,14 @@ class Engine:
     def _alone(self, job: Job) -> bool:
         """Whether ``job``, the only active one, may run steps of its own: it decodes a
         token a step, and nobody waits."""
-        return not (self._waiting or job.cancelled) and self.exec.decodes_alone(job)
+        return self.alone_s > 0 and not (self._waiting or job.cancelled) and \
+            self.exec.decodes_alone(job)
 
     def _decode_alone(self, job: Job, box: Outbox) -> None:
         """One stream and nothing else to do, the most common case: its steps without
         planning each one (``Executor.decode_alone``) until a request arrives, the stream
-        ends, is cancelled or the server stops, or ``alone_s`` have passed (the loop's
-        own work between steps, as an idle lane's save, then gets its turn)."""
+        ends, is cancelled or the server stops, or ``engine.lone_run_ms`` have passed
+        (the loop's own work between steps, as an idle lane's save, then gets its turn)."""
         pair = [(job, box)]
         write = self._write_streams
         t0 = time.perf_counter()

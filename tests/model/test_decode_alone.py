@@ -19,13 +19,13 @@ from statecache.config import load_config
 
 PROMPT = tuple(int(t) for t in np.arange(60) * 37 % 200 + 10)
 OTHER = tuple(int(t) for t in np.arange(40) * 53 % 190 + 12)
-LONG_S = 60.0  # a lone run that would outlast every test here unless something ends it
+LONG_MS = 60_000  # a lone run that would outlast every test here unless something ends it
 
 
-def _engine(path: Path, **extra: object) -> Engine:
+def _engine(path: Path, lone_run_ms: float = 250.0) -> Engine:
     return Engine(load_config(None, {"model.path": str(path), "model.n_ctx": 2048,
-                                     "server.lanes": 2, "cache.enabled": False, **extra}),
-                  path)
+                                     "server.lanes": 2, "cache.enabled": False,
+                                     "engine.lone_run_ms": lone_run_ms}), path)
 
 
 def _request(rid: str, prompt: tuple[int, ...], max_tokens: int) -> GenerationRequest:
@@ -60,22 +60,25 @@ def _greedy(eng: Engine, prompt: tuple[int, ...], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("fixture", ["hybrid_path", "gemma_path"])
+@pytest.mark.parametrize("lone_run_ms", [250.0, 0.0])
 def test_a_lone_stream_decodes_what_a_plain_greedy_loop_does(
-        fixture: str, request: pytest.FixtureRequest) -> None:
-    eng = _engine(request.getfixturevalue(fixture))
+        fixture: str, lone_run_ms: float, request: pytest.FixtureRequest) -> None:
+    eng = _engine(request.getfixturevalue(fixture), lone_run_ms)
     try:
         ids, fin = asyncio.run(_collect(eng, _request("a", PROMPT, 40), []))
         assert ids == _greedy(eng, PROMPT, 40)
         assert fin.reason in ("length", "stop") and fin.usage.completion_tokens >= len(ids) - 1
-        # every token after the first came from a lone run (the first: the prefill's)
-        assert eng.counters["steps_alone"] == len(ids) - 1, dict(eng.counters)
+        # every token after the first came from a lone run (the first: the prefill's),
+        # unless they are off: every step planned
+        alone = len(ids) - 1 if lone_run_ms else 0
+        assert eng.counters["steps_alone"] == alone, dict(eng.counters)
+        assert eng.counters["steps"] == len(ids), dict(eng.counters)
     finally:
         eng.close()
 
 
 def test_a_request_that_arrives_ends_the_lone_run(hybrid_path: Path) -> None:
-    eng = _engine(hybrid_path)
-    eng.alone_s = LONE = LONG_S
+    eng = _engine(hybrid_path, LONG_MS)
     done: list[str] = []
 
     async def go() -> tuple[list[int], list[int]]:
@@ -90,7 +93,7 @@ def test_a_request_that_arrives_ends_the_lone_run(hybrid_path: Path) -> None:
     try:
         long_ids, short_ids = asyncio.run(go())
         # the short request did not wait for the long one's run (of up to LONE s)
-        assert done == ["short", "long"], (done, LONE)
+        assert done == ["short", "long"], done
         assert eng.counters["steps_multi_lane"] >= 3
         assert short_ids and len(long_ids) == 600
         # and the long one went on alone once the short one was gone
@@ -100,8 +103,7 @@ def test_a_request_that_arrives_ends_the_lone_run(hybrid_path: Path) -> None:
 
 
 def test_a_cancelled_lone_stream_stops_at_once(hybrid_path: Path) -> None:
-    eng = _engine(hybrid_path)
-    eng.alone_s = LONG_S
+    eng = _engine(hybrid_path, LONG_MS)
 
     async def go() -> int:
         got = 0
