@@ -226,6 +226,18 @@ class DirectDecoder:
         self.model.close()
 
 
+def system_config(system: str, *, mine: str, theirs: str | None, against: str) -> str:
+    """The TOML tables ``system`` runs with (``\\n`` in them is a newline): ``mine``
+    (``--statecache-config``) for this checkout's statecache and its per-token run,
+    ``theirs`` (``--against-config``) for ``against`` if given, else ``mine``; nothing for
+    llama-server."""
+    if system == "llama-server":
+        return ""
+    extra = theirs if system == against and theirs is not None else mine
+    extra = extra.replace("\\n", "\n")
+    return _server_key(extra, "stream_interval_ms = 0") if system == PER_TOKEN else extra
+
+
 def _process_cpu_ns(pid: int) -> int:
     return sum(_thread_cpu(pid).values())
 
@@ -343,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--against", default="", metavar="REV",
                    help="also statecache at git revision REV (a worktree of it), as the "
                         "system statecache@REV, paired with this checkout's statecache")
+    p.add_argument("--against-config", default=None, metavar="TOML",
+                   help="TOML tables for statecache@REV instead of --statecache-config's "
+                        "(so --against HEAD compares two configs of one commit)")
     a = p.parse_args(argv)
     # resolved: a checkout of another revision runs from its own folder
     spec = ModelSpec(Path(a.model).stem, Path(a.model).resolve(), is_gemma=False)
@@ -365,9 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         # every system runs at once, each idle while another is measured
         servers: dict[str, Server] = {}
         for system in systems:
-            extra = a.statecache_config.replace("\\n", "\n") if system != "llama-server" else ""
-            if system == PER_TOKEN:
-                extra = _server_key(extra, "stream_interval_ms = 0")
+            extra = system_config(system, mine=a.statecache_config, theirs=a.against_config,
+                                  against=against)
             servers[system] = stack.enter_context(running(
                 "statecache" if system in (PER_TOKEN, against) else system, spec,
                 n_ctx=a.n_ctx, lanes=4, log_dir=Path(a.log_dir), extra_config=extra,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.batching import paired, summary
+from bench.batching import PER_TOKEN, paired, summary, system_config
 from bench.report import _batching, _paired
 from bench.servers import ModelSpec, _command, checkout
 
@@ -91,3 +91,18 @@ def test_the_report_shows_a_commit_it_was_paired_with() -> None:
                      "paired_statecache_statecache@abc123": pair})
     assert lines[-2:] == ["| statecache ÷ the binding | 1.010 (0.97–1.04) | – | – |",
                           "| statecache ÷ statecache@abc123 | 1.010 (0.97–1.04) | – | – |"]
+
+
+def test_against_config_sets_the_other_revision_apart() -> None:
+    # --against HEAD --statecache-config "[engine]\nlone_run_ms = 0" --against-config ""
+    # compares two configs of one commit: only this checkout's statecache gets the key
+    mine, rev = "[engine]\\nlone_run_ms = 0", "statecache@HEAD"
+    assert system_config("statecache", mine=mine, theirs="", against=rev) == \
+        "[engine]\nlone_run_ms = 0"
+    assert system_config(rev, mine=mine, theirs="", against=rev) == ""
+    assert system_config("llama-server", mine=mine, theirs="", against=rev) == ""
+    per_token = system_config(PER_TOKEN, mine=mine, theirs="", against=rev)
+    assert "lone_run_ms = 0" in per_token and "stream_interval_ms = 0" in per_token
+    # without --against-config both run with --statecache-config's tables
+    assert system_config(rev, mine=mine, theirs=None, against=rev) == \
+        "[engine]\nlone_run_ms = 0"
