@@ -21,7 +21,6 @@ import asyncio
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -82,8 +81,7 @@ async def _engine_rate(eng: Engine, prompt: tuple[int, ...], n_out: int) -> floa
 
 def measure(model_path: Path, n_out: int, repeats: int) -> dict[str, Any]:
     cfg = load_config(None, {"model.path": str(model_path), "server.lanes": 4,
-                             "model.n_ctx": 4096, "cache.enabled": False,
-                             "cache.disk_path": tempfile.mkdtemp(prefix="bench-gap-")})
+                             "model.n_ctx": 4096, "cache.enabled": False})
     eng = Engine(cfg, model_path)
     direct = DirectDecoder(model_path)
     loop = asyncio.new_event_loop()
