@@ -110,6 +110,11 @@ class Job:
     def done(self) -> bool:
         return bool(self.finish_reason)
 
+    def fail(self, exc: BaseException) -> None:
+        """This request ends with ``exc``; the others go on."""
+        self.error = exc
+        self.finish_reason = "error"
+
 
 @dataclass(slots=True)
 class Work:
@@ -620,8 +625,7 @@ class Executor:
                 self._commit(w)
             except Exception as exc:  # this lane alone
                 log.exception("request %s failed", w.job.req.request_id)
-                w.job.error = exc
-                w.job.finish_reason = "error"
+                w.job.fail(exc)
 
     @staticmethod
     def decodes_alone(job: Job) -> bool:
@@ -651,8 +655,7 @@ class Executor:
                 take(job, 0)
             except Exception as exc:  # as run_step's commit
                 log.exception("request %s failed", job.req.request_id)
-                job.error = exc
-                job.finish_reason = "error"
+                job.fail(exc)
             if job.finish_reason or not more():
                 return steps
 

@@ -495,8 +495,7 @@ class Engine:
                 log.exception("llama_decode failed; failing the %d lanes of this step",
                               len(works))
                 for w in works:
-                    w.job.error = exc
-                    w.job.finish_reason = "error"
+                    w.job.fail(exc)
             else:
                 dt = time.perf_counter() - t0
                 self.timer.record(dt, n_decode, n_prefill)
@@ -535,8 +534,7 @@ class Engine:
             steps = self.exec.decode_alone(job, more)
         except Exception as exc:
             log.exception("a lone run of request %s failed", job.req.request_id)
-            job.error = exc
-            job.finish_reason = "error"
+            job.fail(exc)
         else:
             self.timer.record(time.perf_counter() - t0, 1, 0, steps=steps)
             c = self.counters
