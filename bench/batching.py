@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -43,6 +44,8 @@ from statecache.config import ServerConfig
 # server.stream_interval_ms)
 PER_TOKEN = "statecache-per-token"
 BINDING = "binding"  # proxy.engine.binding decoding in this process, among the servers' turns
+
+STREAMS = ("1", "2", "4")  # concurrent streams whose aggregate decode rate is measured
 
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "theta", "kappa")
 
@@ -264,18 +267,20 @@ def wait_quiet(pids: list[int], *, share: float = 0.03, window: float = 0.25,
 
 
 def decode_rates(servers: dict[str, Server], direct: DirectDecoder, n_out: int,
-                 repeats: int) -> dict[str, dict[str, list[float]]]:
-    """Aggregate decode rates with 1, 2 and 4 streams of every server and of the binding
-    (``BINDING``): ``repeats`` runs each, that take turns: in each repeat every system
-    runs once per stream count, in an order that rotates, and the other servers are
+                 repeats: int, streams: tuple[str, ...] = STREAMS
+                 ) -> dict[str, dict[str, list[float]]]:
+    """Aggregate decode rates with each of ``streams`` concurrent streams (1, 2 and 4) of
+    every server and of the binding (``BINDING``): ``repeats`` runs each, that take
+    turns: in each repeat every system runs once per stream count, in an order that
+    rotates, and the other servers are
     idle while one runs. So a machine that slows down over the run (these cores drift
     by several percent in minutes) slows every system alike; ``paired`` compares the
     runs of one repeat."""
     turn = [*servers, BINDING]
-    runs: dict[str, dict[str, list[float]]] = {n: {"1": [], "2": [], "4": []} for n in turn}
+    runs: dict[str, dict[str, list[float]]] = {n: {c: [] for c in streams} for n in turn}
     for rep in range(repeats):
         k = rep % len(turn)
-        for c in ("1", "2", "4"):
+        for c in streams:
             for name in turn[k:] + turn[:k]:
                 if name == BINDING:
                     wait_quiet([s.proc.pid for s in servers.values()])
@@ -298,18 +303,40 @@ def lane_gap(direct: DirectDecoder, n_out: int, repeats: int) -> dict[str, float
     return {k: statistics.median(v) for k, v in runs.items()}
 
 
+def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A confidence interval of the median of ``xs`` that assumes nothing about their
+    distribution: the k-th lowest and k-th highest value, with k the largest for which
+    the median falls outside with a chance under ``1 - level`` (a binomial(n, 1/2) tail
+    on each side). Under 6 values no such k exists at 95%: the lowest and highest."""
+    s = sorted(xs)
+    n = len(s)
+    if not n:
+        raise ValueError("no values")
+    tail = (1 - level) / 2
+    k, below = 0, 0.0  # below: P(binomial(n, 1/2) <= k - 1)
+    while True:
+        nxt = below + math.comb(n, k) / 2 ** n
+        if nxt > tail or k + 1 > n - k:
+            break
+        k, below = k + 1, nxt
+    k = max(k, 1)
+    return s[k - 1], s[n - k]
+
+
 def paired(runs: dict[str, dict[str, list[float]]], a: str, b: str
            ) -> dict[str, dict[str, float]]:
     """``a`` against ``b`` per stream count: the ratio of the two systems' runs in each
     repeat (seconds apart, in the same stretch of the machine's drift), as the median
-    over repeats with the lowest and highest (the ratio of the medians, which mixes
-    runs minutes apart, is ``decode_tps``'s)."""
+    over repeats, its 95% confidence interval (``median_ci``), and the lowest and
+    highest (the ratio of the medians, which mixes runs minutes apart, is
+    ``decode_tps``'s)."""
     out: dict[str, dict[str, float]] = {}
     for c, xs in runs[a].items():
         ratios = sorted(x / y for x, y in zip(xs, runs[b][c], strict=True))
         if ratios:
-            out[c] = {"median": statistics.median(ratios), "low": ratios[0],
-                      "high": ratios[-1]}
+            lo, hi = median_ci(ratios)
+            out[c] = {"median": statistics.median(ratios), "ci_low": lo, "ci_high": hi,
+                      "low": ratios[0], "high": ratios[-1], "n": len(ratios)}
     return out
 
 
@@ -348,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", default="results/logs")
     p.add_argument("--statecache-config", default="",
                    help='TOML tables for statecache, e.g. "[engine]\\nmin_prefill_chunk = 2"')
+    p.add_argument("--streams", default=",".join(STREAMS),
+                   help="the numbers of concurrent streams to decode, of 1, 2 and 4 (e.g. "
+                        "1 alone, for many repeats of one stream in the time of a few)")
     p.add_argument("--decode-only", action="store_true",
                    help="only the aggregate decode rates (no long prefill)")
     p.add_argument("--no-per-token", action="store_true",
@@ -359,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="TOML tables for statecache@REV instead of --statecache-config's "
                         "(so --against HEAD compares two configs of one commit)")
     a = p.parse_args(argv)
+    streams = tuple(c.strip() for c in a.streams.split(","))
+    if not streams or any(c not in STREAMS for c in streams) or len(set(streams)) < len(streams):
+        p.error(f"--streams: some of {', '.join(STREAMS)}, each once, got {a.streams!r}")
     # resolved: a checkout of another revision runs from its own folder
     spec = ModelSpec(Path(a.model).stem, Path(a.model).resolve(), is_gemma=False)
     against = f"statecache@{a.against}" if a.against else ""
@@ -390,21 +423,24 @@ def main(argv: list[str] | None = None) -> int:
             _stream(servers[system].url, _prompt(100, 0), 16)  # warm-up
         direct = DirectDecoder(spec.path)
         stack.callback(direct.close)
-        runs = decode_rates(servers, direct, a.out_tokens, a.repeats)
+        runs = decode_rates(servers, direct, a.out_tokens, a.repeats, streams)
         for other in (BINDING, "llama-server", against):
             if "statecache" in runs and other in runs:
                 result[f"paired_statecache_{other}"] = paired(runs, "statecache", other)
         for name, rr in runs.items():
             r = {c: statistics.median(v) for c, v in rr.items()}
-            out = {"decode_tps": r, "scaling": {c: v / r["1"] for c, v in r.items()},
-                   "decode_runs": rr}
+            out = {"decode_tps": r, "decode_runs": rr}
+            if "1" in r:
+                out["scaling"] = {c: v / r["1"] for c, v in r.items()}
             srv = servers.get(name)
             if srv is not None:
                 out.update(measure_system(srv, [s for s in servers.values() if s is not srv],
                                           a))
             result[name] = out
-        result["direct_decode_tps"] = result[BINDING]["decode_tps"]["1"]
-        result["lane_gap"] = lane_gap(direct, a.out_tokens, a.repeats)
+        if "1" in streams:
+            result["direct_decode_tps"] = result[BINDING]["decode_tps"]["1"]
+        if "2" in streams:  # two streams in lanes 0 and 1 against 0 and 2
+            result["lane_gap"] = lane_gap(direct, a.out_tokens, a.repeats)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

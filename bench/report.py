@@ -218,23 +218,39 @@ def _streams(c: str) -> str:
 
 def _paired(b: dict[str, Any]) -> list[str]:
     """statecache against the binding, llama-server and any other system it was paired
-    with (``bench.batching --against``), run by run (bench.batching.paired)."""
+    with (``bench.batching --against``), run by run (bench.batching.paired): the median
+    ratio with its 95% confidence interval (results from before the interval: with the
+    lowest and highest)."""
     rows = []
     others = [("binding", "the binding"), ("llama-server", "llama-server")]
     others += [(k, k) for k in (key.removeprefix("paired_statecache_") for key in b
                                 if key.startswith("paired_statecache_"))
                if k not in ("binding", "llama-server")]
+    with_ci = True
     for other, label in others:
         p = b.get(f"paired_statecache_{other}")
         if isinstance(p, dict) and p:
-            rows.append([f"statecache ÷ {label}"] + [
-                f"{p[c]['median']:.3f} ({p[c]['low']:.2f}–{p[c]['high']:.2f})"
-                if c in p else "–" for c in ("1", "2", "4")])
+            cells = []
+            for c in ("1", "2", "4"):
+                if c not in p:
+                    cells.append("–")
+                    continue
+                lo, hi = p[c].get("ci_low"), p[c].get("ci_high")
+                if lo is None or hi is None:
+                    with_ci, lo, hi = False, p[c]["low"], p[c]["high"]
+                cells.append(f"{p[c]['median']:.3f} ({lo:.2f}–{hi:.2f})")
+            rows.append([f"statecache ÷ {label}", *cells])
     if not rows:
         return []
+    ns = {q["n"] for k, p in b.items() if k.startswith("paired_statecache_")
+          and isinstance(p, dict) for q in p.values() if "n" in q}
+    n = ns.pop() if len(ns) == 1 else None
+    brackets = ("its 95% confidence interval (between the k-th lowest and the k-th highest "
+                "ratio, whatever their distribution" + (f", of {n} repeats" if n else "")
+                + ")") if with_ci else "the lowest and highest"
     return ["", "The same ratios run by run: in each repeat, statecache's run against the "
             "other system's in the same turn, seconds apart; the median over the repeats "
-            "(the lowest and highest):", ""] + _table(
+            f"and, in brackets, {brackets}:", ""] + _table(
         ["", *(_streams(c) for c in ("1", "2", "4"))], rows)
 
 

@@ -106,7 +106,7 @@ def profiles(quick: bool) -> Profile:
                    micro_args=("--tokens", "2048", "--prompt", "1024", "--out-tokens", "64",
                                "--repeats", "5"),
                    load_model=models / "hybrid-mid.gguf",
-                   batching_args=("--long", "8000", "--out-tokens", "256", "--repeats", "9"),
+                   batching_args=("--long", "8000", "--out-tokens", "256", "--repeats", "15"),
                    subagent_args=("--system-chars", "6000"),
                    remote_args=("--contexts", "300,1500", "--repeats", "3", "--turns", "10",
                                 "--state-mib", "256"),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.batching import PER_TOKEN, paired, summary, system_config
+from bench.batching import PER_TOKEN, median_ci, paired, summary, system_config
 from bench.report import _batching, _paired
 from bench.servers import ModelSpec, _command, checkout
 
@@ -21,7 +21,8 @@ def test_each_repeat_is_compared_with_itself() -> None:
     share = [0.90, 1.00, 0.96, 0.95, 0.97]
     runs = {"statecache": {"1": [b * r for b, r in zip(binding, share, strict=True)]},
             "binding": {"1": binding}}
-    assert paired(runs, "statecache", "binding")["1"] == pytest.approx(
+    p = paired(runs, "statecache", "binding")["1"]
+    assert {k: p[k] for k in ("median", "low", "high")} == pytest.approx(
         {"median": 0.96, "low": 0.90, "high": 1.00})
     # the ratio of the medians takes statecache's median from one repeat and the
     # binding's from another: 80 / 80 here, where no repeat came out above 1.00
@@ -106,3 +107,45 @@ def test_against_config_sets_the_other_revision_apart() -> None:
     # without --against-config both run with --statecache-config's tables
     assert system_config(rev, mine=mine, theirs=None, against=rev) == \
         "[engine]\nlone_run_ms = 0"
+
+
+def test_the_median_comes_with_a_confidence_interval_that_assumes_no_distribution() -> None:
+    # 12 repeats: the chance that the median lies below the 3rd lowest ratio is
+    # P(binomial(12, 1/2) <= 2) = 79/4096 = 1.9%; below the 4th it would be 7.3%, over
+    # the 2.5% that each side of a 95% interval may miss
+    xs = [0.80 + 0.01 * i for i in range(12)]
+    assert median_ci(xs) == (xs[2], xs[9])
+    # the order of the values does not matter, only their ranks
+    assert median_ci(list(reversed(xs))) == (xs[2], xs[9])
+    # 9 repeats: P(B <= 1) = 10/512 = 2.0%, P(B <= 2) = 9.0%
+    assert median_ci(xs[:9]) == (xs[1], xs[7])
+    # 40 repeats: P(B <= 13) = 1.9%, P(B <= 14) = 4.0%
+    ys = [float(i) for i in range(40)]
+    assert median_ci(ys) == (13.0, 26.0)
+    # too few for 95%: the whole range
+    assert median_ci(xs[:5]) == (xs[0], xs[4])
+    assert median_ci([1.0]) == (1.0, 1.0)
+    with pytest.raises(ValueError):
+        median_ci([])
+
+
+def test_paired_ratios_carry_their_interval() -> None:
+    binding = [100.0] * 12
+    runs = {"statecache": {"1": [80.0 + i for i in range(12)]}, "binding": {"1": binding}}
+    p = paired(runs, "statecache", "binding")["1"]
+    assert p["n"] == 12
+    assert (p["ci_low"], p["ci_high"]) == pytest.approx((0.82, 0.89))
+    assert (p["low"], p["high"]) == pytest.approx((0.80, 0.91))
+    text = "\n".join(_paired({"paired_statecache_binding": {"1": p}}))
+    assert "0.855 (0.82–0.89)" in text and "95% confidence interval" in text
+    assert "of 12 repeats" in text
+
+
+def test_streams_picks_the_stream_counts(tmp_path: Path) -> None:
+    # a bad --streams is refused before any server starts
+    for bad in ("3", "1,1", "", "1,x"):
+        r = subprocess.run([sys.executable, "-m", "bench.batching", "--streams", bad,
+                            "--json", str(tmp_path / "x.json")],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "--streams" in r.stderr, (bad, r.stderr)
+    assert not (tmp_path / "x.json").exists()
