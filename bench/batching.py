@@ -272,10 +272,9 @@ def decode_rates(servers: dict[str, Server], direct: DirectDecoder, n_out: int,
     """Aggregate decode rates with each of ``streams`` concurrent streams (1, 2 and 4) of
     every server and of the binding (``BINDING``): ``repeats`` runs each, that take
     turns: in each repeat every system runs once per stream count, in an order that
-    rotates, and the other servers are
-    idle while one runs. So a machine that slows down over the run (these cores drift
-    by several percent in minutes) slows every system alike; ``paired`` compares the
-    runs of one repeat."""
+    rotates, and the other servers are idle while one runs. So a machine that slows
+    down over the run (these cores drift by several percent in minutes) slows every
+    system alike; ``paired`` compares the runs of one repeat."""
     turn = [*servers, BINDING]
     runs: dict[str, dict[str, list[float]]] = {n: {c: [] for c in streams} for n in turn}
     for rep in range(repeats):
@@ -303,24 +302,21 @@ def lane_gap(direct: DirectDecoder, n_out: int, repeats: int) -> dict[str, float
     return {k: statistics.median(v) for k, v in runs.items()}
 
 
-def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float]:
+def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float] | None:
     """A confidence interval of the median of ``xs`` that assumes nothing about their
     distribution: the k-th lowest and k-th highest value, with k the largest for which
     the median falls outside with a chance under ``1 - level`` (a binomial(n, 1/2) tail
-    on each side). Under 6 values no such k exists at 95%: the lowest and highest."""
+    on each side). None where no k is enough (at 95%: under 6 values)."""
     s = sorted(xs)
     n = len(s)
-    if not n:
-        raise ValueError("no values")
     tail = (1 - level) / 2
     k, below = 0, 0.0  # below: P(binomial(n, 1/2) <= k - 1)
-    while True:
+    while k + 1 <= n - k:
         nxt = below + math.comb(n, k) / 2 ** n
-        if nxt > tail or k + 1 > n - k:
+        if nxt > tail:
             break
         k, below = k + 1, nxt
-    k = max(k, 1)
-    return s[k - 1], s[n - k]
+    return (s[k - 1], s[n - k]) if k else None
 
 
 def paired(runs: dict[str, dict[str, list[float]]], a: str, b: str
@@ -334,9 +330,11 @@ def paired(runs: dict[str, dict[str, list[float]]], a: str, b: str
     for c, xs in runs[a].items():
         ratios = sorted(x / y for x, y in zip(xs, runs[b][c], strict=True))
         if ratios:
-            lo, hi = median_ci(ratios)
-            out[c] = {"median": statistics.median(ratios), "ci_low": lo, "ci_high": hi,
-                      "low": ratios[0], "high": ratios[-1], "n": len(ratios)}
+            out[c] = {"median": statistics.median(ratios), "low": ratios[0],
+                      "high": ratios[-1], "n": len(ratios)}
+            ci = median_ci(ratios)
+            if ci is not None:  # too few repeats: the lowest and highest only
+                out[c]["ci_low"], out[c]["ci_high"] = ci
     return out
 
 

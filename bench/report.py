@@ -219,8 +219,8 @@ def _streams(c: str) -> str:
 def _paired(b: dict[str, Any]) -> list[str]:
     """statecache against the binding, llama-server and any other system it was paired
     with (``bench.batching --against``), run by run (bench.batching.paired): the median
-    ratio with its 95% confidence interval (results from before the interval: with the
-    lowest and highest)."""
+    ratio with its 95% confidence interval (too few repeats for one, or results from
+    before it: with the lowest and highest)."""
     rows = []
     others = [("binding", "the binding"), ("llama-server", "llama-server")]
     others += [(k, k) for k in (key.removeprefix("paired_statecache_") for key in b

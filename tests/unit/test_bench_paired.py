@@ -122,11 +122,21 @@ def test_the_median_comes_with_a_confidence_interval_that_assumes_no_distributio
     # 40 repeats: P(B <= 13) = 1.9%, P(B <= 14) = 4.0%
     ys = [float(i) for i in range(40)]
     assert median_ci(ys) == (13.0, 26.0)
-    # too few for 95%: the whole range
-    assert median_ci(xs[:5]) == (xs[0], xs[4])
-    assert median_ci([1.0]) == (1.0, 1.0)
-    with pytest.raises(ValueError):
-        median_ci([])
+    # 6 is the fewest for 95%: P(B <= 0) = 1/64 = 1.6%, and the interval is the range
+    assert median_ci(xs[:6]) == (xs[0], xs[5])
+    # under 6, even the range misses the median more often than 5 times in 100: none
+    assert median_ci(xs[:5]) is None
+    assert median_ci([1.0]) is None
+    assert median_ci([]) is None
+
+
+def test_too_few_repeats_report_their_range_not_an_interval() -> None:
+    runs = {"statecache": {"1": [95.0]}, "binding": {"1": [100.0]}}
+    p = paired(runs, "statecache", "binding")["1"]
+    assert "ci_low" not in p and p["low"] == p["high"] == pytest.approx(0.95)
+    text = "\n".join(_paired({"paired_statecache_binding": {"1": p}}))
+    assert "0.950 (0.95–0.95)" in text and "the lowest and highest" in text
+    assert "confidence" not in text
 
 
 def test_paired_ratios_carry_their_interval() -> None:
