@@ -302,6 +302,13 @@ def lane_gap(direct: DirectDecoder, n_out: int, repeats: int) -> dict[str, float
     return {k: statistics.median(v) for k, v in runs.items()}
 
 
+def finite_median(xs: list[float]) -> float:
+    """The median of the runs that have a rate; NaN where none has (``aggregate_decode``:
+    streams that never all decoded at once)."""
+    ok = [x for x in xs if math.isfinite(x)]
+    return statistics.median(ok) if ok else float("nan")
+
+
 def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float] | None:
     """A confidence interval of the median of ``xs`` that assumes nothing about their
     distribution: the k-th lowest and k-th highest value, with k the largest for which
@@ -328,7 +335,9 @@ def paired(runs: dict[str, dict[str, list[float]]], a: str, b: str
     ``decode_tps``'s)."""
     out: dict[str, dict[str, float]] = {}
     for c, xs in runs[a].items():
-        ratios = sorted(x / y for x, y in zip(xs, runs[b][c], strict=True))
+        # a run with no span where every stream decoded at once has no rate (NaN)
+        ratios = sorted(x / y for x, y in zip(xs, runs[b][c], strict=True)
+                        if math.isfinite(x) and math.isfinite(y) and y > 0)
         if ratios:
             out[c] = {"median": statistics.median(ratios), "low": ratios[0],
                       "high": ratios[-1], "n": len(ratios)}
@@ -426,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             if "statecache" in runs and other in runs:
                 result[f"paired_statecache_{other}"] = paired(runs, "statecache", other)
         for name, rr in runs.items():
-            r = {c: statistics.median(v) for c, v in rr.items()}
+            r = {c: finite_median(v) for c, v in rr.items()}
             out = {"decode_tps": r, "decode_runs": rr}
             if "1" in r:
                 out["scaling"] = {c: v / r["1"] for c, v in r.items()}

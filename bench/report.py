@@ -15,6 +15,7 @@ Derived numbers:
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shutil
@@ -254,6 +255,11 @@ def _paired(b: dict[str, Any]) -> list[str]:
         ["", *(_streams(c) for c in ("1", "2", "4"))], rows)
 
 
+def _x(v: float, spec: str) -> str:
+    """``v`` formatted, or n/a where it is NaN (a rate bench.batching could not measure)."""
+    return format(v, spec) if math.isfinite(v) else "n/a"
+
+
 def _itl_ratio(busy: float, quiet: float) -> str:
     return f"{busy / quiet:.2f}" if quiet > 0 else "n/a"
 
@@ -281,19 +287,22 @@ def _batching(b: dict[str, Any]) -> list[str]:
     rows = []
     for c in ("1", "2", "4"):
         rows.append([_streams(c)] + [
-            f"{x['decode_tps'][c]:.1f} ({x['scaling'][c]:.2f}x)"
+            f"{_x(x['decode_tps'][c], '.1f')} ({_x(x['scaling'][c], '.2f')}x)"
             for x in [b[p] for p in peers] + ([binding] if binding else [])])
     out += _table(["aggregate decode tok/s (x one stream)"] + cols, rows)
+    if any("n/a" in cell for row in rows for cell in row):
+        out += ["", "n/a: in no run of that system did every stream decode at once (a stream "
+                "ended before the last one's first token), so there is no aggregate rate."]
     if binding:
         out += [""] + [
             f"{_streams(c)} against the binding: " + ", ".join(
-                f"{p} {b[p]['decode_tps'][c] / binding['decode_tps'][c]:.2f}x" for p in peers)
+                f"{p} {_x(b[p]['decode_tps'][c] / binding['decode_tps'][c], '.2f')}x"
+                for p in peers)
             + "." for c in ("1", "2", "4")]
         if "statecache" in peers and "llama-server" in peers:
+            sc, ls = b["statecache"]["decode_tps"], b["llama-server"]["decode_tps"]
             out += ["", "statecache against llama-server: " + ", ".join(
-                f"{_streams(c)} "
-                f"{b['statecache']['decode_tps'][c] / b['llama-server']['decode_tps'][c]:.3f}x"
-                for c in ("1", "2", "4")) + "."]
+                f"{_streams(c)} {_x(sc[c] / ls[c], '.3f')}x" for c in ("1", "2", "4")) + "."]
         out += _paired(b)
         gap = b.get("lane_gap")
         if isinstance(gap, dict) and gap.get("0,2"):

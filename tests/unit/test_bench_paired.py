@@ -3,13 +3,14 @@ machine that drifts between repeats moves both sides of a ratio alike."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from bench.batching import PER_TOKEN, median_ci, paired, summary, system_config
+from bench.batching import PER_TOKEN, finite_median, median_ci, paired, summary, system_config
 from bench.report import _batching, _paired
 from bench.servers import ModelSpec, _command, checkout
 
@@ -159,3 +160,31 @@ def test_streams_picks_the_stream_counts(tmp_path: Path) -> None:
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "--streams" in r.stderr, (bad, r.stderr)
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_run_without_a_rate_is_left_out_not_a_nan_ratio() -> None:
+    # the quick bench's tiny model: llama-server's four 64-token streams did not all
+    # decode at once, so that run has no aggregate rate (NaN)
+    nan = float("nan")
+    runs = {"statecache": {"1": [90.0, 96.0, 99.0], "4": [200.0]},
+            "llama-server": {"1": [100.0, nan, 100.0], "4": [nan]}}
+    p = paired(runs, "statecache", "llama-server")
+    assert p["1"]["n"] == 2 and p["1"]["median"] == pytest.approx(0.945)
+    assert "4" not in p
+    assert finite_median([nan, 3.0, 1.0]) == 2.0
+    assert math.isnan(finite_median([nan]))
+    itl = {"quiet_p50_ms": 1.0, "quiet_p95_ms": 2.0, "busy_p50_ms": 1.0, "busy_p95_ms": 3.0,
+           "busy_p99_ms": 4.0, "busy_max_ms": 5.0, "long_prefill_s": 0.5, "busy_tokens": 9}
+    behind = {"short_ttft_s": 0.07, "long_ttft_s": 0.5}
+    peer = {"decode_tps": {"1": 1400.0, "2": 1900.0, "4": 2500.0},
+            "scaling": {"1": 1.0, "2": 1.36, "4": 1.79}, "itl": itl,
+            "short_behind_long": behind}
+    ls = {"decode_tps": {"1": 1200.0, "2": 1300.0, "4": nan},
+          "scaling": {"1": 1.0, "2": 1.08, "4": nan}, "itl": itl, "short_behind_long": behind}
+    text = "\n".join(_batching({"model": "hybrid-tiny", "direct_decode_tps": 1500.0,
+                                "statecache": peer, "llama-server": ls,
+                                "binding": peer, "paired_statecache_llama-server": p}))
+    assert "| 4 streams | 2500.0 (1.79x) | n/a (n/ax) |" in text
+    assert "4 streams n/ax" in text and "llama-server n/ax" in text
+    assert "in no run of that system did every stream decode at once" in text
+    assert "nan" not in text.lower().replace("n/a", "")
