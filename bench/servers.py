@@ -69,13 +69,13 @@ def free_port() -> int:
 
 def _command(system: str, model: ModelSpec, port: int, n_ctx: int, lanes: int,
              scratch: Path, extra_config: str = "", extra_args: tuple[str, ...] = (),
-             root: Path | None = None) -> list[str]:
+             root: Path | None = None, threads: int = THREADS) -> list[str]:
     py = sys.executable
     if system in ("statecache", "no-cache"):
         cfg = scratch / "statecache.toml"
         cfg.write_text(
             f'[model]\npath = "{model.path}"\nn_ctx = {n_ctx}\nn_batch = {N_BATCH}\n'
-            f'n_ubatch = {N_BATCH}\nthreads = {THREADS}\n'
+            f'n_ubatch = {N_BATCH}\nthreads = {threads}\n'
             # a fresh disk tier per start: no run may hit another run's checkpoints
             f'[cache]\ndisk_path = "{scratch / "checkpoints"}"\n' + extra_config)
         # lanes and the log level as flags, so that extra_config may hold [server] and
@@ -92,8 +92,8 @@ def _command(system: str, model: ModelSpec, port: int, n_ctx: int, lanes: int,
             raise ValueError("llama_cpp.server has one slot")
         cmd = [py, "-m", "llama_cpp.server", "--model", str(model.path), "--host", "127.0.0.1",
                "--port", str(port), "--n_ctx", str(n_ctx), "--n_batch", str(N_BATCH),
-               "--n_ubatch", str(N_BATCH), "--n_threads", str(THREADS),
-               "--n_threads_batch", str(THREADS), "--cache", "true", "--verbose", "false",
+               "--n_ubatch", str(N_BATCH), "--n_threads", str(threads),
+               "--n_threads_batch", str(threads), "--cache", "true", "--verbose", "false",
                "--chat_template_kwargs", '{"preserve_thinking": true}']
         return cmd + (["--chat_format", "gemma"] if model.is_gemma else [])
     if system == "llama-server":
@@ -101,8 +101,8 @@ def _command(system: str, model: ModelSpec, port: int, n_ctx: int, lanes: int,
         # checkpoints stay at their defaults
         cmd = [str(LLAMA_SERVER), "-m", str(model.path), "--host", "127.0.0.1",
                "--port", str(port), "-c", str(n_ctx * lanes), "-np", str(lanes),
-               "-b", str(N_BATCH), "-ub", str(N_BATCH), "-t", str(THREADS),
-               "-tb", str(THREADS), "--jinja", "--no-webui"]
+               "-b", str(N_BATCH), "-ub", str(N_BATCH), "-t", str(threads),
+               "-tb", str(threads), "--jinja", "--no-webui"]
         if model.is_gemma:
             cmd += ["--chat-template-file", str(_gemma_template_for_llama_server(scratch))]
         return cmd
@@ -149,17 +149,20 @@ def _health_path(system: str) -> str:
 @contextlib.contextmanager
 def running(system: str, model: ModelSpec, *, n_ctx: int, lanes: int, log_dir: Path,
             timeout: float = 300.0, extra_config: str = "", extra_args: tuple[str, ...] = (),
-            tag: str = "", root: Path | None = None) -> Iterator[Server]:
+            tag: str = "", root: Path | None = None, threads: int = THREADS
+            ) -> Iterator[Server]:
     """Start ``system``, wait until it answers, yield it, always kill it.
     ``extra_config``: TOML tables appended to statecache's config; ``extra_args``: flags
-    of ``statecache serve``; ``root``: statecache from another checkout (a worktree)."""
+    of ``statecache serve``; ``root``: statecache from another checkout (a worktree);
+    ``threads``: its compute threads (every core by default)."""
     if root is not None and system not in ("statecache", "no-cache"):
         raise ValueError(f"{system} has no checkout of its own")
     scratch = Path(tempfile.mkdtemp(prefix=f"bench-{system}-"))
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{system}{tag}-{model.label}-{lanes}lane-{port}.log"
-    cmd = _command(system, model, port, n_ctx, lanes, scratch, extra_config, extra_args, root)
+    cmd = _command(system, model, port, n_ctx, lanes, scratch, extra_config, extra_args, root,
+                   threads)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root or ROOT,
                                 start_new_session=True)
