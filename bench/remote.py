@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -83,11 +82,7 @@ def valkey(scratch: Path) -> Iterator[str]:
 
 
 def _metric(s: Server, name: str) -> float:
-    with urllib.request.urlopen(f"{s.url}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return 0.0
+    return s.metrics().get(name, 0.0)
 
 
 def _writes(s: Server) -> tuple[float, float]:

@@ -49,13 +49,31 @@ class Server:
 
     def peak_rss_kb(self) -> int | None:
         """VmHWM of the server process (its lifetime peak resident set)."""
+        return self._status_kb("VmHWM")
+
+    def rss_kb(self) -> int | None:
+        """VmRSS of the server process (its resident set now)."""
+        return self._status_kb("VmRSS")
+
+    def _status_kb(self, key: str) -> int | None:
         try:
             for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1])
         except OSError:
             return None
         return None
+
+    def metrics(self) -> dict[str, float]:
+        """statecache's ``/metrics``: each sample's name (with its labels) to its value."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("statecache_"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.harness import _sse_lines
 from bench.servers import ModelSpec, Server, running
 
 APIS = ("chat", "chat (not streamed)", "messages", "responses")
@@ -77,13 +78,6 @@ def _post(url: str, path: str, raw: bytes) -> tuple[http.client.HTTPConnection,
     return conn, conn.getresponse()
 
 
-def _events(resp: http.client.HTTPResponse) -> Any:
-    for raw in resp:
-        line = raw.decode("utf-8").strip()
-        if line.startswith("data:") and line[5:].strip() != "[DONE]":
-            yield json.loads(line[5:])
-
-
 def ask(url: str, api: str, messages: list[dict[str, str]], max_tokens: int,
         leave_after: int | None = None) -> str | None:
     """The reply text of one greedy request by ``api``; None: the client left after
@@ -98,15 +92,21 @@ def ask(url: str, api: str, messages: list[dict[str, str]], max_tokens: int,
     else:
         path, body = "/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens}
     body.update(model="x", temperature=0, stream=api != "chat (not streamed)")
-    conn, resp = _post(url, path, json.dumps(body).encode())
-    try:
-        if resp.status != 200:
-            raise RuntimeError(f"{api}: HTTP {resp.status} {resp.read()[:300]!r}")
-        if not body["stream"]:
+    if not body["stream"]:
+        conn, resp = _post(url, path, json.dumps(body).encode())
+        try:
+            if resp.status != 200:
+                raise RuntimeError(f"{api}: HTTP {resp.status} {resp.read()[:300]!r}")
             return str(json.loads(resp.read())["choices"][0]["message"].get("content") or "")
-        parts: list[str] = []
-        ended = False
-        for n, ev in enumerate(_events(resp), 1):
+        finally:
+            conn.close()
+    parts: list[str] = []
+    ended = False
+    # closing: leaving the loop early closes the connection, which is the client leaving
+    with contextlib.closing(_sse_lines(url, body, path)) as lines:
+        events = (json.loads(line[5:]) for line in lines
+                  if line.startswith("data:") and line[5:].strip() != "[DONE]")
+        for n, ev in enumerate(events, 1):
             if "error" in ev or ev.get("type") in ("error", "response.failed"):
                 raise RuntimeError(f"{api}: error event {ev}")
             if api == "chat":
@@ -122,11 +122,9 @@ def ask(url: str, api: str, messages: list[dict[str, str]], max_tokens: int,
                 ended = ended or ev.get("type") in ("response.completed", "response.incomplete")
             if leave_after is not None and n >= leave_after:
                 return None
-        if not ended:
-            raise RuntimeError(f"{api}: the stream ended without its last event")
-        return "".join(parts)
-    finally:
-        conn.close()
+    if not ended:
+        raise RuntimeError(f"{api}: the stream ended without its last event")
+    return "".join(parts)
 
 
 def session_client(i: int, url: str, cold_url: str, until: float, compare: float,
@@ -177,27 +175,6 @@ def session_client(i: int, url: str, cold_url: str, until: float, compare: float
                 break
 
 
-def _rss_mib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) // 1024
-    return 0
-
-
-def _metrics(url: str) -> dict[str, float]:
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
-    conn.close()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("statecache_"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
 def _stop(srv: Server) -> int | None:
     """SIGINT, as a user's Ctrl-C: the exit status (None: it did not exit in 60 s)."""
     srv.proc.send_signal(signal.SIGINT)
@@ -224,13 +201,13 @@ def soak(model: Path, seconds: float, clients: int, ram_budget: str, compare: fl
         t0 = time.monotonic()
         while any(t.is_alive() for t in threads):
             time.sleep(min(15.0, max(0.5, until - time.monotonic())))
-            rss.append(_rss_mib(srv.proc.pid))
+            rss.append((srv.rss_kb() or 0) // 1024)
             on_tick(f"{time.monotonic() - t0:5.0f} s  RSS {rss[-1]:,} MiB  replies "
                     f"{tally.replies}  left {tally.left}  malformed {tally.malformed}  "
                     f"compared {tally.compared}  failures {len(tally.failures)}")
         for t in threads:
             t.join()
-        metrics = _metrics(srv.url)
+        metrics = srv.metrics()
         exits = {"statecache": _stop(srv), "no-cache": _stop(cold)}
     for name, rc in exits.items():
         if rc != 0:

@@ -92,7 +92,7 @@ def test_a_request_that_arrives_ends_the_lone_run(hybrid_path: Path) -> None:
 
     try:
         long_ids, short_ids = asyncio.run(go())
-        # the short request did not wait for the long one's run (of up to LONE s)
+        # the short request did not wait for the long one's run (of up to LONG_MS)
         assert done == ["short", "long"], done
         assert eng.counters["steps_multi_lane"] >= 3
         assert short_ids and len(long_ids) == 600
