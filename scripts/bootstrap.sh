@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 VENV=.venv
 LLAMA_VERSION=0.3.36
 
-# DESIGN.md fact 1: the native build crashes on AMX hosts; use a portable x86-64
+# docs/design.md fact 1: the native build crashes on AMX hosts; use a portable x86-64
 # build there, and the default build (Metal) on macOS.
 # GGML_OPENMP=OFF on Linux: ggml's own threadpool instead of OpenMP's. OpenMP's workers
 # spin between decodes and take the cores the event loop needs to hand each token on;

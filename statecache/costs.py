@@ -16,7 +16,7 @@ from dataclasses import dataclass
 # that a restore is tried and measured rather than never tried.
 PRIOR_PREFILL_TPS = 1_000.0
 PRIOR_BANDWIDTH = {"disk": 1e9, "remote": 2e8}  # bytes/s: read and checked
-RESTORE_BPS = 6e9  # set_data into the context (DESIGN.md fact 4), for every tier
+RESTORE_BPS = 6e9  # set_data into the context (docs/design.md fact 4), for every tier
 _WEIGHT = 0.3  # of a new measurement
 
 

@@ -52,7 +52,7 @@ with the target's at a rate set by the damping scale (see :data:`DRAFTS` and
 
 Vocabulary: SentencePiece-style (``tokenizer.ggml.model = "llama"``) whose
 normal tokens are single characters, so any generated text re-tokenizes to the
-same ids (DESIGN.md fact 3). Byte-fallback tokens exist only so that any input
+same ids (docs/design.md fact 3). Byte-fallback tokens exist only so that any input
 text tokenizes; they, <unk> and all special tokens get zero rows in the output
 projection, so greedy decoding never emits them.
 

@@ -23,17 +23,17 @@ draw from max(0, p - q), i.e. p without x) is the same as drawing the target's t
 at each row with the request's own sampler chain and accepting while it equals the
 draft: the output distribution is the target's, greedy output is the target's argmax.
 
-The draft model's rollback (fact 13: llama-server's draft context cannot roll a
+The draft model's rollback (docs/design.md fact 13: llama-server's draft context cannot roll a
 hybrid draft back and keeps stale positions; here every ``seq_rm`` is checked):
 
-- plain attention or SWA draft: ``seq_rm``; nothing of it is ever saved (fact 9).
+- plain attention or SWA draft: ``seq_rm``; nothing of it is ever saved (docs/design.md fact 9).
 - recurrent or hybrid draft: before drafting, the lane's recurrent state is staged
-  (a partial save in memory); a rejection restores it and cuts the tail (fact 7),
+  (a partial save in memory); a rejection restores it and cuts the tail (docs/design.md fact 7),
   and the accepted tokens are decoded again with the next catch-up. Its checkpoints
   are partial-only, taken where the target publishes one, kept per lane in the
   pool (owner ``draft``), so a lane the target rolls back at a new turn finds the
   draft's state there too. ``n_rs_seq`` snapshots cannot help a draft that decodes
-  one token per ``llama_decode`` (fact 11: a rollback must keep the first token of
+  one token per ``llama_decode`` (docs/design.md fact 11: a rollback must keep the first token of
   the last ubatch).
 """
 
@@ -231,7 +231,7 @@ class DraftModel:
 
     def _restore(self, lane_id: int, data: bytes | memoryview, n: int) -> bool:
         lane = self.lanes.lanes[lane_id]
-        # fact 7: the partial state first, then the attention cells past it
+        # docs/design.md fact 7: the partial state first, then the attention cells past it
         if self.ctx.restore(lane_id, data, FLAGS_PARTIAL) and self.ctx.seq_rm(lane_id, n, -1):
             lane.truncate(n)
             self._drop_above(lane_id, n)

@@ -118,7 +118,7 @@ async def ask(client: AsyncOpenAI, messages: list[dict[str, Any]], max_tokens: i
 def assert_same_or_near_tie(got: list[dict[str, Any]], cold: list[dict[str, Any]],
                             delta: float) -> None:
     """Greedy replies must agree token for token, except where the cold server itself
-    saw a near-tie: a different batch schedule moves logits a little (DESIGN.md fact
+    saw a near-tie: a different batch schedule moves logits a little (docs/design.md fact
     10), so at the first difference the cached token must be within ``delta`` of the
     cold server's top choice. After that point the two replies legitimately diverge."""
     for i, (a, b) in enumerate(zip(got, cold, strict=False)):

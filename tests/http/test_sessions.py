@@ -26,7 +26,7 @@ PAGE = 32
 
 
 # Largest logit move from a change of batch schedule: tiny on the synthetic models
-# (test_facts: 0.009), large on Gemma 3 (fact 10: up to 1.25).
+# (test_facts: 0.009), large on Gemma 3 (docs/design.md fact 10: up to 1.25).
 NEAR_TIE = {"hybrid": 0.05, "draft": 0.05, "gemma": 1.5}
 
 

@@ -174,7 +174,7 @@ async def test_draft_model_keeps_greedy_answers(
         assert m["spec_replays"] > 0, m
     if draft_memory in ("hybrid", "recurrent"):
         assert m["draft_checkpoints"] > 0 and m["draft_rollbacks"] > 0, m
-    else:  # a plain-attention draft keeps no state of its own (fact 9)
+    else:  # a plain-attention draft keeps no state of its own (docs/design.md fact 9)
         assert m["draft_checkpoints"] == 0, m
     if pair != "norollback":  # (jamba re-renders its random replies differently)
         _check_follow_ups(s, done_lines)

@@ -1,7 +1,7 @@
 """Re-tokenization and ``cache.splice_generated``.
 
 On the test models a reply sent back as text tokenizes to the ids the model
-generated (the synthetic vocabulary is single characters, DESIGN.md fact 3; Gemma 3's
+generated (the synthetic vocabulary is single characters, docs/design.md fact 3; Gemma 3's
 greedy replies round-trip too: ``python -m tools.retokenize_report``), so the
 end-of-reply state matches without help. Splicing, off by default, must then change
 nothing but where the prompt's ids come from.

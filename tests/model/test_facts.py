@@ -1,4 +1,4 @@
-"""The facts of DESIGN.md, re-established on real models.
+"""The facts of docs/design.md, re-established on real models.
 
 Each test pins one behaviour of llama.cpp state handling that the engine relies
 on. If a llama-cpp-python upgrade changes one of them, the test names it.
@@ -364,7 +364,8 @@ def test_one_batch_spans_lanes_and_rows_belong_to_their_lane(
         ctx.decode()
         got0, got1 = ctx.logits(row0), ctx.logits(row1)
         ref0 = _step(ctx, 2, a[-1], len(a) - 1)
-    # same lane state, another batch shape: a drift of the size of fact 10's, same token
+    # same lane state, another batch shape: a drift of the size of docs/design.md fact
+    # 10's, same token
     assert np.abs(got0 - ref0).max() < 0.05
     assert int(got0.argmax()) == int(ref0.argmax())
     assert np.abs(got1 - ref0).max() > 0.5  # the other row is the other conversation

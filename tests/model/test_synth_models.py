@@ -1,5 +1,5 @@
 """The synthetic GGUFs of tools/synth_gguf.py: reproducible, loadable, and
-with the properties the engine's tests rely on (DESIGN.md facts 3 and 5)."""
+with the properties the engine's tests rely on (docs/design.md facts 3 and 5)."""
 
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def test_loads_with_expected_memory_kind(
     hybrid, recurrent, n_rs_seq = EXPECTED[name]
     assert llama_cpp.llama_model_is_hybrid(m.model) is hybrid
     assert llama_cpp.llama_model_is_recurrent(m.model) is recurrent
-    # DESIGN.md fact 5: qwen35 keeps n_rs_seq snapshots, jamba is clamped to 0.
+    # docs/design.md fact 5: qwen35 keeps n_rs_seq snapshots, jamba is clamped to 0.
     assert llama_cpp.llama_n_rs_seq(m.ctx) == n_rs_seq
     assert m.n_vocab == VOCAB.size
     assert llama_cpp.llama_vocab_eos(m.vocab) == SPECIAL_IDS["<|im_end|>"]
@@ -165,7 +165,7 @@ def test_special_tokens_are_single_ids(name: str, models: dict[str, Path], load)
 
 
 def test_generated_text_round_trips(models: dict[str, Path], load) -> None:
-    """DESIGN.md fact 3: 200 greedy tokens, detokenized and re-tokenized, give
+    """docs/design.md fact 3: 200 greedy tokens, detokenized and re-tokenized, give
     the same ids; no special or byte token is ever emitted."""
     m = load(models["hybrid"], n_ctx=4096)
     rng = np.random.default_rng(0)
