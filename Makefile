@@ -34,5 +34,12 @@ bench: install models
 	$(PY) -m tools.synth_gguf mid mid-draft --out models
 	$(PY) -m bench.run $(BENCH_ARGS)
 
+# Claude Code and the Codex CLI (pinned, from npm into build/agents/npm) against statecache on
+# SmolLM2 and Gemma 3: one row per request they make (tools/agents.py; not part of `make test`).
+AGENTS_ARGS ?=
+.PHONY: agents
+agents: install
+	$(PY) -m tools.agents $(AGENTS_ARGS)
+
 clean-models:
 	rm -rf models/
