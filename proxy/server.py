@@ -41,7 +41,8 @@ def build_app(cfg: Config) -> web.Application:
     access = Access(api_keys=MappingProxyType(dict(sc.api_keys)), admin_key=sc.admin_key,
                     admin_routes=sc.admin)
     app = create_app(engine, template_path=cfg.model.chat_template or None, limits=limits,
-                     access=access, volatile=cfg.server.volatile, page_size=cfg.cache.page_size)
+                     access=access, volatile=cfg.server.volatile, page_size=cfg.cache.page_size,
+                     inner_system=sc.inner_system, hosted_tools=sc.hosted_tools)
 
     async def engine_ctx(_app: web.Application) -> AsyncIterator[None]:
         yield

@@ -353,11 +353,15 @@ def _table(rows: list[dict[str, Any]], out: TextIO) -> None:
     lines = [head]
     for r in rows:
         hits = r.get("hits")
+        role = str(r.get("role", ""))
+        kept = float(r.get("kept_until") or 0)
+        if kept > now:  # a client's cache breakpoint keeps it this much longer
+            role += f" (kept {format_age(kept - now)})"
         lines.append(
             (
                 str(r.get("id", ""))[:12],
                 str(r.get("kind", "")),
-                str(r.get("role", "")),
+                role,
                 str(r.get("n", "")),
                 format_size(int(r.get("nbytes") or 0)),
                 format_age(now - float(r.get("created") or now)),

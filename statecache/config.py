@@ -17,6 +17,8 @@ from statecache.sizes import parse_size
 _SIZE = {"size": True}
 _NO_OVERRIDES: Mapping[str, object] = MappingProxyType({})
 LOG_LEVELS = ("debug", "info", "warning", "error")
+INNER_SYSTEM = ("auto", "fold", "keep")
+HOSTED_TOOLS = ("ignore", "reject")
 SPECULATIVE_SOURCES = ("off", "lookup", "draft", "auto")
 
 
@@ -69,6 +71,15 @@ class ServerConfig:
     admin_key: str = field(default="", repr=False)  # the admin routes need it once any key is set
     admin: bool = True  # false: no admin routes at all
     volatile: tuple[VolatileRule, ...] = ()  # [[server.volatile]]: rewrites of message text
+    # A system or developer message after the first (README, "Coding agents"): "auto"
+    # keeps it in place where the chat template renders it there, else folds it into the
+    # conversation as marked user text; "fold": always; "keep": as sent (a template that
+    # refuses it makes the request a 400)
+    inner_system: str = "auto"
+    # Tools that the API's own servers run (Responses' web_search, Anthropic's server
+    # tools): "ignore" leaves them out of the prompt (a warning per type, a counter);
+    # "reject" answers 400
+    hosted_tools: str = "ignore"
 
 
 @dataclass(slots=True, frozen=True)
@@ -126,6 +137,10 @@ class CacheConfig:
     # kept outside disk_path, since whoever can write it can forge checkpoints.
     secret_path: str = "~/.local/state/statecache/secret.key"
     periodic_pages: int = 64
+    # FULL checkpoints at most per prompt where its first turn's messages and parts start,
+    # for new conversations that share instructions, tools and environment (largest gaps
+    # first); 0: none
+    share_points: int = 4
     splice_generated: bool = False
     tenant: str = ""
     remote: RemoteConfig = field(default_factory=RemoteConfig)  # [cache.remote]
@@ -235,6 +250,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("server.stream_interval_ms", 0, 1000),
     ("cache.page_size", 1, None),
     ("cache.periodic_pages", 0, None),
+    ("cache.share_points", 0, 64),
     ("sampling.temperature", 0, None),
     ("sampling.top_k", 0, None),
     ("sampling.top_p", 0, 1),
@@ -457,6 +473,11 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("speculative.lookup_min must be at most speculative.lookup_max")
     if cfg.speculative.source == "draft" and not cfg.model.draft_path:
         raise ConfigError('speculative.source = "draft" needs model.draft_path')
+    for key, choices in (("server.inner_system", INNER_SYSTEM),
+                         ("server.hosted_tools", HOSTED_TOOLS)):
+        if get_value(cfg, key) not in choices:
+            raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got "
+                              f"{get_value(cfg, key)!r}")
     if cfg.log.level.lower() not in LOG_LEVELS:
         raise ConfigError(
             f"log.level: expected one of {', '.join(LOG_LEVELS)}, got {cfg.log.level!r}"

@@ -74,6 +74,7 @@ _COUNTERS = (
     "direct_writes",
     "disk_writes",
     "disk_write_errors",
+    "kept",
 )
 
 
@@ -93,9 +94,8 @@ class _Entry:
     stats: EntryStats
     no_disk: bool = False  # the disk refused or evicted it: never written again
 
-    @property
-    def cls(self) -> EvictionClass:
-        return eviction_class(self.record.role, self.stats.hits)
+    def cls(self, now: float) -> EvictionClass:
+        return eviction_class(self.record.role, self.stats.hits, self.stats.keep_until > now)
 
 
 class CheckpointPool:
@@ -116,6 +116,7 @@ class CheckpointPool:
         self._cond = threading.Condition(self._lock)
         self._close_lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
+        self._kept: dict[str, float] = {}  # entries a client asked to keep: until when
         self._by_lane: dict[int, set[str]] = {}
         self._namespaces: dict[str, PageHash] = {}
         self._index = Index()
@@ -286,7 +287,8 @@ class CheckpointPool:
             entry = self._entries.get(rec.id)
             cost = rec.nbytes + rec.token_bytes
             promote = entry is not None and not self._in_memory(rec.id)
-            if promote and entry is not None and self._ram.put(rec.id, data, cost, entry.cls):
+            if promote and entry is not None and self._ram.put(rec.id, data, cost,
+                                                               self._cls(entry)):
                 self._counts["promotions"] += 1
                 pin = self._ram.pin(rec.id)
             if entry is not None:
@@ -300,7 +302,7 @@ class CheckpointPool:
         entry.stats.hits += 1
         entry.stats.last_used = self._clock()
         if rec.id in self._ram:
-            self._ram.touch(rec.id, entry.cls)
+            self._ram.touch(rec.id, self._cls(entry))
         if self._disk is not None and rec.id in self._disk:
             self._disk.touch(rec.id)
         self._counts[f"hits_{tier}"] += 1
@@ -363,7 +365,8 @@ class CheckpointPool:
             entry = self._entries.get(rec.id)
             if entry is None:  # joins RAM as this pool's own entry (never sent back)
                 entry = _Entry(rec, EntryStats(last_used=self._clock(), hits=1))
-                if self._ram.put(rec.id, blob, rec.nbytes + rec.token_bytes, entry.cls):
+                if self._ram.put(rec.id, blob, rec.nbytes + rec.token_bytes,
+                                 self._cls(entry)):
                     self._add(entry)
                     self._queue_write(entry)
                     return Lease(self, rec, "remote", blob, self._ram.pin(rec.id))
@@ -382,11 +385,14 @@ class CheckpointPool:
         data: Buffer,
         tenant: str = "",
         preview: str = "",
+        keep_s: float = 0.0,
     ) -> CheckpointRecord | None:
         """Store a copy of ``data`` as the state after ``tokens``; None if refused.
 
         A FULL state that RAM cannot take (a RAM budget smaller than the state) is
-        written straight to disk, in this thread, without the lock.
+        written straight to disk, in this thread, without the lock. ``keep_s``: a client
+        asked to keep it that long (a cache breakpoint): it is evicted after every entry
+        that nobody asked to keep, until then.
         """
         now = self._clock()
         rec = new_record(
@@ -407,12 +413,14 @@ class CheckpointPool:
         cost = rec.nbytes + rec.token_bytes
         deadline = time.monotonic() + _SPILL_WAIT_S
         with self._cond:
+            self._expire_kept(now)
             while True:
                 entry = self._entries.get(rec.id)
                 if entry is not None:
+                    self._keep(entry, now + keep_s)
                     return self._refresh(entry, rec, now)
                 entry = _Entry(rec, EntryStats(last_used=now))
-                if self._ram.put(rec.id, blob, cost, entry.cls):
+                if self._ram.put(rec.id, blob, cost, self._keep(entry, now + keep_s)):
                     self._add(entry)
                     self._counts["inserts"] += 1
                     self._queue_write(entry)
@@ -467,10 +475,51 @@ class CheckpointPool:
             self._index.replace(entry.record)
         entry.stats.last_used = now
         if old.id in self._ram:
-            self._ram.touch(old.id, entry.cls)
+            self._ram.touch(old.id, self._cls(entry))
         # A copy only on disk stays there: its bytes are the same state.
         self._counts["refreshes"] += 1
         return entry.record
+
+    def keep(self, chain: PageChain, n: int, seconds: float, *, tenant: str = "") -> bool:
+        """Keep the FULL state after ``chain.tokens[:n]`` for ``seconds`` more, above
+        ordinary entries (a client's cache breakpoint on a prefix already cached); False
+        when the pool holds no such state."""
+        if chain.namespace != self.namespace(tenant) or chain.page_size != self.page_size:
+            raise ValueError("chain was built for another tenant or page size")
+        now = self._clock()
+        with self._lock:
+            for rec in self._index.candidates(chain, kind=Kind.FULL, owner=Owner.TARGET,
+                                              lane=None, max_n=n):
+                if rec.n != n:
+                    return False
+                entry = self._entries[rec.id]
+                cls = self._keep(entry, now + seconds)
+                if rec.id in self._ram:
+                    self._ram.touch(rec.id, cls)
+                return True
+            return False
+
+    def _keep(self, entry: _Entry, until: float) -> EvictionClass:
+        """Keep ``entry`` until ``until`` at least; its eviction class now."""
+        now = self._clock()
+        if until > now and until > entry.stats.keep_until:
+            entry.stats.keep_until = until
+            self._kept[entry.record.id] = until
+            self._counts["kept"] += 1
+        return self._cls(entry)
+
+    def _cls(self, entry: _Entry) -> EvictionClass:
+        return entry.cls(self._clock())
+
+    def _expire_kept(self, now: float) -> None:
+        """Entries whose keeping time is up go back to their own eviction class."""
+        for entry_id, until in list(self._kept.items()):
+            if until > now:
+                continue
+            del self._kept[entry_id]
+            entry = self._entries.get(entry_id)
+            if entry is not None and entry_id in self._ram:
+                self._ram.touch(entry_id, entry.cls(now))
 
     def drop_lane(self, lane: int, above: int = -1, owner: Owner | None = None) -> int:
         """Forget the partial checkpoints of ``lane`` past position ``above`` (its KV changed),
@@ -668,6 +717,7 @@ class CheckpointPool:
 
     def _forget(self, entry_id: str) -> None:
         entry = self._entries.pop(entry_id)
+        self._kept.pop(entry_id, None)
         self._index.remove(entry_id)
         self._writer.discard(entry_id)
         lane = entry.record.lane
@@ -733,6 +783,8 @@ class CheckpointPool:
         ]
         out = rec.to_json()
         out.update(last_used=entry.stats.last_used, hits=entry.stats.hits, tiers=tiers)
+        if entry.stats.keep_until > self._clock():
+            out["kept_until"] = entry.stats.keep_until
         return out
 
     def describe(self) -> list[dict[str, Any]]:
@@ -762,6 +814,7 @@ class CheckpointPool:
                 "disk_budget": disk.budget if disk is not None else 0,
                 "quarantined": disk.quarantined if disk is not None else 0,
                 "write_queue": len(self._writer) + len(self._writing),
+                "kept_entries": sum(1 for u in self._kept.values() if u > self._clock()),
             }
             for key in _COUNTERS:
                 out[key] = self._counts[key]
@@ -817,6 +870,10 @@ class CheckpointPool:
                     lanes.setdefault(rec.lane, set()).add(entry_id)
             if lanes != self._by_lane:
                 raise RuntimeError("pool: the lane map disagrees with the entries")
+            for entry_id, until in self._kept.items():
+                kept = self._entries.get(entry_id)
+                if kept is None or kept.stats.keep_until != until:
+                    raise RuntimeError(f"pool: kept entry {entry_id} disagrees with its stats")
             remote = self._remote
         if remote is not None:
             remote.sanity_check()

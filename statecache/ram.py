@@ -26,9 +26,12 @@ class EvictionClass(enum.IntEnum):
     COLD = 0  # end-of-reply never hit
     PERIODIC = 1
     WARM = 2  # branch, replay, and end-of-reply entries that were hit
+    KEPT = 3  # a client asked to keep it (a cache breakpoint) and its time is not up
 
 
-def eviction_class(role: Role, hits: int) -> EvictionClass:
+def eviction_class(role: Role, hits: int, kept: bool = False) -> EvictionClass:
+    if kept:
+        return EvictionClass.KEPT
     if role is Role.PERIODIC:
         return EvictionClass.PERIODIC
     if role is Role.END_OF_REPLY and hits == 0:

@@ -173,3 +173,4 @@ class EntryStats:
 
     last_used: float
     hits: int = 0
+    keep_until: float = 0.0  # a client asked to keep it until then (a cache breakpoint)

@@ -15,17 +15,24 @@ Mapping:
   template), ``text`` the content, ``tool_use`` a tool call with its ``input`` as JSON
   text; ``redacted_thinking`` is opaque and dropped.
 - ``tools`` (``name``, ``description``, ``input_schema``) become function tools;
-  Anthropic's server tools (web search, bash, text editor, computer use ...) are
-  rejected by name. ``tool_choice`` any/tool/none map to required/function/none (a
-  grammar forces the call, proxy/api/structured.py); ``disable_parallel_tool_use``
-  allows one call at most.
+  Anthropic's server tools and other tools whose ``type`` is not a client tool's (web
+  search, web fetch, code execution, bash, text editor, computer use ...) are left out of
+  the prompt (``server.hosted_tools = "reject"``: a 400 naming them).
+  ``tool_choice`` any/tool/none map to required/function/none (a grammar forces the
+  call, proxy/api/structured.py); ``disable_parallel_tool_use`` allows one call at most.
 - ``output_config.format`` (``{"type": "json_schema", "schema": ...}``) constrains the
   reply to JSON that validates against the schema; ``output_config.effort`` is ignored.
 - ``thinking: {"type": "disabled"}`` sets the template's ``enable_thinking`` to false.
-- ``cache_control`` is accepted anywhere and ignored: everything is cached.
-- ``metadata`` is accepted and ignored; in particular ``metadata.user_id`` is not the
-  tenant (Claude Code sends one per session, which would keep its subagents from
-  sharing the system prompt). The tenant is the ``X-Statecache-Tenant`` header.
+- ``cache_control`` (on a tool, a system block or a content block) is a breakpoint: the
+  prompt up to the end of that block is kept as a checkpoint, held above ordinary ones
+  for its ``ttl`` ("5m", the default, or "1h"); at most four, as Anthropic allows. A
+  ``cache_control`` on the request itself marks the end of its last block. Every prompt
+  is cached anyway; a breakpoint says where.
+- ``metadata.user_id`` names the conversation (the session), never the tenant (Claude
+  Code sends one per session, which would keep its subagents from sharing the system
+  prompt). The tenant is the ``X-Statecache-Tenant`` header.
+- ``max_tokens: 0`` is a pre-warm: the prompt is prefilled and cached, nothing is
+  generated, and the reply stops with ``max_tokens``.
 - Images, documents and other non-text blocks are rejected: text-only models.
 - A conversation that ends with an assistant message (a prefilled reply to continue)
   is rejected, as Anthropic does for models without prefill.
@@ -39,9 +46,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from proxy.api.openai import (
+    TOOLS_END,
     ApiError,
     ChatMessage,
     ChatRequest,
+    Mark,
     Sampling,
     ToolCall,
     _opt_bool,
@@ -52,12 +61,50 @@ from proxy.api.openai import (
     _type_name,
     constrained,
     constraint,
+    joined_parts,
     json_format,
+    session_key,
 )
 
 MAX_STOP_SEQUENCES = 16
+MAX_BREAKPOINTS = 4  # cache_control blocks in one request, as Anthropic allows
+TTLS = {"5m": 300.0, "1h": 3600.0}
 _THINKING_ON = ("enabled", "adaptive", "between_tools")
 _SERVER_TOOL_HINT = "only client tools (name, description, input_schema) are supported"
+
+
+class _Marks:
+    """Where the message list being built stands, and the marks found in it: content
+    parts' starts and cache breakpoints (ends of blocks with ``cache_control``)."""
+
+    def __init__(self) -> None:
+        self.marks: list[Mark] = []
+
+    def parts(self, message: int, starts: tuple[int, ...]) -> None:
+        self.marks.extend(Mark(message, at) for at in starts)
+
+    def breakpoint(self, block: object, param: str, message: int, offset: int) -> None:
+        ttl = _cache_ttl(block, param)
+        if ttl:
+            if sum(1 for m in self.marks if m.ttl) >= MAX_BREAKPOINTS:
+                raise ApiError(f"at most {MAX_BREAKPOINTS} blocks may have 'cache_control'",
+                               param)
+            self.marks.append(Mark(message, offset, ttl))
+
+
+def _cache_ttl(block: object, param: str) -> float:
+    """The ``ttl`` of a block's ``cache_control`` in seconds; 0 without one."""
+    if not isinstance(block, dict) or block.get("cache_control") is None:
+        return 0.0
+    cc = _obj(block["cache_control"], f"{param}.cache_control")
+    if cc.get("type", "ephemeral") != "ephemeral":
+        raise ApiError(f"'{param}.cache_control.type' must be 'ephemeral'",
+                       f"{param}.cache_control.type")
+    ttl = cc.get("ttl", "5m")
+    if ttl not in TTLS:
+        raise ApiError(f"'{param}.cache_control.ttl' must be one of {', '.join(TTLS)}",
+                       f"{param}.cache_control.ttl")
+    return TTLS[ttl]
 
 
 def _obj(v: object, param: str) -> Mapping[str, Any]:
@@ -85,8 +132,9 @@ def _unsupported(kind: str, param: str) -> ApiError:
                     "serves text-only models with client tools", param)
 
 
-def _texts(v: object, param: str) -> str:
-    """A string, or a list of text blocks joined with "\\n" (system, tool results)."""
+def _texts(v: object, param: str, marks: _Marks | None = None, message: int = 0) -> str:
+    """A string, or a list of text blocks joined with "\\n" (system, tool results);
+    ``marks`` takes their starts and breakpoints as points of message ``message``."""
     if isinstance(v, str):
         return v
     if not isinstance(v, list):
@@ -98,7 +146,13 @@ def _texts(v: object, param: str) -> str:
         if kind != "text":
             raise _unsupported(kind, p)
         out.append(_text_of(block, p))
-    return "\n".join(out)
+    text, starts = joined_parts(out)
+    if marks is not None:
+        marks.parts(message, starts)
+        for j, block in enumerate(v):
+            end = (starts[j] if j < len(starts) else len(text) + 1) - 1
+            marks.breakpoint(block, f"{param}[{j}]", message, end)
+    return text
 
 
 def _tool_result(block: Mapping[str, Any], param: str) -> ChatMessage:
@@ -112,28 +166,33 @@ def _tool_result(block: Mapping[str, Any], param: str) -> ChatMessage:
     return ChatMessage(role="tool", content=text, tool_call_id=call_id)
 
 
-def _user(content: list[Any], param: str) -> list[ChatMessage]:
+def _user(content: list[Any], param: str, out: list[ChatMessage], marks: _Marks) -> None:
     """Tool results become tool messages; runs of text between them, user messages."""
-    out: list[ChatMessage] = []
-    texts: list[str] = []
+    texts: list[tuple[str, object, str]] = []  # (text, block, param)
 
     def flush() -> None:
         if texts:
-            out.append(ChatMessage(role="user", content="\n".join(texts)))
+            text, starts = joined_parts([t for t, _, _ in texts])
+            marks.parts(len(out), starts)
+            for k, (_, block, p) in enumerate(texts):
+                end = (starts[k] if k < len(starts) else len(text) + 1) - 1
+                marks.breakpoint(block, p, len(out), end)
+            out.append(ChatMessage(role="user", content=text))
             texts.clear()
 
     for j, block in enumerate(content):
         p = f"{param}[{j}]"
         kind = _block_type(block, p)
         if kind == "text":
-            texts.append(_text_of(block, p))
+            texts.append((_text_of(block, p), block, p))
         elif kind == "tool_result":
             flush()
-            out.append(_tool_result(block, p))
+            result = _tool_result(block, p)
+            marks.breakpoint(block, p, len(out), len(result.content or ""))
+            out.append(result)
         else:
             raise _unsupported(kind, p)
     flush()
-    return out
 
 
 def _tool_use(block: Mapping[str, Any], param: str) -> ToolCall:
@@ -169,10 +228,10 @@ def _assistant(content: list[Any], param: str) -> ChatMessage:
                        tool_calls=tuple(calls))
 
 
-def _messages(v: object) -> list[ChatMessage]:
+def _messages(v: object, out: list[ChatMessage], marks: _Marks) -> None:
+    """Appends the ``messages`` to ``out`` (which may hold the system prompt)."""
     if not isinstance(v, list) or not v:
         raise ApiError("'messages' must be a non-empty list", "messages")
-    out: list[ChatMessage] = []
     for i, m in enumerate(v):
         param = f"messages[{i}]"
         role = _obj(m, param).get("role")
@@ -184,29 +243,37 @@ def _messages(v: object) -> list[ChatMessage]:
             out.append(ChatMessage(role=role, content=content))
             continue
         if role == "system":
-            out.append(ChatMessage(role=role, content=_texts(content, f"{param}.content")))
+            text = _texts(content, f"{param}.content", marks, len(out))
+            out.append(ChatMessage(role=role, content=text))
             continue
         if not isinstance(content, list):
             raise ApiError(f"'{param}.content' must be a string or a list of content blocks",
                            f"{param}.content")
         if role == "user":
-            out.extend(_user(content, f"{param}.content"))
+            _user(content, f"{param}.content", out, marks)
         else:
-            out.append(_assistant(content, f"{param}.content"))
+            message = _assistant(content, f"{param}.content")
+            for j, block in enumerate(content):
+                marks.breakpoint(block, f"{param}.content[{j}]", len(out),
+                                 len(message.content or ""))
+            out.append(message)
     if v[-1].get("role") == "assistant":
         # The template would close the turn and open a new one: not a continuation.
         raise ApiError("the last message is from the assistant: continuing a prefilled reply "
                        "is not supported", f"messages[{len(v) - 1}]")
-    return out
 
 
-def _tool(t: object, param: str) -> dict[str, Any]:
-    """An Anthropic client tool as a chat-completions function tool (same key order)."""
+def _tool(t: object, param: str, hosted: str, ignored: list[str]) -> dict[str, Any] | None:
+    """An Anthropic client tool as a chat-completions function tool (same key order);
+    None for a server tool left out (its type noted in ``ignored``)."""
     tool = _obj(t, param)
     kind = tool.get("type")
     if kind not in (None, "custom"):
-        raise ApiError(f"'{param}' is a server tool of type {kind!r}, which this server does "
-                       f"not run; {_SERVER_TOOL_HINT}", param)
+        if hosted == "reject" or not isinstance(kind, str):
+            raise ApiError(f"'{param}' is a server tool of type {kind!r}, which this server "
+                           f"does not run; {_SERVER_TOOL_HINT}", param)
+        ignored.append(kind)
+        return None
     name = tool.get("name")
     if not isinstance(name, str) or not name:
         raise ApiError(f"'{param}.name' must be a non-empty string", f"{param}.name")
@@ -218,12 +285,19 @@ def _tool(t: object, param: str) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
-def _tools(v: object) -> tuple[Mapping[str, Any], ...] | None:
+def _tools(v: object, hosted: str, ignored: list[str], marks: _Marks
+           ) -> tuple[Mapping[str, Any], ...] | None:
     if v is None:
         return None
     if not isinstance(v, list):
         raise ApiError("'tools' must be a list", "tools")
-    return tuple(_tool(t, f"tools[{k}]") for k, t in enumerate(v)) or None
+    out: list[Mapping[str, Any]] = []
+    for k, t in enumerate(v):
+        tool = _tool(t, f"tools[{k}]", hosted, ignored)
+        if tool is not None:
+            out.append(tool)
+            marks.breakpoint(t, f"tools[{k}]", TOOLS_END, len(out))
+    return tuple(out) or None
 
 
 def _parallel(v: object) -> bool:
@@ -282,7 +356,7 @@ def _stop_sequences(body: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def _sampling(body: Mapping[str, Any], need_max_tokens: bool) -> Sampling:
-    max_tokens = _opt_int(body, "max_tokens", lo=1)
+    max_tokens = _opt_int(body, "max_tokens", lo=0)  # 0: a pre-warm
     if max_tokens is None and need_max_tokens:
         raise ApiError("'max_tokens' is required", "max_tokens")
     temperature = _opt_float(body, "temperature", 0.0, 1.0)
@@ -308,19 +382,34 @@ def fit_max_tokens(sampling: Sampling, n_ctx: int, n_prompt: int) -> Sampling:
     return dataclasses.replace(sampling, max_tokens=room)
 
 
-def parse_messages_request(body: object, *, count_only: bool = False) -> ChatRequest:
-    """A ``POST /v1/messages`` body (``count_only``: a ``count_tokens`` body, no max_tokens)."""
+def _session(body: Mapping[str, Any]) -> str | None:
+    metadata = body.get("metadata")
+    if metadata is None:
+        return None
+    return session_key(_obj(metadata, "metadata").get("user_id"), "metadata.user_id")
+
+
+def parse_messages_request(body: object, *, count_only: bool = False,
+                           hosted_tools: str = "ignore") -> ChatRequest:
+    """A ``POST /v1/messages`` body (``count_only``: a ``count_tokens`` body, no max_tokens).
+    ``hosted_tools``: "ignore" leaves server tools out, "reject" refuses them."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     _opt_str(body, "model")
-    if body.get("metadata") is not None:
-        _obj(body["metadata"], "metadata")
+    session = _session(body)
+    marks = _Marks()
+    ignored: list[str] = []
+    tools, choice = (_tools(body.get("tools"), hosted_tools, ignored, marks),
+                     _tool_choice(body.get("tool_choice")))
+    messages: list[ChatMessage] = []
     system = body.get("system")
-    messages = _messages(body.get("messages"))
     if system is not None:
-        messages.insert(0, ChatMessage(role="system", content=_texts(system, "system")))
+        messages.append(ChatMessage(role="system", content=_texts(system, "system", marks)))
+    _messages(body.get("messages"), messages, marks)
+    # a top-level cache_control: the breakpoint goes on the last block of the conversation
+    last = messages[-1]
+    marks.breakpoint(body, "request", len(messages) - 1, len(last.content or ""))
     kwargs = {**_thinking_kwargs(body.get("thinking")), **_template_kwargs(body)}
-    tools, choice = _tools(body.get("tools")), _tool_choice(body.get("tool_choice"))
     grammar = constraint(json_schema=_output_format(body),
                          json_path="output_config.format.schema", tools=tools,
                          tool_choice=choice, parallel=_parallel(body.get("tool_choice")),
@@ -335,4 +424,7 @@ def parse_messages_request(body: object, *, count_only: bool = False) -> ChatReq
         stream=bool(_opt_bool(body, "stream")) and not count_only,
         include_usage=True,
         user=None,
+        marks=tuple(marks.marks),
+        session=session,
+        ignored_tools=tuple(ignored),
     )

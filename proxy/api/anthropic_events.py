@@ -3,9 +3,13 @@
 Usage follows Anthropic's rule that the prompt is ``input_tokens +
 cache_creation_input_tokens + cache_read_input_tokens``: ``cache_read_input_tokens``
 is the reused prefix, ``input_tokens`` what was prefilled, and creation is 0 (every
-prefilled token is cached as a matter of course; nothing is billed). The cached count
-is known only at the end, so ``message_start`` reports the whole prompt as
-``input_tokens`` and ``message_delta`` the final split (the SDK takes the later values).
+prefilled token is cached as a matter of course; nothing is billed). ``message_start``
+goes out once the request has a lane and its plan, before the prefill, with that split
+(as Anthropic's API fills it: clients and gateways read usage there); ``message_delta``
+repeats it with the output tokens.
+
+A stop sequence that ended the reply gives ``stop_reason: "stop_sequence"`` and names it
+in ``stop_sequence``.
 
 Streams open with ``message_start`` and a ``ping``; reasoning, text and each tool call
 are content blocks in the order they are generated; a tool call's input arrives as
@@ -19,7 +23,7 @@ import secrets
 from typing import Any
 
 from proxy.api.reply import Delta, ParsedToolCall, StreamParser
-from proxy.engine.types import FinishEvent, TokenLogprob, Usage
+from proxy.engine.types import FinishEvent, StartEvent, TokenLogprob, Usage
 
 JSON = dict[str, Any]
 
@@ -55,6 +59,8 @@ def stop_reason(fin: FinishEvent, tool_calls: bool, window: bool = False) -> str
     limit ran out of context, not out of the client's budget."""
     if tool_calls:
         return "tool_use"
+    if fin.stop_sequence is not None:
+        return "stop_sequence"
     if fin.reason == "length":
         return "model_context_window_exceeded" if window else "max_tokens"
     return "end_turn"
@@ -81,11 +87,18 @@ def message_body(message_id: str, model: str, reply: Delta, fin: FinishEvent,
     return {"id": message_id, "type": "message", "role": "assistant", "model": model,
             "content": content,
             "stop_reason": stop_reason(fin, bool(reply.tool_calls), window),
-            "stop_sequence": None, "usage": usage_json(fin.usage)}
+            "stop_sequence": _stop_sequence(fin, bool(reply.tool_calls)),
+            "usage": usage_json(fin.usage)}
+
+
+def _stop_sequence(fin: FinishEvent, tool_calls: bool) -> str | None:
+    return None if tool_calls else fin.stop_sequence
 
 
 class MessageEvents:
     """The SSE events of one streamed message (the ``Chunks`` protocol of app.py)."""
+
+    early = True  # message_start as soon as the plan is known
 
     def __init__(self, message_id: str, model: str, parser: StreamParser,
                  prompt_tokens: int, window: bool = False) -> None:
@@ -142,8 +155,9 @@ class MessageEvents:
             out += self._call(call)
         return out
 
-    def start(self) -> list[JSON]:
-        usage = usage_json(Usage(prompt_tokens=self._prompt_tokens))
+    def start(self, started: StartEvent | None = None) -> list[JSON]:
+        usage = usage_json(Usage(prompt_tokens=self._prompt_tokens,
+                                 cached_tokens=started.cached_tokens if started else 0))
         message: JSON = {"id": self._id, "type": "message", "role": "assistant",
                    "model": self._model, "content": [], "stop_reason": None,
                    "stop_sequence": None, "usage": usage}
@@ -157,7 +171,7 @@ class MessageEvents:
         out.append({"type": "message_delta",
                     "delta": {"stop_reason": stop_reason(fin, self._n_calls > 0,
                                                          self._window),
-                              "stop_sequence": None},
+                              "stop_sequence": _stop_sequence(fin, self._n_calls > 0)},
                     "usage": usage_json(fin.usage)})
         out.append({"type": "message_stop"})
         return out

@@ -24,11 +24,22 @@ Choices:
   started is sent as the API's error event. A client that goes away closes the
   engine's generator, which stops generation.
 - ``GET /health`` answers 503 when the engine's health has ``"ok": false``.
+- ``GET /`` and ``HEAD /`` (Claude Code probes it before every turn) answer a line naming
+  the server and its endpoints.
+- Hosted tools (Responses' web search, Anthropic's server tools) are left out of the
+  prompt with one warning per type and a counter (``server.hosted_tools``).
+- The conversation a request belongs to (its session, for lane affinity and miss
+  reasons): the ``X-Statecache-Session`` header, else Claude Code's agent id header (a
+  subagent is a conversation of its own), else its session id header, else what the
+  body names (Codex's ``prompt_cache_key``, Anthropic's ``metadata.user_id``).
+- The last requests (``GET /admin/requests``): route, status and, for a generation, its
+  tokens, cached tokens, TTFT and miss reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import math
@@ -64,7 +75,7 @@ from proxy.api.openai import (
     parse_completion_request,
 )
 from proxy.api.openai_events import ChatChunks, Chunks, CompletionChunks, error_body
-from proxy.api.prompt import chat_prompt, completion_prompt
+from proxy.api.prompt import Prompt, chat_prompt, completion_prompt
 from proxy.api.render import ChatTemplate, load_chat_template
 from proxy.api.reply import Delta, StreamParser, parse_reply, starts_in_reasoning
 from proxy.api.responses import ResponseStore, chat_request, parse_responses_request
@@ -82,6 +93,7 @@ from proxy.engine.types import (
     FinishEvent,
     GenerationRequest,
     QueueFull,
+    StartEvent,
     TokenEvent,
     TokenLogprob,
 )
@@ -97,6 +109,13 @@ TENANT_HEADER = "X-Statecache-Tenant"
 # and names the proxy that answered.
 SESSION_HEADER = "X-Statecache-Session"
 PROXY_HEADER = "X-Statecache-Proxy"
+# Claude Code names each subagent's conversation (its main agent's requests carry none),
+# and each session (its subagents' requests carry their session's too)
+AGENT_HEADER = "X-Claude-Code-Agent-Id"
+CLAUDE_SESSION_HEADER = "X-Claude-Code-Session-Id"
+MAX_RECENT = 256  # requests kept for GET /admin/requests
+MAX_TOOL_TYPES = 32  # hosted tool types counted apart (the rest: "other")
+_UNLOGGED = ("/admin/", "/metrics", "/health")  # not kept there (polled)
 
 
 class EngineLike(Protocol):
@@ -125,6 +144,14 @@ STARTED = web.AppKey("started", int)
 SEEN = web.AppKey("seen", SeenConversations)  # what was rendered: why a request missed
 VOLATILE = web.AppKey("volatile", Volatile)
 CONVERSATION = web.RequestKey("conversation", Conversation)  # remembered once replied
+HOSTED_TOOLS = web.AppKey("hosted_tools", str)  # "ignore" | "reject"
+# counters of the HTTP side, for /metrics
+API_COUNTS: web.AppKey[Counter[str]] = web.AppKey("api_counts", Counter)
+WARNED = web.AppKey("warned", set)  # hosted tool types warned about once
+# the last requests, newest last
+RECENT: web.AppKey[collections.deque[dict[str, Any]]] = web.AppKey("recent", collections.deque)
+FINISHED = web.RequestKey("finished", tuple)  # (request id, its FinishEvent)
+REASON = web.RequestKey("reason", str)  # why a request was refused
 
 
 @dataclass(slots=True, frozen=True)
@@ -199,7 +226,25 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     route = request.match_info.route.resource
     name = route.canonical if route is not None else "unmatched"
     request.app[HTTP_COUNTS][(name, resp.status)] += 1
+    if not request.path.startswith(_UNLOGGED):
+        request.app[RECENT].append(_record(request, resp.status))
     return resp
+
+
+def _record(request: web.Request, status: int) -> dict[str, Any]:
+    """One request as ``GET /admin/requests`` lists it."""
+    out: dict[str, Any] = {"time": time.time(), "method": request.method,
+                           "path": request.path, "status": status,
+                           "error": request.get(REASON)}
+    done = request.get(FINISHED)
+    if done is not None:
+        request_id, fin = done
+        out.update(request_id=request_id, prompt_tokens=fin.usage.prompt_tokens,
+                   cached_tokens=fin.usage.cached_tokens, prefilled=fin.stats.prefilled,
+                   output_tokens=fin.usage.completion_tokens,
+                   ttft_s=round(fin.stats.ttft_s, 4), finish_reason=fin.reason,
+                   miss=fin.stats.miss or None)
+    return out
 
 
 def _rejected(request: web.Request, resp: web.Response) -> web.Response:
@@ -210,6 +255,7 @@ def _rejected(request: web.Request, resp: web.Response) -> web.Response:
     except (ValueError, KeyError, TypeError):
         return resp  # not one of ours
     log.info("rejected %s %s: %d %s", request.method, request.path, resp.status, reason)
+    request[REASON] = reason
     if not request.path.startswith("/v1/messages"):
         return resp
     keep = {k: v for k, v in resp.headers.items() if k in ("Allow", "Retry-After")}
@@ -252,19 +298,55 @@ def _max_tokens(n_ctx: int, n_prompt: int, asked: int | None, param: str,
 
 
 def _tokenize_chat(engine: EngineLike, template: ChatTemplate, req: ChatRequest,
-                   tenant: str) -> tuple[str, list[int], int | None]:
-    """(prompt, its tokens, tokens of the history before the generation prompt).
+                   tenant: str) -> Prompt:
+    """The prompt, its tokens, the tokens of the history before the generation prompt,
+    and where it may be shared or kept.
 
     Client text stays text, a prompt past the context is refused before it is
     tokenized, and it is tokenized once (proxy/api/prompt.py).
     """
-    p = chat_prompt(engine.tokenizer, template, req, tenant, engine.n_ctx)
-    return p.text, p.tokens, p.history
+    return chat_prompt(engine.tokenizer, template, req, tenant, engine.n_ctx)
+
+
+def _session(request: web.Request, named: str | None) -> str | None:
+    """The conversation this request belongs to: a header, else what its body names."""
+    for header in (SESSION_HEADER, AGENT_HEADER, CLAUDE_SESSION_HEADER):
+        value = request.headers.get(header)
+        if value and len(value) <= 256:
+            return f"{header.lower()}:{value}"
+    return named
+
+
+def _ignored_tools(request: web.Request, kinds: Sequence[str]) -> None:
+    """Count the hosted tools a request sent that were left out; warn once per type."""
+    warned = request.app[WARNED]
+    for kind in (k[:64] for k in kinds):
+        if kind not in warned and len(warned) >= MAX_TOOL_TYPES:
+            kind = "other"  # a client's strings: the counters stay bounded
+        request.app[API_COUNTS][f"hosted_tools_ignored.{kind}"] += 1
+        if kind not in warned:
+            warned.add(kind)
+            log.warning("left the hosted tool of type %r out of the prompt: this server runs "
+                        "only the client's own tools (server.hosted_tools = \"reject\" "
+                        "refuses such requests instead)", kind)
+
+
+def _chat_generation(request: web.Request, p: Prompt, req: ChatRequest, prefix: str,
+                     param: str, tenant: str, sampling: Sampling | None = None
+                     ) -> GenerationRequest:
+    session = _session(request, req.session)
+    return _generation(request, p.tokens, sampling or req.sampling, prefix, param, tenant,
+                       p.history,
+                       chat_conversation(tenant, req, p.tokens, p.text, p.history, session),
+                       share_points=p.share_points, breakpoints=p.breakpoints,
+                       session=session)
 
 
 def _generation(request: web.Request, tokens: list[int], sampling: Sampling, prefix: str,
                 param: str, tenant: str, history: int | None = None,
-                seen: Conversation | None = None) -> GenerationRequest:
+                seen: Conversation | None = None, *, share_points: tuple[int, ...] = (),
+                breakpoints: tuple[tuple[int, float], ...] = (),
+                session: str | None = None) -> GenerationRequest:
     release(request)  # the prompt is tokenized: the next request may be parsed
     max_tokens = _max_tokens(request.app[ENGINE].n_ctx, len(tokens), sampling.max_tokens, param,
                              request.app[LIMITS].default_max_tokens)
@@ -274,7 +356,9 @@ def _generation(request: web.Request, tokens: list[int], sampling: Sampling, pre
         request[CONVERSATION] = seen
     gen = GenerationRequest(request_id=f"{prefix}-{secrets.token_hex(12)}",
                             prompt_tokens=tuple(tokens), sampling=sampling.to_params(max_tokens),
-                            tenant=tenant, history_tokens=history, divergence=divergence)
+                            tenant=tenant, history_tokens=history, divergence=divergence,
+                            share_points=share_points, breakpoints=breakpoints,
+                            session=session)
     if divergence is not None:
         log.debug("%s: %s", gen.request_id, divergence.describe())
     return gen
@@ -289,8 +373,10 @@ async def _generate(request: web.Request, gen: GenerationRequest) -> AsyncIterat
             if isinstance(ev, TokenEvent):
                 ids.extend(ev.token_ids)
                 parts.append(ev.text)
-            elif CONVERSATION in request:
-                request.app[SEEN].remember(request[CONVERSATION], "".join(parts), ids)
+            elif isinstance(ev, FinishEvent):
+                request[FINISHED] = (gen.request_id, ev)
+                if CONVERSATION in request:
+                    request.app[SEEN].remember(request[CONVERSATION], "".join(parts), ids)
             yield ev
 
 
@@ -329,8 +415,9 @@ async def _collect(request: web.Request, gen: GenerationRequest
                 _log_finish(gen, ev)
                 return "".join(parts), ev, (logprobs if gen.sampling.logprobs is not None
                                             else None)
-            parts.append(ev.text)
-            logprobs.extend(ev.logprobs)
+            if isinstance(ev, TokenEvent):
+                parts.append(ev.text)
+                logprobs.extend(ev.logprobs)
             if _gone(request):
                 raise ConnectionResetError("client went away")
     raise RuntimeError("the engine's event stream ended without a FinishEvent")
@@ -370,13 +457,18 @@ async def _stream(request: web.Request, gen: GenerationRequest, chunks: Chunks,
         # ValueError still become a 503 / 400 status.
         async with asyncio.timeout(request.app[LIMITS].request_timeout):
             ev: Event | None = await anext(events, None)
+            started = ev if isinstance(ev, StartEvent) else None
+            if started is not None and not chunks.early:
+                ev = await anext(events, None)  # the stream opens with the first token
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
         try:
-            for obj in chunks.start():
+            for obj in chunks.start(started):
                 await _send(resp, obj, framing.named)
+            if isinstance(ev, StartEvent):
+                ev = await anext(events, None)
             while ev is not None:
                 if isinstance(ev, FinishEvent):
                     _log_finish(gen, ev)
@@ -384,8 +476,9 @@ async def _stream(request: web.Request, gen: GenerationRequest, chunks: Chunks,
                         await _send(resp, obj, framing.named)
                     await resp.write(framing.end)
                     return resp
-                for obj in chunks.text(ev.text, ev.logprobs):
-                    await _send(resp, obj, framing.named)
+                if isinstance(ev, TokenEvent):
+                    for obj in chunks.text(ev.text, ev.logprobs):
+                        await _send(resp, obj, framing.named)
                 if _gone(request):
                     raise ConnectionResetError("client went away")
                 ev = await anext(events, None)
@@ -409,11 +502,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = request.app[VOLATILE].apply(parse_chat_request(await _json_body(request)))
     engine, tenant = request.app[ENGINE], _tenant(request, req.user)
     # Rendering and tokenizing a long conversation takes a while: off the event loop.
-    prompt, tokens, history = await asyncio.to_thread(
-        _tokenize_chat, engine, request.app[TEMPLATE], req, tenant)
-    gen = _generation(request, tokens, req.sampling, "chatcmpl", "messages", tenant, history,
-                      chat_conversation(tenant, req, tokens, prompt, history))
-    in_reasoning = starts_in_reasoning(prompt)
+    p = await asyncio.to_thread(_tokenize_chat, engine, request.app[TEMPLATE], req, tenant)
+    gen = _chat_generation(request, p, req, "chatcmpl", "messages", tenant)
+    in_reasoning = starts_in_reasoning(p.text)
     if req.stream:
         parser = StreamParser(starts_in_reasoning=in_reasoning, parse_tools=req.parse_tools)
         return await _stream(request, gen, ChatChunks(gen.request_id, engine.model_name, parser,
@@ -448,18 +539,20 @@ def _parse_all(parser: StreamParser, text: str) -> Delta:
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """Anthropic Messages: the chat path, written as Messages events."""
-    req = request.app[VOLATILE].apply(parse_messages_request(await _json_body(request)))
+    req = request.app[VOLATILE].apply(parse_messages_request(
+        await _json_body(request), hosted_tools=request.app[HOSTED_TOOLS]))
+    _ignored_tools(request, req.ignored_tools)
     engine, tenant = request.app[ENGINE], _tenant(request, None)
-    prompt, tokens, history = await asyncio.to_thread(
-        _tokenize_chat, engine, request.app[TEMPLATE], unbounded(req), tenant)
-    sampling = fit_max_tokens(req.sampling, engine.n_ctx, len(tokens))
+    p = await asyncio.to_thread(_tokenize_chat, engine, request.app[TEMPLATE], unbounded(req),
+                                tenant)
+    sampling = fit_max_tokens(req.sampling, engine.n_ctx, len(p.tokens))
     window = sampling != req.sampling
-    gen = _generation(request, tokens, sampling, "msg", "messages", tenant, history,
-                      chat_conversation(tenant, req, tokens, prompt, history))
-    parser = StreamParser(starts_in_reasoning=starts_in_reasoning(prompt),
+    gen = _chat_generation(request, p, req, "msg", "messages", tenant, sampling)
+    parser = StreamParser(starts_in_reasoning=starts_in_reasoning(p.text),
                           parse_tools=req.parse_tools, make_id=new_tool_use_id)
     if req.stream:
-        events = MessageEvents(gen.request_id, engine.model_name, parser, len(tokens), window)
+        events = MessageEvents(gen.request_id, engine.model_name, parser, len(p.tokens),
+                               window)
         return await _stream(request, gen, events, Framing(True, b"", events.error))
     text, fin, _ = await _collect(request, gen)
     return web.json_response(message_body(gen.request_id, engine.model_name,
@@ -468,24 +561,24 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request) -> web.Response:
     """Anthropic's ``count_tokens``: the prompt's length as rendered and tokenized here."""
-    req = request.app[VOLATILE].apply(
-        parse_messages_request(await _json_body(request), count_only=True))
-    _, tokens, _ = await asyncio.to_thread(_tokenize_chat, request.app[ENGINE],
-                                           request.app[TEMPLATE], req, _tenant(request, None))
-    return web.json_response({"input_tokens": len(tokens)})
+    req = request.app[VOLATILE].apply(parse_messages_request(
+        await _json_body(request), count_only=True, hosted_tools=request.app[HOSTED_TOOLS]))
+    p = await asyncio.to_thread(_tokenize_chat, request.app[ENGINE], request.app[TEMPLATE],
+                                req, _tenant(request, None))
+    return web.json_response({"input_tokens": len(p.tokens)})
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
     """OpenAI Responses: the chat path over the stored history, written as Responses events."""
-    req = parse_responses_request(await _json_body(request))
+    req = parse_responses_request(await _json_body(request),
+                                  hosted_tools=request.app[HOSTED_TOOLS])
+    _ignored_tools(request, req.ignored_tools)
     engine, tenant, store = request.app[ENGINE], _tenant(request, req.user), request.app[RESPONSES]
     history = store.history(req.previous_response_id, tenant) if req.previous_response_id else ()
     chat = request.app[VOLATILE].apply(chat_request(req, history))
-    prompt, tokens, n_history = await asyncio.to_thread(
-        _tokenize_chat, engine, request.app[TEMPLATE], chat, tenant)
-    gen = _generation(request, tokens, chat.sampling, "resp", "input", tenant,
-                      n_history, chat_conversation(tenant, chat, tokens, prompt, n_history))
-    parser = StreamParser(starts_in_reasoning=starts_in_reasoning(prompt),
+    p = await asyncio.to_thread(_tokenize_chat, engine, request.app[TEMPLATE], chat, tenant)
+    gen = _chat_generation(request, p, chat, "resp", "input", tenant)
+    parser = StreamParser(starts_in_reasoning=starts_in_reasoning(p.text),
                           parse_tools=req.parse_tools)
     head = response_head(gen.request_id, engine.model_name, req)
     resp: web.StreamResponse
@@ -520,6 +613,20 @@ async def get_model(request: web.Request) -> web.Response:
     return web.json_response(_model_card(request))
 
 
+async def index(request: web.Request) -> web.Response:
+    """``GET /`` and ``HEAD /``: what answers here."""
+    text = (f"statecache serving {request.app[ENGINE].model_name}: POST /v1/chat/completions, "
+            "/v1/completions, /v1/messages, /v1/messages/count_tokens, /v1/responses; "
+            "GET /v1/models, /health, /metrics\n")
+    return web.Response(text=text)
+
+
+async def list_requests(request: web.Request) -> web.Response:
+    """The last requests, oldest first: route, status, and a generation's usage."""
+    recent = request.app[RECENT]
+    return web.json_response({"requests": list(recent)})
+
+
 async def health(request: web.Request) -> web.Response:
     body = request.app[ENGINE].health()
     return web.json_response(body, status=503 if body.get("ok") is False else 200)
@@ -529,6 +636,8 @@ async def metrics(request: web.Request) -> web.Response:
     counts: dict[str, Any] = request.app[ENGINE].metrics()
     if request.app[VOLATILE]:
         counts = {**counts, "volatile_replacements": request.app[VOLATILE].counts()}
+    api_counts = request.app[API_COUNTS]
+    counts = {**counts, **api_counts}
     text = format_metrics(counts, request.app[HTTP_COUNTS])
     return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
@@ -562,8 +671,10 @@ async def _routing_headers(request: web.Request, resp: web.StreamResponse) -> No
 def create_app(engine: EngineLike, *, admin: bool = True,
                template_path: str | Path | None = None,
                limits: Limits | None = None, access: Access | None = None,
-               volatile: Sequence[VolatileRule] = (), page_size: int = 32) -> web.Application:
-    """The app over a started engine; ``template_path`` overrides the chat template."""
+               volatile: Sequence[VolatileRule] = (), page_size: int = 32,
+               inner_system: str = "auto", hosted_tools: str = "ignore") -> web.Application:
+    """The app over a started engine; ``template_path`` overrides the chat template;
+    ``inner_system`` and ``hosted_tools`` are the ``[server]`` keys of those names."""
     limits = limits or Limits()
     access = access or Access()
     app = web.Application(client_max_size=limits.max_body, middlewares=[_errors, _auth])
@@ -573,14 +684,28 @@ def create_app(engine: EngineLike, *, admin: bool = True,
     app[BODY_LIMIT] = limits.max_body
     app[SLOTS] = asyncio.Semaphore(limits.parse_concurrency)
     app[TEMPLATE] = load_chat_template(engine.chat_template, bos_token=engine.bos_token,
-                                       eos_token=engine.eos_token, override=template_path)
+                                       eos_token=engine.eos_token, override=template_path,
+                                       inner_system=inner_system)
+    app[HOSTED_TOOLS] = hosted_tools
+    api_counts: Counter[str] = Counter()
+    app[API_COUNTS] = api_counts
+    app[WARNED] = set()
+    recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_RECENT)
+    app[RECENT] = recent
     app[HTTP_COUNTS] = Counter()
     app[RESPONSES] = ResponseStore()
-    app[SEEN] = SeenConversations(page=page_size)
+    model = engine.tokenizer.model
+    app[SEEN] = SeenConversations(page=page_size,
+                                  text=lambda ids: model.detokenize(ids.tolist()))
     app[VOLATILE] = Volatile(volatile)
     app[STARTED] = int(time.time())
     app.on_response_prepare.append(_routing_headers)
-    log.info("chat template: %s", app[TEMPLATE].origin)
+    tpl = app[TEMPLATE]
+    log.info("chat template: %s; a system message after the first: %s by the template, %s; "
+             "messages of one role in a row: %s", tpl.origin, tpl.inner.value,
+             "folded into the conversation" if tpl.fold_inner else "rendered as sent",
+             "merged" if tpl.merge_runs else "rendered as sent")
+    app.router.add_get("/", index)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", messages)
@@ -594,4 +719,5 @@ def create_app(engine: EngineLike, *, admin: bool = True,
         app.router.add_get("/admin/checkpoints", list_checkpoints)
         app.router.add_get("/admin/checkpoints/{id}", get_checkpoint)
         app.router.add_get("/admin/misses", list_misses)
+        app.router.add_get("/admin/requests", list_requests)
     return app

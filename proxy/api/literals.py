@@ -72,6 +72,16 @@ class Literals:
             self._by_char[ch] = text
         return ch
 
+    def plain_bytes(self, text: str) -> int:
+        """UTF-8 bytes of ``text`` as tokenized: each placeholder as the text it holds."""
+        n = len(text.encode("utf-8", "surrogatepass"))
+        if self._by_char:
+            for m in AREA_RE.finditer(text):
+                original = self._by_char.get(m.group())
+                if original is not None:
+                    n += len(original.encode("utf-8", "surrogatepass")) - len(m.group().encode())
+        return n
+
     def segments(self, text: str, cuts: Iterable[int] = ()) -> tuple[list[Segment], list[int]]:
         """The rendered ``text`` in pieces to tokenize, and for each offset of ``cuts``
         (sorted) the number of pieces before it: a cut always falls between pieces."""

@@ -147,7 +147,22 @@ RULES: tuple[Rule, ...] = (
                        ("waits_for_shared_prefix", "Requests that waited for another one's "
                         "checkpoint of a prefix they share."),
                        ("fetches_in_background", "Checkpoints read from disk or the shared "
-                        "store on the fetch thread while other requests ran."))),
+                        "store on the fetch thread while other requests ran."),
+                       ("prewarms", "Pre-warm requests (max_tokens 0) served: prefilled and "
+                        "cached, nothing generated."),
+                       ("prewarms_dropped", "Waiting pre-warms dropped (503) to make room in "
+                        "a full queue for a request that generates."))),
+    Rule(r"hosted_tools_ignored\.(?P<type>.+)", Family(
+        "statecache_hosted_tools_ignored_total", "counter",
+        "Hosted tools (run by the API's own servers) left out of prompts, by type.")),
+    Rule(r"share_points", Family(
+        "statecache_share_points_total", "counter",
+        "FULL checkpoints published where a prompt's first-turn messages start, for new "
+        "conversations that share them.")),
+    Rule(r"pool\.kept", Family("statecache_kept_checkpoints_total", "counter",
+                               "Checkpoints a client's cache breakpoint asked to keep.")),
+    Rule(r"pool\.kept_entries", Family("statecache_kept_checkpoints", "gauge",
+                                       "Checkpoints kept now for a client's breakpoint.")),
     Rule(r"pool\.disk_writes", Family("statecache_disk_writes_total", "counter",
                                       "Checkpoints written to disk.")),
     Rule(r"pool\.disk_write_errors", Family("statecache_disk_write_errors_total", "counter",

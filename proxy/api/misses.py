@@ -14,9 +14,18 @@ and role there, a short excerpt of each side, and a cause:
   message that differs (or the tools);
 - "reasoning dropped": an assistant message that carried reasoning comes back without;
 - "reply re-rendered differently": the same text (up to whitespace), other tokens;
+- "reply re-tokenized differently": the reply came back as the very text it was streamed
+  as, and that text tokenizes to other ids than the model generated (a reply cut by
+  ``max_tokens`` inside a UTF-8 character, a byte-fallback vocabulary): ``known`` then
+  counts the whole reply, which could have been reused;
 - "other tenant": another tenant's conversation shares more than this tenant's own;
   said without any of that tenant's text, which never leaves this module;
 - "evicted": the text agreed all along (the engine says so too, when the state was gone).
+
+A client that names its conversations (``session``: Codex's ``prompt_cache_key``, Claude
+Code's session and agent ids) is compared with the same conversation first: a prompt it
+changed is never "new conversation"; one that another conversation shares only up to
+its first user message is.
 
 The engine reports it as a miss only when it reused less than ``known`` (less a page).
 Bounded: ``max_entries`` conversations, ``max_bytes`` of ids and text, ``per_tenant`` of
@@ -27,9 +36,10 @@ replaced by it, so an agent session is one entry, not one per turn. Thread-safe.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,16 +101,17 @@ class Conversation:
     history: int  # tokens before the generation prompt
     opens_reasoning: bool = False  # the prompt ends inside <think>
     parse_tools: bool = False
+    session: str | None = None  # the client's name for the conversation
 
 
 def chat_conversation(tenant: str, req: ChatRequest, tokens: Sequence[int], rendered: str,
-                      history: int | None) -> Conversation:
+                      history: int | None, session: str | None = None) -> Conversation:
     ids = np.asarray(tokens, dtype=np.int32)
     return Conversation(tenant, tuple(turn_of(m) for m in req.messages),
                         _canonical(list(req.tools)) if req.tools else "",
                         _canonical(dict(req.template_kwargs)), ids,
                         len(ids) if history is None else history,
-                        starts_in_reasoning(rendered), req.parse_tools)
+                        starts_in_reasoning(rendered), req.parse_tools, session)
 
 
 def prompt_conversation(tenant: str, text: str, tokens: Sequence[int]) -> Conversation:
@@ -183,12 +194,32 @@ def _cause(old: Turn, new: Turn, k: int, tools_changed: bool, opening: bool) -> 
     return "earlier message edited"
 
 
-def explain(seen: Conversation, conv: Conversation, common: int) -> Divergence:
-    """Why ``conv`` leaves the remembered ``seen`` (prompt and reply) at token ``common``."""
+Text = Callable[[np.ndarray], str]  # token ids -> the text they decode to
+
+
+def _retokenized(seen: Conversation, conv: Conversation, common: int, text: Text | None
+                 ) -> bool:
+    """Whether the two part at ``common``, inside the reply, with the same text there."""
+    if text is None or not seen.history <= common < len(seen.tokens):
+        return False
+    old = text(seen.tokens[common:])
+    new = text(conv.tokens[common:common + len(seen.tokens) - common + 8])
+    return bool(old) and new.startswith(old)
+
+
+def explain(seen: Conversation, conv: Conversation, common: int,
+            text: Text | None = None) -> Divergence:
+    """Why ``conv`` leaves the remembered ``seen`` (prompt and reply) at token ``common``;
+    ``text`` decodes ids (to tell a reply re-tokenized from one re-rendered)."""
     n = len(conv.tokens)
     known = min(common, n - 1)
     if common >= min(len(seen.tokens), n):  # one holds the other: the text agreed
         return Divergence(known, "evicted", replayed=n > common == len(seen.tokens))
+    if _retokenized(seen, conv, common, text):
+        k = len(seen.turns) - 1
+        role = conv.turns[k].role if 0 <= k < len(conv.turns) else ""
+        return Divergence(min(len(seen.tokens), n - 1), "reply re-tokenized differently",
+                          common, k if role else -1, role)
     tools_changed = seen.tools != conv.tools
     for k, (old, new) in enumerate(zip(seen.turns, conv.turns, strict=False)):
         if _differs(old, new):
@@ -217,8 +248,10 @@ class SeenConversations:
     """The conversations the server rendered lately, per tenant, bounded."""
 
     def __init__(self, *, page: int = PAGE, max_entries: int = MAX_ENTRIES,
-                 per_tenant: int = PER_TENANT, max_bytes: int = MAX_BYTES) -> None:
+                 per_tenant: int = PER_TENANT, max_bytes: int = MAX_BYTES,
+                 text: Text | None = None) -> None:
         self.page = page
+        self.text = text
         self.max_entries, self.per_tenant, self.max_bytes = max_entries, per_tenant, max_bytes
         self._entries: collections.OrderedDict[int, _Seen] = collections.OrderedDict()
         self._tenants: collections.Counter[str] = collections.Counter()
@@ -238,25 +271,36 @@ class SeenConversations:
         with self._lock:
             entries = list(self._entries.items())
         own: tuple[int, _Seen] | None = None
-        own_common = other_common = 0
+        same: tuple[int, _Seen] | None = None  # the same conversation, as the client names it
+        own_common = other_common = same_common = 0
         for key, e in entries:
             c = common_prefix(e.conv.tokens, conv.tokens)
             if e.conv.tenant == conv.tenant:
                 if own is None or c > own_common:
                     own, own_common = (key, e), c
+                if conv.session is not None and e.conv.session == conv.session and \
+                        (same is None or c > same_common):
+                    same, same_common = (key, e), c
             else:
                 other_common = max(other_common, c)
         n = len(conv.tokens)
         if other_common > max(own_common, self.page):
             # tenants never share states; their text stays theirs
             return Divergence(min(other_common, n - 1), "other tenant", own_common)
-        if own is None or own_common <= self.page:
+        if same is not None:
+            own, own_common = same, same_common
+        elif own is None or own_common <= self.page or (
+                conv.session is not None and own[1].conv.session is not None):
+            # nothing shared, or only another named conversation shares it
             return Divergence(min(own_common, max(n - 1, 0)), "new conversation",
                               own_common if own is not None else -1)
         with self._lock:
             if own[0] in self._entries:
                 self._entries.move_to_end(own[0])
-        return explain(own[1].conv, conv, own_common)
+        d = explain(own[1].conv, conv, own_common, self.text)
+        if same is not None and d.cause == "new conversation":
+            d = dataclasses.replace(d, cause="earlier message edited")  # the client says
+        return d
 
     def remember(self, conv: Conversation, reply_text: str, reply_ids: Sequence[int]) -> None:
         """Keep ``conv`` with its reply; drop what it continues, then the oldest over bounds."""
@@ -299,6 +343,6 @@ def _with_reply(conv: Conversation, text: str, ids: Sequence[int]) -> _Seen:
                                          for c in r.tool_calls)))
     tokens = np.concatenate([conv.tokens, np.asarray(ids, dtype=np.int32)])
     seen = Conversation(conv.tenant, turns, conv.tools, conv.setup, tokens, conv.history,
-                        conv.opens_reasoning, conv.parse_tools)
+                        conv.opens_reasoning, conv.parse_tools, conv.session)
     nbytes = tokens.nbytes + sum(t.nbytes for t in turns) + len(conv.tools) + len(conv.setup)
     return _Seen(seen, nbytes)

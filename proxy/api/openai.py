@@ -132,6 +132,23 @@ class Sampling:
 _SHARED = tuple(f.name for f in dataclasses.fields(Sampling) if f.name != "max_tokens")
 
 
+TOOLS_END = -1  # Mark.message of a point after a tool definition
+
+
+@dataclass(slots=True, frozen=True)
+class Mark:
+    """A point of the conversation that the request names: ``offset`` characters into the
+    content of message ``message`` (for ``TOOLS_END``: after the first ``offset`` tools).
+
+    Where a content part (a text block) starts, new conversations may share the prompt up
+    to there; with ``ttl`` > 0 it is a client's cache breakpoint (Anthropic
+    ``cache_control``), kept for ``ttl`` seconds (proxy/api/hints.py)."""
+
+    message: int
+    offset: int
+    ttl: float = 0.0
+
+
 @dataclass(slots=True, frozen=True)
 class ChatRequest:
     model: str
@@ -143,6 +160,11 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     user: str | None
+    marks: tuple[Mark, ...] = ()
+    # the conversation this request belongs to, as the client names it (Codex's
+    # prompt_cache_key, Claude Code's session and agent ids): lane affinity, miss reasons
+    session: str | None = None
+    ignored_tools: tuple[str, ...] = ()  # types of hosted tools left out of the prompt
 
     @property
     def parse_tools(self) -> bool:
@@ -247,8 +269,8 @@ def parse_sampling(body: Mapping[str, Any]) -> Sampling:
     """The sampling fields both endpoints share (chat adds its constraints later)."""
     refuse_unsupported(body)
     top_k = _opt_int(body, "top_k", lo=-1)
-    max_tokens = _opt_int(body, "max_tokens", lo=1)
-    max_completion = _opt_int(body, "max_completion_tokens", lo=1)
+    max_tokens = _opt_int(body, "max_tokens", lo=0)  # 0: a pre-warm (prefill and cache only)
+    max_completion = _opt_int(body, "max_completion_tokens", lo=0)
     return Sampling(
         temperature=_temperature(body),
         top_p=_opt_float(body, "top_p", 0.0, 1.0, lo_open=True),
@@ -417,9 +439,22 @@ def _common(body: object) -> tuple[Mapping[str, Any], bool, bool]:
     return body, stream, usage
 
 
-def _content(v: object, param: str) -> str | None:
+def joined_parts(texts: list[str], sep: str = "\n") -> tuple[str, tuple[int, ...]]:
+    """Content parts joined into one text, and where each part after the first starts."""
+    starts: list[int] = []
+    at = 0
+    for k, t in enumerate(texts):
+        if k:
+            at += len(sep)
+            starts.append(at)
+        at += len(t)
+    return sep.join(texts), tuple(starts)
+
+
+def _content(v: object, param: str) -> tuple[str | None, tuple[int, ...]]:
+    """A message's content as one text, and where its parts after the first start."""
     if v is None or isinstance(v, str):
-        return v
+        return v, ()
     if not isinstance(v, list):
         raise ApiError(f"'{param}' must be a string or a list of content parts", param)
     texts: list[str] = []
@@ -432,7 +467,7 @@ def _content(v: object, param: str) -> str | None:
         if kind != "text" or not isinstance(part.get("text"), str):
             raise ApiError(f"'{p}' must be {{\"type\": \"text\", \"text\": <string>}}", p)
         texts.append(part["text"])
-    return "\n".join(texts)
+    return joined_parts(texts)
 
 
 def _tool_call(v: object, param: str) -> ToolCall:
@@ -454,7 +489,7 @@ def _tool_call(v: object, param: str) -> ToolCall:
     return ToolCall(id=call_id, name=fn["name"], arguments=args)
 
 
-def _message(v: object, i: int) -> ChatMessage:
+def _message(v: object, i: int, marks: list[Mark]) -> ChatMessage:
     param = f"messages[{i}]"
     if not isinstance(v, dict):
         raise ApiError(f"'{param}' must be an object", param)
@@ -463,7 +498,8 @@ def _message(v: object, i: int) -> ChatMessage:
         raise ApiError(f"'{param}.role' must be one of {', '.join(_ROLES)}; got {role!r}",
                        f"{param}.role")
     role = _ROLES[role]
-    content = _content(v.get("content"), f"{param}.content")
+    content, starts = _content(v.get("content"), f"{param}.content")
+    marks.extend(Mark(i, at) for at in starts)
     if content is None and role != "assistant":
         raise ApiError(f"'{param}.content' is required for role '{role}'", f"{param}.content")
     calls = v.get("tool_calls")
@@ -568,9 +604,11 @@ def parse_chat_request(body: object) -> ChatRequest:
                                                  "response_format"),
                          json_path="response_format.json_schema.schema", tools=tools,
                          tool_choice=choice, parallel=parallel is not False)
+    marks: list[Mark] = []
+    messages = tuple(_message(m, i, marks) for i, m in enumerate(msgs))
     return ChatRequest(
         model=body.get("model") or "",
-        messages=tuple(_message(m, i) for i, m in enumerate(msgs)),
+        messages=messages,
         tools=tools,
         tool_choice=choice,
         template_kwargs=_template_kwargs(body),
@@ -578,7 +616,24 @@ def parse_chat_request(body: object) -> ChatRequest:
         stream=stream,
         include_usage=usage,
         user=body.get("user"),
+        marks=tuple(marks),
+        session=session_key(body.get("prompt_cache_key"), "prompt_cache_key"),
     )
+
+
+MAX_SESSION = 256
+
+
+def session_key(v: object, param: str) -> str | None:
+    """A client's name for its conversation (``prompt_cache_key``, an agent id): a string
+    of at most ``MAX_SESSION`` characters, or absent."""
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise ApiError(f"'{param}' must be a string, not {_type_name(v)}", param)
+    if len(v) > MAX_SESSION:
+        raise ApiError(f"'{param}' may be at most {MAX_SESSION} characters", param)
+    return v or None
 
 
 def parse_completion_request(body: object) -> CompletionRequest:

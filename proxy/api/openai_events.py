@@ -6,7 +6,7 @@ import time
 from typing import Any, Protocol
 
 from proxy.api.reply import Delta, StreamParser
-from proxy.engine.types import FinishEvent, TokenLogprob
+from proxy.engine.types import FinishEvent, StartEvent, TokenLogprob
 
 JSON = dict[str, Any]
 
@@ -18,15 +18,22 @@ def error_body(status: int, message: str, *, param: str | None = None,
 
 
 class Chunks(Protocol):
-    """What one streaming endpoint sends: at the start, per text delta, at the end."""
+    """What one streaming endpoint sends: at the start, per text delta, at the end.
+    ``early``: the start goes out once the request has a lane and its plan (Anthropic's
+    ``message_start`` carries the cached tokens); else with the first token, so a
+    client's first chunk stays its first token."""
 
-    def start(self) -> list[JSON]: ...
+    early: bool
+
+    def start(self, started: StartEvent | None = None) -> list[JSON]: ...
     def text(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> list[JSON]: ...
     def finish(self, fin: FinishEvent) -> list[JSON]: ...
 
 
 class ChatChunks:
     """``chat.completion.chunk`` events, the text split by a ``StreamParser``."""
+
+    early = False
 
     def __init__(self, request_id: str, model: str, parser: StreamParser,
                  include_usage: bool) -> None:
@@ -51,7 +58,7 @@ class ChatChunks:
             self._n_calls += 1
         return out
 
-    def start(self) -> list[JSON]:
+    def start(self, started: StartEvent | None = None) -> list[JSON]:
         return [self._chunk({"role": "assistant", "content": ""})]
 
     def text(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> list[JSON]:
@@ -93,6 +100,8 @@ class ChatChunks:
 class CompletionChunks:
     """``text_completion`` bodies and stream events."""
 
+    early = False
+
     def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
         self._head = {"id": request_id, "object": "text_completion",
                       "created": int(time.time()), "model": model}
@@ -102,7 +111,7 @@ class CompletionChunks:
         return {**self._head, "choices": [{"index": 0, "text": text, "logprobs": None,
                                            "finish_reason": finish_reason}]}
 
-    def start(self) -> list[JSON]:
+    def start(self, started: StartEvent | None = None) -> list[JSON]:
         return []
 
     def text(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> list[JSON]:

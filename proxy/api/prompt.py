@@ -8,6 +8,10 @@
   ends (before the generation prompt): the prompt is tokenized in two parts cut where a
   special token starts at or before that point, which tokenizes exactly as the whole
   text does, and the first part's length is the history.
+- Where other conversations may share the prompt and where the client asked to keep it
+  (proxy/api/hints.py) are character offsets; each becomes the number of tokens that end
+  at or before it (their bytes counted as the tokenizer writes them), so a point never
+  lies past the text it names.
 
 These functions block (tokenizing a long prompt takes a while): call them off the loop.
 """
@@ -15,8 +19,12 @@ These functions block (tokenizing a long prompt takes a while): call them off th
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from proxy.api.hints import marks_to_place, place
 from proxy.api.literals import AREA_RE, Literals
 from proxy.api.openai import ApiError, ChatRequest
 from proxy.api.render import ChatTemplate, render_chat
@@ -30,6 +38,8 @@ class Prompt:
     text: str  # as rendered (client text that holds special-token texts escaped)
     tokens: list[int]
     history: int | None  # tokens of the history before the generation prompt
+    share_points: tuple[int, ...] = ()  # token positions (proxy/api/hints.py)
+    breakpoints: tuple[tuple[int, float], ...] = ()  # (token position, seconds to keep)
 
 
 def utf8_len(text: str) -> int:
@@ -79,7 +89,33 @@ def chat_prompt(tokenizer: Tokenizer, template: ChatTemplate, req: ChatRequest, 
     n_history = None
     if cut is not None:
         n_history = ends[at[0] - 1] if at[0] > 0 else 0
-    return Prompt(text, tokens, n_history or None)
+    share, keep = _points(tokenizer, template, req, text, tokens, table)
+    return Prompt(text, tokens, n_history or None, share, keep)
+
+
+def _points(tokenizer: Tokenizer, template: ChatTemplate, req: ChatRequest, text: str,
+            tokens: Sequence[int], table: Literals
+            ) -> tuple[tuple[int, ...], tuple[tuple[int, float], ...]]:
+    """Share points and breakpoints as token positions (proxy/api/hints.py)."""
+    marks = marks_to_place(req)
+    if not marks:
+        return (), ()
+
+    def render(r: ChatRequest) -> str:
+        return render_chat(template, r, escape=table.escape)
+
+    placed = place(render, req, text, marks)
+    if not placed:
+        return (), ()
+    byte_at = {c: table.plain_bytes(text[:c]) for c in sorted({c for _, c in placed})}
+    ends = np.cumsum(tokenizer.model.piece_lengths(tokens), dtype=np.int64)
+    pos = {c: int(np.searchsorted(ends, b, side="right")) for c, b in byte_at.items()}
+    share = sorted({pos[c] for m, c in placed if m.ttl == 0 and pos[c] > 0})
+    keep: dict[int, float] = {}
+    for m, c in placed:
+        if m.ttl > 0 and pos[c] > 0:
+            keep[pos[c]] = max(keep.get(pos[c], 0.0), m.ttl)
+    return tuple(share), tuple(sorted(keep.items()))
 
 
 def completion_prompt(tokenizer: Tokenizer, text: str, tenant: str, n_ctx: int,

@@ -19,6 +19,10 @@ reasoning of earlier turns vanishes from the prompt once a new user turn arrives
 next request can no longer resume from the end of the previous reply.
 
 Rendering is deterministic for templates that do not call ``strftime_now``.
+
+System and developer messages after the first, and messages of one role in a row: the
+template is probed once when it is loaded, and such messages are kept as sent where it
+renders them, else folded or merged (proxy/api/inner.py, ``server.inner_system``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,13 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from proxy.api.inner import (
+    fold_inner_system,
+    merge_runs,
+    probe_inner_system,
+    should_fold,
+    takes_runs,
+)
 from proxy.api.openai import RESERVED_TEMPLATE_VARS, ChatMessage, ChatRequest, ToolCall
 
 VENDOR_TEMPLATES = Path(__file__).resolve().parents[2] / "vendor" / "templates"
@@ -77,7 +88,7 @@ class ChatTemplate:
     """A compiled chat template; ``origin`` says where its text came from."""
 
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "",
-                 origin: str = "inline") -> None:
+                 origin: str = "inline", inner_system: str = "auto") -> None:
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True,
             extensions=[_IgnoreGeneration, jinja2.ext.loopcontrols],
@@ -93,6 +104,12 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.defaults = keep_thinking_defaults(source)
+        # what the template does with a system message after the first, and so whether
+        # such messages are folded (proxy/api/inner.py)
+        self.inner = probe_inner_system(self.render)
+        self.fold_inner = should_fold(inner_system, self.inner)
+        # messages of one role in a row: merged where the template refuses them
+        self.merge_runs = not takes_runs(self.render)
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
                tools: Sequence[Mapping[str, Any]] | None = None,
@@ -120,17 +137,19 @@ class ChatTemplate:
 
 
 def load_chat_template(gguf_template: str | None, *, bos_token: str, eos_token: str,
-                       override: str | Path | None = None) -> ChatTemplate:
+                       override: str | Path | None = None,
+                       inner_system: str = "auto") -> ChatTemplate:
     """The override file if given, else the GGUF's template, else the Gemma 3 fallback."""
     if override:
         path = Path(override).expanduser()
-        return ChatTemplate(path.read_text(encoding="utf-8"), bos_token=bos_token,
-                            eos_token=eos_token, origin=f"file {path}")
-    if gguf_template:
-        return ChatTemplate(gguf_template, bos_token=bos_token, eos_token=eos_token,
-                            origin="the GGUF metadata")
-    return ChatTemplate(FALLBACK_TEMPLATE.read_text(encoding="utf-8"), bos_token=bos_token,
-                        eos_token=eos_token, origin=f"fallback {FALLBACK_TEMPLATE.name}")
+        source, origin = path.read_text(encoding="utf-8"), f"file {path}"
+    elif gguf_template:
+        source, origin = gguf_template, "the GGUF metadata"
+    else:
+        source = FALLBACK_TEMPLATE.read_text(encoding="utf-8")
+        origin = f"fallback {FALLBACK_TEMPLATE.name}"
+    return ChatTemplate(source, bos_token=bos_token, eos_token=eos_token, origin=origin,
+                        inner_system=inner_system)
 
 
 def _arguments(text: str) -> Any:
@@ -175,7 +194,10 @@ def render_chat(template: ChatTemplate, req: ChatRequest, *,
     ``escape`` rewrites everything the client sent before the template sees it
     (``Literals.escape`` keeps special-token texts typed by a client plain).
     """
-    return template.render(escape([template_message(m) for m in req.messages]),
+    messages = fold_inner_system(req.messages) if template.fold_inner else req.messages
+    if template.merge_runs:
+        messages = merge_runs(messages)
+    return template.render(escape([template_message(m) for m in messages]),
                            tools=escape(req.tools),
                            template_kwargs=escape(dict(req.template_kwargs)),
                            add_generation_prompt=add_generation_prompt)

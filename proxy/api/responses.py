@@ -18,14 +18,19 @@ Mapping:
   output) comes before the new input; unknown ids are a 400.
 - Only ``function`` tools, and ``namespace`` tools (groups of functions, which the Codex
   CLI sends): their functions are offered by their own names and a call of one carries
-  its ``namespace``. Hosted tools (web search, file search, computer use, code
-  interpreter, MCP, ...) are rejected by type. ``tool_choice`` and
-  ``parallel_tool_calls`` as in chat: a forced choice is a grammar.
+  its ``namespace``. Hosted tools (web search, file search, image generation, computer
+  use, code interpreter, remote MCP), which the Codex CLI sends unless told otherwise,
+  are left out of the prompt (``server.hosted_tools = "reject"``: a 400 naming them);
+  other tool types are a 400. ``tool_choice`` and ``parallel_tool_calls`` as in chat: a
+  forced choice is a grammar.
 - ``text.format`` json_object / json_schema constrains the reply to JSON (as chat's
   ``response_format``); ``text.verbosity`` is accepted.
 - ``reasoning.effort: "none"`` sets the template's ``enable_thinking`` to false.
-- ``include``, ``metadata``, ``prompt_cache_key``, ``truncation`` are accepted;
+- ``prompt_cache_key`` names the conversation (Codex sends its thread id): lane affinity
+  and miss reasons. ``include``, ``metadata``, ``truncation`` are accepted;
   ``background``, ``conversation`` and ``prompt`` are rejected.
+- ``max_output_tokens: 0`` is a pre-warm: the prompt is prefilled and cached, and the
+  response is ``incomplete`` with no output.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from proxy.api.openai import (
     ApiError,
     ChatMessage,
     ChatRequest,
+    Mark,
     Sampling,
     ToolCall,
     _opt_bool,
@@ -49,7 +55,9 @@ from proxy.api.openai import (
     _type_name,
     constrained,
     constraint,
+    joined_parts,
     json_format,
+    session_key,
 )
 
 # Reasoning sent back in ``encrypted_content`` is ours only with this prefix.
@@ -57,6 +65,9 @@ REASONING_MARK = "statecache-reasoning:"
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _REJECTED_FIELDS = ("background", "conversation", "prompt")
+# Tools that OpenAI's servers run (by type, or its prefix: web_search_preview_2025_03_11)
+HOSTED_TYPES = ("web_search", "file_search", "image_generation", "code_interpreter",
+                "computer_use", "mcp")
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,6 +90,9 @@ class ResponsesRequest:
     user: str | None
     metadata: Mapping[str, Any]
     reasoning_effort: str | None
+    marks: tuple[Mark, ...] = ()  # content parts' starts, by index into ``messages``
+    session: str | None = None  # prompt_cache_key
+    ignored_tools: tuple[str, ...] = ()  # types of hosted tools left out
 
     @property
     def parse_tools(self) -> bool:
@@ -100,8 +114,13 @@ def _str(v: Mapping[str, Any], key: str, param: str) -> str:
 
 def _text(v: object, param: str) -> str:
     """A string, or text parts (``input_text``, ``output_text``) joined with "\\n"."""
+    return _parts(v, param)[0]
+
+
+def _parts(v: object, param: str) -> tuple[str, tuple[int, ...]]:
+    """``_text``, and where its parts after the first start."""
     if isinstance(v, str):
-        return v
+        return v, ()
     if not isinstance(v, list):
         raise ApiError(f"'{param}' must be a string or a list of content parts", param)
     out: list[str] = []
@@ -115,7 +134,7 @@ def _text(v: object, param: str) -> str:
         else:
             raise ApiError(f"content parts of type {kind!r} are not supported: this server "
                            "serves text-only models", p)
-    return "\n".join(out)
+    return joined_parts(out)
 
 
 def _reasoning_text(item: Mapping[str, Any], param: str) -> str | None:
@@ -135,6 +154,7 @@ class _Turns:
 
     def __init__(self) -> None:
         self.messages: list[ChatMessage] = []
+        self.marks: list[Mark] = []
         self._reasoning: str | None = None
         self._content: str | None = None
         self._calls: list[ToolCall] = []
@@ -161,8 +181,9 @@ class _Turns:
     def call(self, call: ToolCall) -> None:
         self._calls.append(call)
 
-    def other(self, message: ChatMessage) -> None:
+    def other(self, message: ChatMessage, starts: tuple[int, ...] = ()) -> None:
         self.flush()
+        self.marks.extend(Mark(len(self.messages), at) for at in starts)
         self.messages.append(message)
 
 
@@ -174,11 +195,11 @@ def _item(turns: _Turns, item: object, param: str) -> None:
         if role not in _ROLES:
             raise ApiError(f"'{param}.role' must be one of {', '.join(_ROLES)}; got {role!r}",
                            f"{param}.role")
-        text = _text(v.get("content"), f"{param}.content")
+        text, starts = _parts(v.get("content"), f"{param}.content")
         if role == "assistant":
             turns.content(text)
         else:
-            turns.other(ChatMessage(role=_ROLES[role], content=text))
+            turns.other(ChatMessage(role=_ROLES[role], content=text), starts)
     elif kind == "reasoning":
         turns.reasoning(_reasoning_text(v, param))
     elif kind == "function_call":
@@ -193,16 +214,16 @@ def _item(turns: _Turns, item: object, param: str) -> None:
                        "reasoning, function_call and function_call_output", f"{param}.type")
 
 
-def _input(v: object) -> tuple[ChatMessage, ...]:
+def _input(v: object) -> tuple[tuple[ChatMessage, ...], tuple[Mark, ...]]:
     if isinstance(v, str):
-        return (ChatMessage(role="user", content=v),)
+        return (ChatMessage(role="user", content=v),), ()
     if not isinstance(v, list) or not v:
         raise ApiError("'input' must be a string or a non-empty list of items", "input")
     turns = _Turns()
     for i, item in enumerate(v):
         _item(turns, item, f"input[{i}]")
     turns.flush()
-    return tuple(turns.messages)
+    return tuple(turns.messages), tuple(turns.marks)
 
 
 def _function(tool: Mapping[str, Any], param: str) -> dict[str, Any]:
@@ -226,12 +247,22 @@ def _unsupported_tool(kind: object, param: str) -> ApiError:
                     "search, computer use, code interpreter or MCP", f"{param}.type")
 
 
-def _tool(t: object, param: str, chat: list[dict[str, Any]], namespaces: dict[str, str]) -> None:
-    """Adds a function tool to ``chat``, or a namespace's functions (noting their namespace)."""
+def _hosted(kind: object) -> bool:
+    return isinstance(kind, str) and kind.startswith(HOSTED_TYPES)
+
+
+def _tool(t: object, param: str, chat: list[dict[str, Any]], namespaces: dict[str, str],
+          ignored: list[str] | None) -> None:
+    """Adds a function tool to ``chat``, or a namespace's functions (noting their namespace);
+    a hosted tool's type goes to ``ignored`` (None: hosted tools are refused)."""
     tool = _obj(t, param)
     kind = tool.get("type")
     if kind == "function":
         chat.append(_function(tool, param))
+        return
+    if ignored is not None and _hosted(kind):
+        assert isinstance(kind, str)
+        ignored.append(kind)
         return
     if kind != "namespace":
         raise _unsupported_tool(kind, param)
@@ -246,7 +277,8 @@ def _tool(t: object, param: str, chat: list[dict[str, Any]], namespaces: dict[st
         namespaces[chat[-1]["function"]["name"]] = space
 
 
-def _tools(v: object) -> tuple[tuple[Mapping[str, Any], ...] | None, Mapping[str, str]]:
+def _tools(v: object, ignored: list[str] | None
+           ) -> tuple[tuple[Mapping[str, Any], ...] | None, Mapping[str, str]]:
     """The tools as chat tools (a namespace's functions in its place), and the namespace
     of each function that has one. Names must be unique: the model calls tools by name."""
     if v is None:
@@ -256,7 +288,7 @@ def _tools(v: object) -> tuple[tuple[Mapping[str, Any], ...] | None, Mapping[str
     chat: list[dict[str, Any]] = []
     namespaces: dict[str, str] = {}
     for k, t in enumerate(v):
-        _tool(t, f"tools[{k}]", chat, namespaces)
+        _tool(t, f"tools[{k}]", chat, namespaces, ignored)
     names = [t["function"]["name"] for t in chat]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -284,7 +316,7 @@ def _reasoning_effort(body: Mapping[str, Any]) -> str | None:
 def _sampling(body: Mapping[str, Any]) -> Sampling:
     return Sampling(temperature=_opt_float(body, "temperature", 0.0, 2.0),
                     top_p=_opt_float(body, "top_p", 0.0, 1.0, lo_open=True),
-                    max_tokens=_opt_int(body, "max_output_tokens", lo=1),
+                    max_tokens=_opt_int(body, "max_output_tokens", lo=0),  # 0: pre-warm
                     speculative=_opt_bool(body, "speculative"))
 
 
@@ -295,14 +327,19 @@ def _text_format(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return json_format(_obj(text, "text").get("format"), "text.format", nested=False)
 
 
-def parse_responses_request(body: object) -> ResponsesRequest:
+def parse_responses_request(body: object, *, hosted_tools: str = "ignore"
+                            ) -> ResponsesRequest:
+    """``hosted_tools``: "ignore" leaves hosted tools out of the prompt, "reject" refuses
+    them."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     for key in _REJECTED_FIELDS:
         if body.get(key) not in (None, False):
             raise ApiError(f"'{key}' is not supported by this server", key)
     metadata = body.get("metadata")
-    tools, namespaces = _tools(body.get("tools"))
+    ignored: list[str] | None = [] if hosted_tools == "ignore" else None
+    tools, namespaces = _tools(body.get("tools"), ignored)
+    messages, marks = _input(body.get("input"))
     effort = _reasoning_effort(body)
     kwargs = {**({"enable_thinking": False} if effort == "none" else {}),
               **_template_kwargs(body)}
@@ -315,7 +352,7 @@ def parse_responses_request(body: object) -> ResponsesRequest:
     return ResponsesRequest(
         model=_opt_str(body, "model") or "",
         instructions=_opt_str(body, "instructions"),
-        messages=_input(body.get("input")),
+        messages=messages,
         previous_response_id=_opt_str(body, "previous_response_id"),
         tools=tools,
         tools_json=tuple(body.get("tools") or ()),
@@ -329,6 +366,9 @@ def parse_responses_request(body: object) -> ResponsesRequest:
         user=_opt_str(body, "user"),
         metadata=dict(_obj(metadata, "metadata")) if metadata is not None else {},
         reasoning_effort=effort,
+        marks=marks,
+        session=session_key(body.get("prompt_cache_key"), "prompt_cache_key"),
+        ignored_tools=tuple(ignored or ()),
     )
 
 
@@ -389,7 +429,11 @@ def chat_request(req: ResponsesRequest, history: tuple[ChatMessage, ...]) -> Cha
     """The whole conversation as a chat request: instructions, history, new input."""
     system = (ChatMessage(role="system", content=req.instructions),) \
         if req.instructions is not None else ()
+    shift = len(system) + len(history)
     return ChatRequest(model=req.model, messages=system + history + req.messages,
                        tools=req.tools, tool_choice=req.tool_choice,
                        template_kwargs=req.template_kwargs, sampling=req.sampling,
-                       stream=req.stream, include_usage=True, user=req.user)
+                       stream=req.stream, include_usage=True, user=req.user,
+                       marks=tuple(Mark(m.message + shift, m.offset, m.ttl)
+                                   for m in req.marks),
+                       session=req.session, ignored_tools=req.ignored_tools)

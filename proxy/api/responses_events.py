@@ -22,7 +22,7 @@ from typing import Any
 from proxy.api.openai import ChatMessage, ToolCall
 from proxy.api.reply import Delta, ParsedToolCall, StreamParser
 from proxy.api.responses import REASONING_MARK, ResponsesRequest
-from proxy.engine.types import FinishEvent, TokenLogprob, Usage
+from proxy.engine.types import FinishEvent, StartEvent, TokenLogprob, Usage
 
 JSON = dict[str, Any]
 
@@ -123,6 +123,8 @@ class ResponseEvents:
     store, once ``finish`` has run.
     """
 
+    early = False
+
     def __init__(self, head: JSON, parser: StreamParser,
                  namespaces: Mapping[str, str]) -> None:
         self._head = head
@@ -216,7 +218,7 @@ class ResponseEvents:
             out += self._call(call)
         return out
 
-    def start(self) -> list[JSON]:
+    def start(self, started: StartEvent | None = None) -> list[JSON]:
         return [self._event("response.created", response=self._head),
                 self._event("response.in_progress", response=self._head)]
 

@@ -182,6 +182,7 @@ class Model:
         # the engine asks for each generated token's piece and end-of-generation flag:
         # a dict lookup, not a call into llama.cpp, once a token has been seen
         self._pieces: dict[int, bytes] = {}
+        self._lengths: np.ndarray | None = None  # piece_lengths, filled as tokens are seen
         self._eog: dict[int, bool] = {}
         self._facts: VocabFacts | None = None
         self._facts_lock = threading.Lock()
@@ -266,6 +267,20 @@ class Model:
         if special:
             self._pieces[token] = piece  # one per token the model produced: at most the vocabulary
         return piece
+
+    def piece_lengths(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The byte length of each token's piece (special tokens as their text), from a
+        table filled as tokens are first seen."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_vocab):
+            raise ValueError("a token id is outside the vocabulary")
+        with self._facts_lock:
+            if self._lengths is None:
+                self._lengths = np.full(self.n_vocab, -1, dtype=np.int32)
+            table = self._lengths
+        for t in np.unique(ids[table[ids] < 0]).tolist():
+            table[t] = len(self.token_bytes(t))
+        return table[ids]
 
     def detokenize(self, tokens: Iterable[int], *, special: bool = True) -> str:
         return b"".join(self.token_bytes(t, special=special) for t in tokens).decode(

@@ -19,6 +19,7 @@ class TextStream:
         self._held = ""
         self._partial = False  # the decoder holds the first bytes of a character
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, data: bytes) -> str:
         if self.stopped:
@@ -45,12 +46,12 @@ class TextStream:
 
     def _release(self, *, final: bool) -> str:
         text = self._held
-        for stop in self._stops:
-            i = text.find(stop)
-            if i >= 0:
-                self.stopped = True
-                self._held = ""
-                return text[:i]
+        found = [(i, stop) for stop in self._stops if (i := text.find(stop)) >= 0]
+        if found:
+            i, self.matched = min(found, key=lambda f: f[0])  # the earliest in the text
+            self.stopped = True
+            self._held = ""
+            return text[:i]
         if final or not self._stops:
             self._held = ""
             return text

@@ -6,18 +6,18 @@ tokens at these positions, logits for the last row): one token for a decoding la
 a chunk for a prefilling one. After the step each lane is committed on its own, so
 a lane whose sampling fails ends alone and the others go on.
 
-Checkpoint policy by memory kind (DESIGN.md facts 5-9):
+Checkpoint policy by memory kind (docs/design.md facts 5-9):
 
 - hybrid / recurrent: the recurrent state cannot roll back, so prefill publishes
   small PARTIAL checkpoints in the lane (replay, periodic) and the reply's end gets
   one too; a later turn rolls the lane back by restoring one, then ``seq_rm``
-  (fact 7, in that order). FULL states are saved when the lane is handed to
+  (docs/design.md fact 7, in that order). FULL states are saved when the lane is handed to
   another prompt, when it has been idle a while, and at shutdown; the lane's
   replay points become FULL ones on hand-off too.
 - SWA (Gemma 3): the context keeps every SWA cell of a live lane (``swa_full``), so
   ``seq_rm`` rolls a live lane back; partial states would be most of the KV anyway
-  (fact 4). FULL states at the replay point and on hand-off; a restored one is
-  never cut below its own position (fact 8).
+  (docs/design.md fact 4). FULL states at the replay point and on hand-off; a restored one is
+  never cut below its own position (docs/design.md fact 8).
 - plain attention: ``seq_rm`` rolls back anywhere; FULL states at the replay point
   and on hand-off.
 - every kind: a BRANCH point (where this prompt leaves a prefix that another
@@ -28,6 +28,7 @@ Checkpoint policy by memory kind (DESIGN.md facts 5-9):
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from proxy.engine.binding import FLAGS_FULL, FLAGS_PARTIAL, Context, MemoryInfo,
 from proxy.engine.detok import TextStream
 from proxy.engine.drafting import DraftAsk, DraftModel, lookup_draft
 from proxy.engine.lanes import Lane, LaneSet
-from proxy.engine.planner import Plan, Source, make_plan, publish_points
+from proxy.engine.planner import Plan, Source, cold_lane, make_plan, publish_points
 from proxy.engine.sampling import Sampler, make_sampler
 from proxy.engine.types import GenerationRequest, RequestStats, TokenLogprob
 from statecache.config import Config
@@ -101,10 +102,17 @@ class Job:
     # staged state) decodes again in its next step, before ``pending``
     replay: np.ndarray = field(default_factory=lambda: _NONE)
     staged: bytes | None = None  # the lane's partial state before this step's verification
+    # seconds a FULL checkpoint published at a position is kept above ordinary ones
+    # (a client's cache breakpoint there)
+    keep: dict[int, float] = field(default_factory=dict)
 
     @property
     def prefilling(self) -> bool:
         return self.pos < len(self.prompt)
+
+    @property
+    def prewarm(self) -> bool:
+        return self.req.prewarm
 
     @property
     def done(self) -> bool:
@@ -165,7 +173,7 @@ class Executor:
         ``defer_reads``, a plan that would read from disk or the shared store starts
         nothing and returns what to fetch; else None: the job has started."""
         t_plan = time.perf_counter()
-        free = self.lanes.free()
+        free = self.vacant_lanes(job) if job.prewarm else self.lanes.free()
         assert free, "start() needs a free lane"
         tenant = job.req.tenant
         chain = None
@@ -173,7 +181,7 @@ class Executor:
             chain = self.pool.chain(job.prompt, tenant)
             plan = make_plan(job.prompt, chain, free, tenant=tenant, memory=self.memory,
                              pool=self.pool, pos_min=self.ctx.pos_min, all_lanes=self.lanes.lanes,
-                             held=held, defer_reads=defer_reads)
+                             held=held, defer_reads=defer_reads, session=job.req.session)
             if plan.fetch is not None:
                 plan.release()
                 return plan.fetch
@@ -181,7 +189,7 @@ class Executor:
         else:
             if held is not None:
                 held.close()
-            plan = Plan(min(free, key=lambda ln: ln.last_used), Source.COLD, 0)
+            plan = Plan(cold_lane(free, job.req.session), Source.COLD, 0)
         t0 = time.perf_counter()
         try:
             self._in_line(plan, free, job)
@@ -194,6 +202,7 @@ class Executor:
         job.stats.restore_s = time.perf_counter() - t0 - job.stats.handoff_s
         job.t_admitted = t0
         job.stats.lane = lane.id
+        lane.session = job.req.session
         job.reuse = job.pos = lane.n
         if not np.array_equal(lane.tokens, job.prompt[: lane.n]):
             raise RuntimeError("lane does not hold the prefix it was planned to")
@@ -207,6 +216,15 @@ class Executor:
         self.counters[f"plan_{job.stats.source}"] += 1
         job.stats.plan_s = time.perf_counter() - t_plan
         return None
+
+    def vacant_lanes(self, job: Job) -> list[Lane]:
+        """The free lanes a pre-warm may take without evicting a live conversation: an
+        empty lane, its own conversation's, or one idle for ``engine.idle_save_s`` and
+        saved in full (``engine.idle_save_s`` = 0: only the first two)."""
+        idle_s = self.cfg.engine.idle_save_s
+        since = time.monotonic() - idle_s if idle_s else -math.inf
+        return [ln for ln in self.lanes.free()
+                if ln.vacant_for(job.prompt, job.req.tenant, since)]
 
     def fetch(self, job: Job, offer: Offer) -> Lease | None:
         """Read ``offer`` for ``job`` (any thread): the state its next plan starts from."""
@@ -248,7 +266,68 @@ class Executor:
         at = (first // self.page) * self.page
         if at > job.reuse and at >= 2 * self.page and not self._pool_has_full(job, chain, at):
             self.share_point(job, at, out)
+        self._client_breakpoints(job, chain, out)
+        for n in self._share_points(job, chain, out):
+            self._full_at(out, n)
+        if job.prewarm and len(job.prompt) > job.reuse:
+            self._full_at(out, len(job.prompt))  # what comes next starts from the prompt
         return out
+
+    @staticmethod
+    def _full_at(points: list[tuple[int, Role, Kind]], n: int) -> None:
+        """A FULL checkpoint at ``n`` in ``points`` (kept sorted)."""
+        for i, (m, _role, kind) in enumerate(points):
+            if m == n:
+                if kind is not Kind.FULL:
+                    points[i] = (n, Role.BRANCH, Kind.FULL)
+                return
+        points.append((n, Role.BRANCH, Kind.FULL))
+        points.sort(key=lambda p: p[0])
+
+    def _client_breakpoints(self, job: Job, chain: PageChain | None,
+                            points: list[tuple[int, Role, Kind]]) -> None:
+        """A client's cache breakpoints: a FULL checkpoint at each one this request
+        prefills, kept for its ttl; one the pool holds already is kept longer."""
+        assert self.pool is not None and chain is not None
+        for n, ttl in job.req.breakpoints:
+            if n > len(job.prompt) or n < 1:
+                continue
+            if n > job.reuse and (n < len(job.prompt) or job.prewarm):
+                self._full_at(points, n)
+                job.keep[n] = max(job.keep.get(n, 0.0), ttl)
+            else:
+                self.pool.keep(chain, n, ttl, tenant=job.req.tenant)
+
+    def _share_points(self, job: Job, chain: PageChain | None,
+                      points: list[tuple[int, Role, Kind]]) -> list[int]:
+        """Where new conversations may share this prompt (its first turn's message and
+        part starts, ``GenerationRequest.share_points``): at most ``cache.share_points``
+        of them get a FULL checkpoint, largest gaps first. The gap of a point is how far
+        it lies past the nearest FULL state at or before it (this request's start, its
+        other FULL checkpoints, the pool's): what a conversation that parts there would
+        prefill again without it. Points within a page of such a state are skipped."""
+        k = self.cfg.cache.share_points
+        limit = len(job.prompt) - 1
+        cands = sorted({n for n in job.req.share_points
+                        if job.reuse < n <= limit and n >= 2 * self.page})
+        if not k or not cands:
+            return []
+        anchors = [job.reuse] + [n for n, _, kind in points if kind is Kind.FULL]
+        todo: list[int] = []
+        for n in cands:
+            (anchors if self._pool_has_full(job, chain, n) else todo).append(n)
+        chosen: list[int] = []
+        while todo and len(chosen) < k:
+            def gap(n: int) -> int:
+                return n - max(a for a in anchors if a <= n)
+            best = max(todo, key=gap)
+            if gap(best) < self.page:
+                break
+            todo.remove(best)
+            anchors.append(best)
+            chosen.append(best)
+        self.counters["share_points"] += len(chosen)
+        return chosen
 
     def reusable_now(self, job: Job) -> int:
         """Prompt tokens ``job`` would start from if it were admitted now."""
@@ -294,13 +373,7 @@ class Executor:
         at = (min(shared, len(job.prompt) - 1) // self.page) * self.page
         if at <= job.pos or self.pool is None or not job.use_cache:
             return 0
-        for i, (n, _role, kind) in enumerate(pts):
-            if n == at:
-                if kind is not Kind.FULL:
-                    pts[i] = (n, Role.BRANCH, Kind.FULL)
-                return at
-        pts.append((at, Role.BRANCH, Kind.FULL))
-        pts.sort(key=lambda p: p[0])
+        self._full_at(pts, at)
         return at
 
     def _in_line(self, plan: Plan, free: list[Lane], job: Job) -> None:
@@ -324,7 +397,8 @@ class Executor:
             return
         copy = plan.source is Source.LANE and src.n > 0
         if copy and self.memory.kind is MemoryKind.SWA and plan.truncate:
-            return  # a restored SWA state is never cut below its own position (fact 8)
+            # a restored SWA state is never cut below its own position (docs/design.md
+            return  # fact 8)
         dst = _target(better)
         if copy:
             self._hand_off_timed(dst, job)
@@ -385,7 +459,7 @@ class Executor:
         dst.set_tokens(src.tokens, src.tenant)
         dst.saved_full = src.saved_full
         dst.history_n = src.history_n
-        # a restored SWA state is never cut below its own position (fact 8)
+        # a restored SWA state is never cut below its own position (docs/design.md fact 8)
         dst.floor = src.n if self.memory.kind is MemoryKind.SWA else src.floor
         return True
 
@@ -438,8 +512,9 @@ class Executor:
 
     # -- checkpoints ----------------------------------------------------------------
 
-    def save(self, lane: Lane, role: Role, kind: Kind) -> int:
-        """Publish the lane's current state; returns the bytes stored (0 if refused)."""
+    def save(self, lane: Lane, role: Role, kind: Kind, keep_s: float = 0.0) -> int:
+        """Publish the lane's current state; returns the bytes stored (0 if refused).
+        ``keep_s``: a client asked to keep it that long (a cache breakpoint)."""
         if self.pool is None or lane.n == 0:
             return 0
         data = self.ctx.save(lane.id, FLAGS_PARTIAL if kind is Kind.PARTIAL else FLAGS_FULL)
@@ -447,7 +522,7 @@ class Executor:
         rec = self.pool.insert(kind=kind, owner=Owner.TARGET,
                                lane=lane.id if kind is Kind.PARTIAL else None,
                                tokens=lane.tokens, role=role, data=data, tenant=lane.tenant,
-                               preview=preview)
+                               preview=preview, keep_s=keep_s)
         if rec is None:
             return 0
         self.counters["checkpoints_saved"] += 1
@@ -610,7 +685,7 @@ class Executor:
             assert lane is not None
             toks = self._tokens(w)
             if job.prefilling:
-                last = w.pos0 + w.n == len(job.prompt)
+                last = w.pos0 + w.n == len(job.prompt) and not job.prewarm
                 row = batch.add(lane.id, toks, w.pos0, logits_last=last)
                 w.row = row if last else -1
             else:
@@ -677,6 +752,9 @@ class Executor:
                 return
             job.t_first = time.perf_counter()
             job.stats.prefill_s = job.t_first - job.t_admitted
+            if job.prewarm:  # cached, and nothing to generate
+                job.finish_reason = "length"
+                return
             self._take(job, w.row)
             return
         self._verify(w)
@@ -719,15 +797,16 @@ class Executor:
         assert lane is not None
         if not self.staging:
             # attention, SWA (every cell kept), hybrid with n_rs_seq snapshots of this
-            # step's ubatch (fact 11: llama.cpp keeps a lane's last n_rs_seq + 1 tokens
-            # in one ubatch, and the rollback keeps its first token, ``pending``)
+            # step's ubatch (docs/design.md fact 11: llama.cpp keeps a lane's last
+            # n_rs_seq + 1 tokens in one ubatch, and the rollback keeps its first token,
+            # ``pending``)
             if not self.ctx.seq_rm(lane.id, lane.n, -1):
                 raise RuntimeError(f"lane {lane.id}: seq_rm refused to remove rejected drafts")
             return
         staged, job.staged = job.staged, None
         assert staged is not None
         kept = lane.tokens[pos0:].copy()
-        # fact 7: restore the partial state first, then cut the attention cells
+        # docs/design.md fact 7: restore the partial state first, then cut the attention cells
         if not (self.ctx.restore(lane.id, staged, FLAGS_PARTIAL)
                 and self.ctx.seq_rm(lane.id, pos0, -1)):
             raise RuntimeError(f"lane {lane.id}: restoring the staged state failed")
@@ -737,7 +816,8 @@ class Executor:
 
     def _publish(self, job: Job, role: Role, kind: Kind) -> None:
         assert job.lane is not None
-        nbytes = self.save(job.lane, role, kind)
+        keep = job.keep.get(job.lane.n, 0.0) if kind is Kind.FULL else 0.0
+        nbytes = self.save(job.lane, role, kind, keep)
         if nbytes:
             job.stats.checkpoints_added += 1
             job.stats.checkpoint_bytes += nbytes

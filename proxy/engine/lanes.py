@@ -25,7 +25,7 @@ class Lane:
     busy: bool = False
     last_used: float = 0.0
     # A full state restored at position r on an SWA model dropped the SWA cells masked
-    # relative to r, so the lane must never be truncated below r (DESIGN.md fact 8).
+    # relative to r, so the lane must never be truncated below r (docs/design.md fact 8).
     floor: int = 0
     # Whether the lane's current tokens are already saved as a FULL checkpoint.
     saved_full: bool = False
@@ -35,6 +35,9 @@ class Lane:
     # prompt before the generation prompt), else its whole prompt; beyond them the lane
     # holds that turn's generation prompt and reply (0: unknown, as after a restore).
     history_n: int = 0
+    # The client's name for the conversation served here last (GenerationRequest.session):
+    # a request of that conversation comes back to this lane
+    session: str | None = None
 
     @property
     def n(self) -> int:
@@ -99,6 +102,13 @@ class Lane:
         self.floor = 0
         self.history_n = 0
         self._changed()
+
+    def vacant_for(self, prompt: np.ndarray, tenant: str, idle_since: float) -> bool:
+        """Whether a pre-warm may take this lane without evicting a live conversation: the
+        lane is empty, ``prompt`` goes on from what it holds, or its conversation has been
+        idle since before ``idle_since`` (monotonic) and is saved in full."""
+        return (self._n == 0 or self.common(prompt, tenant) == self._n
+                or (self.saved_full and self.last_used <= idle_since))
 
     def replaced_by(self, prompt: np.ndarray, tenant: str) -> bool:
         """Whether ``prompt`` holds the whole history of the last request served here:

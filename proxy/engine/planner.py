@@ -7,11 +7,14 @@ Pure decisions over lanes and the pool; the engine carries them out. The rules:
 - A live lane is reused as is when its tokens are a prefix of the prompt. Cutting
   it back needs a memory that can roll back there: plain attention always can; an
   SWA lane can while its cells reach back a window (never below a restored full
-  state's own position, fact 8); a recurrent or hybrid lane only by restoring one of
-  its partial checkpoints and then removing the tail (fact 7, in that order).
+  state's own position, docs/design.md fact 8); a recurrent or hybrid lane only by
+  restoring one of its partial checkpoints and then removing the tail (docs/design.md
+  fact 7, in that order).
 - Otherwise a full checkpoint from the pool (RAM, disk, or the shared store of
-  ``[cache.remote]``) goes into an empty free lane, else the session's own lane,
-  else the least recently used one; else that lane starts cold.
+  ``[cache.remote]``) goes into the lane of the request's conversation when the
+  client names it (``session``), else an empty free lane, else the lane whose state
+  shares most with the prompt, else the least recently used one; a cold start takes the
+  conversation's lane, else the least recently used one.
 - Each option costs its fetch plus the prefill of the tokens after it
   (``statecache.costs``: measured read bandwidth per tier, measured prefill rate);
   the cheapest wins. A RAM copy and a live lane fetch nothing, so among them the
@@ -116,13 +119,15 @@ def make_plan(
     all_lanes: Sequence[Lane] = (),
     held: Lease | None = None,
     defer_reads: bool = False,
+    session: str | None = None,
 ) -> Plan:
     """Choose where a prompt starts from. ``free`` must not be empty.
 
     ``held``: a FULL state already read for this prompt (fetched in the background); it
     counts as a copy in memory, and the plan takes it over (uses or closes it).
     ``defer_reads``: a plan that would read from disk or the shared store says so in
-    ``fetch`` instead of reading (its lane and source are then what it would do now)."""
+    ``fetch`` instead of reading (its lane and source are then what it would do now).
+    ``session``: the client's name for the conversation; its lane is taken first."""
     assert free, "make_plan needs a free lane"
     limit = max(len(prompt) - 1, 0)
     best: Plan | None = None
@@ -139,7 +144,7 @@ def make_plan(
         if n > (best.reuse if best else 0) and n <= limit and held.record.matches(prompt):
             if best is not None:
                 best.release()
-            best = Plan(_lane_for_restore(free, prompt, tenant), Source(held.tier), n,
+            best = Plan(_lane_for_restore(free, prompt, tenant, session), Source(held.tier), n,
                         full=held, role=held.record.role.value,
                         estimate=f"read in the background ({held.tier})")
         else:
@@ -155,7 +160,7 @@ def make_plan(
                 break  # prefilling what this one saves is cheaper than fetching it
             if defer_reads and offer.tier != "ram":
                 if best is None:
-                    best = Plan(min(free, key=lambda ln: ln.last_used), Source.COLD, 0)
+                    best = Plan(cold_lane(free, session), Source.COLD, 0)
                 best.fetch = offer
                 break
             lease = pool.take(offer, prompt, chain, tenant=tenant)
@@ -166,7 +171,7 @@ def make_plan(
                 continue
             if best is not None:
                 best.release()
-            target = _lane_for_restore(free, prompt, tenant)
+            target = _lane_for_restore(free, prompt, tenant, session)
             got = pool.costs.estimate(lease.tier, lease.record.n, lease.record.nbytes,
                                       len(prompt))
             best = Plan(target, Source(lease.tier), lease.record.n, full=lease,
@@ -175,7 +180,7 @@ def make_plan(
                                                                   len(prompt)).total_s))
             break
     if best is None:
-        best = Plan(min(free, key=lambda ln: ln.last_used), Source.COLD, 0)
+        best = Plan(cold_lane(free, session), Source.COLD, 0)
     if pool is not None:  # read by the engine for its Started line
         pool.costs.last = (len(prompt), best.reuse, best.estimate)
     others = all_lanes or free
@@ -183,10 +188,21 @@ def make_plan(
     return best
 
 
-def _lane_for_restore(free: Sequence[Lane], prompt: np.ndarray, tenant: str) -> Lane:
-    # an empty lane keeps every live state; else the session's own lane (its state is
-    # stale anyway), else the least recently used
-    return max(free, key=lambda ln: (ln.n == 0, ln.common(prompt, tenant), -ln.last_used))
+def _own(lane: Lane, session: str | None) -> bool:
+    return session is not None and lane.session == session
+
+
+def _lane_for_restore(free: Sequence[Lane], prompt: np.ndarray, tenant: str,
+                      session: str | None = None) -> Lane:
+    # the conversation's own lane (its state is stale anyway); an empty lane keeps every
+    # live state; else the lane that shares most, else the least recently used
+    return max(free, key=lambda ln: (_own(ln, session), ln.n == 0, ln.common(prompt, tenant),
+                                     -ln.last_used))
+
+
+def cold_lane(free: Sequence[Lane], session: str | None = None) -> Lane:
+    """The lane a cold start takes: the conversation's own, else the least recently used."""
+    return max(free, key=lambda ln: (_own(ln, session), -ln.last_used))
 
 
 _ORDER = {"ram": 0, "disk": 1, "remote": 2}

@@ -57,6 +57,7 @@ from proxy.engine.types import (
     FinishEvent,
     GenerationRequest,
     QueueFull,
+    StartEvent,
     TokenEvent,
     Usage,
 )
@@ -179,7 +180,8 @@ class Engine:
             if self._stopping:
                 raise QueueFull(retry_after=5.0)
             capacity = len(self.exec.lanes) + self.cfg.server.queue_size
-            if len(self._waiting) + len(self._active) >= capacity:
+            if len(self._waiting) + len(self._active) >= capacity and \
+                    (req.prewarm or not self._drop_a_prewarm()):
                 self.counters["rejected_busy"] += 1
                 raise QueueFull(retry_after=1.0)
             self._waiting.append((job, box))
@@ -311,12 +313,26 @@ class Engine:
     def _may_start(self, job: Job) -> bool:
         if job.fetching:
             return False
+        if job.req.prewarm and not self.exec.vacant_lanes(job):
+            return False  # a pre-warm never takes a lane that holds a live conversation
         k = job.waiting_for
         if k is None:
             return True
         if k.done or k.cancelled or k.pos >= job.wait_point:
             job.waiting_for = None
             return True
+        return False
+
+    def _drop_a_prewarm(self) -> bool:
+        """Make room in a full queue for a request that generates: the newest waiting
+        pre-warm is dropped (503). False when none waits (called with the lock)."""
+        for job, box in reversed(self._waiting):
+            if job.req.prewarm and not job.fetching:
+                self._waiting.remove((job, box))
+                _drop_prefetched(job)
+                box.put(QueueFull(retry_after=5.0))
+                self.counters["prewarms_dropped"] += 1
+                return True
         return False
 
     def _drop_cancelled_waiting(self) -> None:
@@ -396,8 +412,8 @@ class Engine:
             _drop_prefetched(job)
             return
         with self._cv:
-            if self._should_wait(job):
-                self._waiting.appendleft((job, box))
+            if self._should_wait(job) or (job.req.prewarm and not self.exec.vacant_lanes(job)):
+                self._waiting.appendleft((job, box))  # a pre-warm's lane went to another
                 return
         held, job.prefetched = job.prefetched, None
         # while others run, a read from disk or the store goes to the fetch thread
@@ -419,6 +435,7 @@ class Engine:
             return
         with self._cv:
             self._active.append((job, box))
+        box.put(StartEvent(len(job.prompt), job.reuse))  # before the prefill
         s = job.stats
         cached = f"{job.reuse:,}"
         if s.source != "cold":
@@ -620,6 +637,7 @@ class Engine:
                                            self.model.is_eog(job.generated[-1]) else 0)
         if job.t_first:
             s.ttft_s = job.t_first - job.t_submit
+        if job.t_first and job.generated:
             decode_s = now - job.t_first
             s.decode_tps = (len(job.generated) - 1) / decode_s if decode_s > 0 else 0.0
         c = self.counters
@@ -628,14 +646,19 @@ class Engine:
         c["tokens_reused"] += job.reuse
         c["tokens_prefilled"] += s.prefilled
         c["tokens_generated"] += completion
+        if job.req.prewarm:
+            c["prewarms"] += 1
         if s.source != "cold":  # where the reused prefix came from, and its checkpoint's role
             c[f"hits.{s.source}.{s.role or 'live'}"] += 1
         miss = self._miss(job)
+        if miss is not None:
+            s.miss = miss.describe()
         usage = Usage(len(job.prompt), completion, job.reuse)
         if job.finish_reason == "error":
             box.put(job.error or RuntimeError("generation failed"))
         else:
-            box.put(FinishEvent(job.finish_reason, usage, s))
+            matched = job.stream.matched if job.stream is not None else None
+            box.put(FinishEvent(job.finish_reason, usage, s, stop_sequence=matched))
         log.debug("phases %s · queue %.1f ms · plan %.1f ms (hand-off %.1f, restore %.1f) · "
                   "prefill %.1f ms in %d steps (checkpoints %.1f ms) · TTFT %.1f ms",
                   job.req.request_id, 1000 * s.queue_s, 1000 * s.plan_s, 1000 * s.handoff_s,

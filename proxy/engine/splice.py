@@ -53,12 +53,16 @@ def aligned_replies(ids: Sequence[int], pieces: Sequence[bytes], special: Sequen
             for i in run:
                 offsets.append(offsets[-1] + len(pieces[i]))
             text = raw.decode("utf-8", "replace")
+            # byte spans from the ends: a reply cut inside a character was streamed with
+            # U+FFFD for its bytes, so the text's own length in bytes is not the ids'
             lead = len(text[: len(text) - len(text.lstrip())].encode())
-            variants = ((text, 0), (text.rstrip(), 0), (text.strip(), lead))
-            for variant, b0 in variants:
-                if len(variant) < MIN_REPLY_CHARS or variant in out:
+            tail = len(raw) - len(text[len(text.rstrip()):].encode())
+            variants = ((text, 0, len(raw)), (text.rstrip(), 0, tail),
+                        (text.strip(), lead, tail))
+            for variant, b0, b1 in variants:
+                if len(variant) < MIN_REPLY_CHARS or variant in out or b1 < b0:
                     continue
-                got = _span_ids(r_ids, offsets, b0, b0 + len(variant.encode()))
+                got = _span_ids(r_ids, offsets, b0, b1)
                 if got is not None:
                     out[variant] = Reply(variant, got)
             run = []

@@ -27,7 +27,7 @@ class SamplingParams:
     xtc_probability: float | None = None
     xtc_threshold: float | None = None
     seed: int | None = None  # None: random
-    max_tokens: int = 512
+    max_tokens: int = 512  # 0: a pre-warm (prefill and cache the prompt, generate nothing)
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: off; k: the chosen token's and k alternatives'
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias); -inf bans the token
@@ -45,7 +45,7 @@ class SamplingParams:
 
 MISS_CAUSES = ("new conversation", "system prompt changed", "tools changed",
                "earlier message edited", "reasoning dropped", "reply re-rendered differently",
-               "evicted", "other tenant", "cache off")
+               "reply re-tokenized differently", "evicted", "other tenant", "cache off")
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,6 +85,18 @@ class GenerationRequest:
     # the replay checkpoint goes at the last whole page at or before this point.
     history_tokens: int | None = None
     divergence: Divergence | None = None  # None: nothing earlier shares this prompt
+    # Where other conversations may share this prompt (the starts of its first turn's
+    # messages and parts): FULL checkpoints at some of them (cache.share_points)
+    share_points: tuple[int, ...] = ()
+    # A client's cache breakpoints: (tokens, seconds) a FULL checkpoint after that many
+    # tokens is kept above ordinary ones for that long
+    breakpoints: tuple[tuple[int, float], ...] = ()
+    session: str | None = None  # the client's name for the conversation: lane affinity
+
+    @property
+    def prewarm(self) -> bool:
+        """Prefill and cache the prompt, generate nothing (``max_tokens`` 0)."""
+        return self.sampling.max_tokens == 0
 
 
 @dataclass(slots=True)
@@ -145,6 +157,17 @@ class RequestStats:
     decode_tps: float = 0.0
     drafted: int = 0  # speculative decoding: tokens drafted and verified
     accepted: int = 0  # ...of which the target accepted
+    miss: str = ""  # why it reused less than an earlier request held ("": it did not)
+
+
+@dataclass(slots=True, frozen=True)
+class StartEvent:
+    """The request has a lane and its plan: how much of the prompt it reuses. Sent before
+    its prefill, so an API can report usage (Anthropic's ``message_start``) and open its
+    stream before the first token."""
+
+    prompt_tokens: int
+    cached_tokens: int
 
 
 @dataclass(slots=True, frozen=True)
@@ -152,9 +175,10 @@ class FinishEvent:
     reason: str  # "stop" | "length" | "cancelled"
     usage: Usage
     stats: RequestStats = field(default_factory=RequestStats)
+    stop_sequence: str | None = None  # the stop string that ended the reply, if one did
 
 
-Event = TokenEvent | FinishEvent
+Event = StartEvent | TokenEvent | FinishEvent
 
 
 class QueueFull(Exception):

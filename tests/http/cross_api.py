@@ -59,6 +59,8 @@ def to_anthropic(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[
     for m in messages[1 if system is not None else 0:]:
         if m["role"] == "user":
             out.append({"role": "user", "content": [{"type": "text", "text": m["content"]}]})
+        elif m["role"] in ("system", "developer"):  # inside the conversation, as Claude Code
+            out.append({"role": "system", "content": m["content"]})
         elif m["role"] == "tool":
             out.append({"role": "user", "content": [{
                 "type": "tool_result", "tool_use_id": m["tool_call_id"],
@@ -84,8 +86,8 @@ def to_responses(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[
     system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
     out: list[dict[str, Any]] = []
     for m in messages[1 if system is not None else 0:]:
-        if m["role"] == "user":
-            out.append({"role": "user", "content": m["content"]})
+        if m["role"] in ("user", "system", "developer"):
+            out.append({"role": m["role"], "content": m["content"]})
         elif m["role"] == "tool":
             out.append({"type": "function_call_output", "call_id": m["tool_call_id"],
                         "output": m["content"]})
@@ -251,9 +253,11 @@ def assert_text_same_or_near_tie(text: str, cold: dict[str, Any], delta: float) 
                          f"{t['token']!r} among {t['top_logprobs']}")
 
 
-async def same_as_cold(model: Path, tmp: Path, turns: list[Turn], max_tokens: int) -> None:
+async def same_as_cold(model: Path, tmp: Path, turns: list[Turn], max_tokens: int,
+                       **overrides: Any) -> None:
     """Each request again through chat completions on a server with caching off."""
-    async with serve(model, tmp / "cold", cache__enabled=False, server__lanes=1) as cold:
+    overrides = {**overrides, "cache__enabled": False, "server__lanes": 1}
+    async with serve(model, tmp / "cold", **overrides) as cold:
         for t in turns:
             r = await ask(cold.client, t.sent, max_tokens, tools=TOOLS)
             assert r["prompt_tokens"] == t.reply.prompt_tokens

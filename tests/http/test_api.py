@@ -40,7 +40,7 @@ async def test_models_health_metrics(hybrid_path: Path, tmp_path: Path) -> None:
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ({"messages": HELLO, "temperature": "hot"}, 400, "temperature"),
     ({"messages": HELLO, "n": 2}, 400, "n"),
-    ({"messages": HELLO, "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": HELLO, "max_tokens": -1}, 400, "max_tokens"),
     ({"messages": HELLO, "max_tokens": 10_000_000}, 400, "messages"),
     ({"messages": [{"role": "user",
                     "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

@@ -139,10 +139,11 @@ async def test_stream_events(hybrid_path: Path, tmp_path: Path) -> None:
     {"type": "computer_use_preview", "display_width": 800, "display_height": 600,
      "environment": "linux"},
 ])
-async def test_hosted_tools_get_a_400_that_names_them(
+async def test_hosted_tools_get_a_400_that_names_them_when_refused(
     tool: dict[str, Any], hybrid_path: Path, tmp_path: Path
 ) -> None:
-    async with serve(hybrid_path, tmp_path / "ckpt") as srv:
+    """``server.hosted_tools = "reject"``; by default they are left out (test_agent_requests)."""
+    async with serve(hybrid_path, tmp_path / "ckpt", server__hosted_tools="reject") as srv:
         with pytest.raises(openai.BadRequestError) as err:
             await srv.client.responses.create(model="m", input="hi", max_output_tokens=2,
                                               tools=[tool])  # type: ignore[list-item]

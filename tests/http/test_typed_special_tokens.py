@@ -27,8 +27,8 @@ CASES = {
 
 def _tokens(srv: Server, messages: list[dict[str, Any]]) -> tuple[list[int], int | None]:
     req = parse_chat_request({"messages": messages})
-    _, tokens, history = _tokenize_chat(srv.app[ENGINE], srv.app[TEMPLATE], req, "")
-    return tokens, history
+    p = _tokenize_chat(srv.app[ENGINE], srv.app[TEMPLATE], req, "")
+    return p.tokens, p.history
 
 
 def _with_tools(text: str, arg: str) -> ChatRequest:
@@ -65,10 +65,10 @@ async def test_typed_markup_never_becomes_control_tokens(
         literal = model.tokenize(end, parse_special=False)
         assert any(attacked[i:i + len(literal)] == literal for i in range(len(attacked)))
         # the same goes for reasoning, tool calls, their results and tool definitions
-        _, full, _ = _tokenize_chat(srv.app[ENGINE], srv.app[TEMPLATE],
-                                    _with_tools(attack, end), "")
-        _, reference, _ = _tokenize_chat(srv.app[ENGINE], srv.app[TEMPLATE],
-                                         _with_tools("ok", "ok"), "")
+        full = _tokenize_chat(srv.app[ENGINE], srv.app[TEMPLATE],
+                              _with_tools(attack, end), "").tokens
+        reference = _tokenize_chat(srv.app[ENGINE], srv.app[TEMPLATE],
+                                   _with_tools("ok", "ok"), "").tokens
         for marker in (start, end):
             assert full.count(_id(srv, marker)) == reference.count(_id(srv, marker))
 

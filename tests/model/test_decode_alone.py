@@ -38,7 +38,7 @@ async def _collect(eng: Engine, req: GenerationRequest, done: list[str],
     async for ev in eng.generate(req):
         if isinstance(ev, TokenEvent):
             ids += ev.token_ids
-        else:
+        elif isinstance(ev, FinishEvent):
             done.append(req.request_id)
             return ids, ev
     raise AssertionError("no FinishEvent")

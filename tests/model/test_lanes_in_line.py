@@ -30,8 +30,7 @@ async def _one(eng: Engine, rid: str, prompt: tuple[int, ...], max_tokens: int,
             use_cache=use_cache)):
         if isinstance(ev, TokenEvent):
             out += ev.token_ids
-        else:
-            assert isinstance(ev, FinishEvent)
+        elif isinstance(ev, FinishEvent):
             return out, ev
     raise AssertionError("no FinishEvent")
 

@@ -4,7 +4,7 @@ that strips the reasoning from replies): the lane is cut back without first keep
 state as a FULL checkpoint, whose save grows with the context and comes before the
 request's first token. A cut further back (an edit of the history, another
 conversation) still keeps it. The answers are those of the same requests served cold,
-or differ first where the cold request saw a near-tie (DESIGN.md fact 10: another batch
+or differ first where the cold request saw a near-tie (docs/design.md fact 10: another batch
 schedule moves the logits a little).
 """
 
@@ -45,7 +45,7 @@ def _run_logprobs(eng: Engine, prompt: tuple[int, ...], *, use_cache: bool = Tru
             if isinstance(ev, TokenEvent):
                 out += ev.token_ids
                 lps += ev.logprobs
-            else:
+            elif isinstance(ev, FinishEvent):
                 return out, lps, ev
         raise AssertionError("no FinishEvent")
     return asyncio.run(go())

@@ -34,7 +34,7 @@ def _run(eng: Engine, prompt: tuple[int, ...], *, history: int | None = None,
                 history_tokens=history, divergence=divergence, use_cache=use_cache)):
             if isinstance(ev, TokenEvent):
                 out += ev.token_ids
-            else:
+            elif isinstance(ev, FinishEvent):
                 return out, ev
         raise AssertionError("no FinishEvent")
     return asyncio.run(go())

@@ -62,7 +62,7 @@ def _never_saw_them(ctx: Context, *, staged: bool) -> np.ndarray:
 
 @pytest.mark.parametrize("which", ["hybrid", "draft", "norollback"])
 def test_rollback_is_bitwise_exact(which: str, request: pytest.FixtureRequest) -> None:
-    # hybrid: n_rs_seq = drafts + 1 snapshots (fact 11: one ubatch); draft: plain
+    # hybrid: n_rs_seq = drafts + 1 snapshots (docs/design.md fact 11: one ubatch); draft: plain
     # attention, seq_rm; norollback: jamba has no snapshots, so the state is staged
     path: Path = request.getfixturevalue(f"{which}_path")
     staged = which == "norollback"
@@ -75,7 +75,7 @@ def test_rollback_is_bitwise_exact(which: str, request: pytest.FixtureRequest) -
 
 
 def test_hybrid_without_snapshots_cannot_drop_drafts(hybrid_path: Path) -> None:
-    # why the engine sets n_rs_seq when it drafts: without it seq_rm refuses (fact 5)
+    # why the engine sets n_rs_seq when it drafts: without it seq_rm refuses (docs/design.md fact 5)
     with Model(hybrid_path) as model, _ctx(model) as ctx:
         _decode(ctx, [PENDING, *DRAFTS], len(PROMPT), logits_from=0)
         assert not ctx.seq_rm(0, KEEP, -1)
@@ -84,7 +84,7 @@ def test_hybrid_without_snapshots_cannot_drop_drafts(hybrid_path: Path) -> None:
 def test_swa_rollback_forgets_the_rejected_tokens(gemma_path: Path) -> None:
     # Gemma 3 (SWA, every cell kept): after seq_rm the logits do not depend on what was
     # rejected, bitwise; against a run that never had those cells they differ only by
-    # where the new token's cell lands (fact 10's scale), with the same greedy token.
+    # where the new token's cell lands (docs/design.md fact 10's scale), with the same greedy token.
     with Model(gemma_path) as model, _ctx(model) as a, _ctx(model) as b, _ctx(model) as c:
         one = _after_rejection(a, DRAFTS[ACCEPTED:], staged=False)
         other = _after_rejection(b, [5, 6], staged=False)

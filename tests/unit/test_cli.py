@@ -170,3 +170,20 @@ def test_inspect_into_a_closed_pipe_exits_quietly(disk: tuple[Path, list[str]]) 
     err = proc.stderr.read().decode()
     assert proc.wait(30) == 0
     assert err == ""
+
+
+def test_a_kept_checkpoint_says_for_how_long() -> None:
+    import io
+    import time
+
+    from statecache.cli import _table
+
+    out = io.StringIO()
+    now = time.time()
+    _table([{"id": "a" * 32, "kind": "full", "role": "branch", "n": 64, "nbytes": 10,
+             "created": now, "tiers": ["ram"], "kept_until": now + 3000},
+            {"id": "b" * 32, "kind": "full", "role": "branch", "n": 32, "nbytes": 10,
+             "created": now, "tiers": ["ram"], "kept_until": now - 5}], out)
+    rows = out.getvalue().splitlines()
+    assert "branch (kept 50m)" in rows[1], rows
+    assert "(kept" not in rows[2]

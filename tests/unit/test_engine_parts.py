@@ -55,7 +55,7 @@ def test_can_truncate_by_memory_kind() -> None:
     assert can_truncate(_memory(MemoryKind.HYBRID), lane, 2000, live)  # no cut at all
     swa = _memory(MemoryKind.SWA, n_swa=512)
     assert can_truncate(swa, lane, 700, live)
-    # a restored full state at 1502 holds SWA cells from 990 on (fact 8)
+    # a restored full state at 1502 holds SWA cells from 990 on (docs/design.md fact 8)
     lane.floor = 1502
     restored = {0: 990}.__getitem__
     assert not can_truncate(swa, lane, 1400, restored)
@@ -74,6 +74,20 @@ def test_aligned_replies_split_at_special_tokens_and_strip_where_aligned() -> No
     # "  abcdefghij" cannot be stripped: the first token holds the spaces and "ab"
     assert got == {"  abcdefghij": (1, 2, 3), "hello world!\n": (4, 5, 6),
                    "hello world!": (4, 5)}
+
+
+def test_a_reply_cut_inside_a_character_is_spliced_as_streamed() -> None:
+    """max_tokens cut the reply after the first byte of "€": the client got (and sends
+    back) U+FFFD in its place, which tokenizes otherwise; the generated ids stand in."""
+    euro = "€".encode()
+    ids = [1, 2, 3]
+    pieces = [b"  price: ", b"10 ", euro[:1]]
+    got = {r.text: r.ids for r in aligned_replies(ids, pieces, [False] * 3)}
+    assert got["  price: 10 \ufffd"] == (1, 2, 3)
+    assert "price: 10 \ufffd" not in got  # the first token holds the spaces
+    spliced, n = tokenize_spliced("<a>  price: 10 \ufffd</a>", lambda t: [ord(c) for c in t],
+                                  aligned_replies(ids, pieces, [False] * 3))
+    assert n == 1 and spliced[3:6] == [1, 2, 3]
 
 
 def test_tokenize_spliced_uses_generated_ids_only_where_the_text_appears() -> None:

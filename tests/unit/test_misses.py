@@ -261,3 +261,58 @@ def test_raw_prompts_compare_as_text(continued: bool) -> None:
                 else common_prefix(m._entries[0].conv.tokens, np.asarray(tokens, np.int32)))
     assert d.cause == ("reply re-rendered differently" if continued
                        else "earlier message edited")
+
+
+def _named(turns: Sequence[Turn], session: str | None) -> Conversation:
+    ids = np.asarray(render(turns), dtype=np.int32)
+    return Conversation("", tuple(turns), "", "{}", ids, len(ids), session=session)
+
+
+def test_a_named_conversation_is_compared_with_itself_first() -> None:
+    m = SeenConversations(page=8)
+    first = [sys_(), user("Run the tests in tests/test_pool.py please.")]
+    c = _named(first, "thread-1")
+    m.remember(c, "answer", [ord(ch) for ch in "<assistant>|answer|"])
+    # another conversation of the same agent: same system prompt, its own first message
+    d = m.divergence(_named([sys_(), user("Run the tests in tests/test_pool.py today.")],
+                            "thread-2"))
+    assert d.cause == "new conversation"
+    # the same conversation with its system prompt changed at the start (a header that
+    # changes per request): never a new conversation, and it says where
+    changed = [sys_("Billing: 42. " + SYSTEM), first[1], Turn("assistant", "answer"),
+               user("And?")]
+    d = m.divergence(_named(changed, "thread-1"))
+    assert (d.cause, d.message) == ("system prompt changed", 0)
+
+
+def test_a_reply_whose_text_came_back_in_other_tokens_is_named() -> None:
+    # ids: one per character, and two more: a byte that a reply cut by max_tokens ended
+    # with (streamed as U+FFFD), and U+FFFD as the client's text tokenizes it
+    text_of = {ord(ch): ch for ch in "<>|abcdefghijklmnopqrstuvwxyz.?ARSTU enswr"}
+    text_of.update({1000: "\ufffd", 1001: "\ufffd"})
+
+    def text(ids: np.ndarray) -> str:
+        return "".join(text_of.get(int(i), "?") for i in ids)
+
+    m = SeenConversations(page=8, text=text)
+    first = [sys_(), user("Run the tests.")]
+    c = conv(first)
+    n = len(c.tokens)
+    reply_ids = [ord(ch) for ch in "<assistant>|caf"] + [1000]
+    m.remember(c, "caf\ufffd", reply_ids)
+    after = [ord(ch) for ch in "|<user>|And?|"]
+    back = [*first, Turn("assistant", "caf\ufffd"), user("And?")]
+    same_text = list(c.tokens) + reply_ids[:-1] + [1001] + after
+    d = m.divergence(conv(back, tokens=same_text))
+    assert (d.cause, d.token, d.message) == ("reply re-tokenized differently",
+                                             n + len(reply_ids) - 1, 2)
+    assert d.known == n + len(reply_ids)  # the whole reply could have been reused
+    assert "reply re-tokenized differently at token" in d.describe()
+    # other text in those tokens: not a re-tokenization
+    other_text = list(c.tokens) + reply_ids[:-1] + [ord("e")] + after
+    assert m.divergence(conv(back, tokens=other_text)).cause == "reply re-rendered differently"
+    # without a way to read tokens it cannot tell
+    blind = SeenConversations(page=8)
+    blind.remember(c, "caf\ufffd", reply_ids)
+    assert blind.divergence(conv(back, tokens=same_text)).cause == \
+        "reply re-rendered differently"

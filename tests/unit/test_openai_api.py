@@ -124,7 +124,7 @@ BAD_CHAT = [
     ({"top_k": -2}, "top_k"),
     ({"min_p": 2}, "min_p"),
     ({"seed": "7"}, "seed"),
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
     ({"max_tokens": "10"}, "max_tokens"),
     ({"max_completion_tokens": -1}, "max_completion_tokens"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),

@@ -158,12 +158,12 @@ def test_namespace_tools_are_offered_by_name_and_calls_carry_the_namespace() -> 
      "input[0].call_id", "string"),
     ({"input": [{"role": "wizard", "content": "x"}]}, "input[0].role", "'wizard'"),
     ({"input": "x", "background": True}, "background", "not supported"),
-    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", ">= 1"),
+    ({"input": "x", "max_output_tokens": -1}, "max_output_tokens", ">= 0"),
     ({"input": "x", "tool_choice": "sometimes"}, "tool_choice", "'required'"),
 ])
 def test_bad_requests_name_their_parameter(body: dict[str, Any], param: str, words: str) -> None:
     with pytest.raises(ApiError) as err:
-        parse_responses_request(body)
+        parse_responses_request(body, hosted_tools="reject")
     assert err.value.param == param
     assert words in str(err.value)
 
