@@ -9,7 +9,7 @@ import pytest
 from proxy.api.intake import MAX_DEPTH, check_depth
 from proxy.api.openai import ApiError
 from proxy.api.prompt import _history_cut, check_fits, utf8_len
-from proxy.engine.vocab import alternation
+from proxy.engine.binding.vocab import alternation
 from statecache.config import ConfigError, load_config
 
 

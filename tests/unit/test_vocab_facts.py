@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.engine.vocab import SPM_SPACE, other_facts, spm_facts
+from proxy.engine.binding.vocab import SPM_SPACE, other_facts, spm_facts
 
 BYTES = [f"<0x{b:02X}>".encode() for b in range(256)]
 CHARS = [c.encode() for c in ["a", "b", SPM_SPACE, "\n", "<", "|", ">", "é"]]

@@ -1,0 +1,41 @@
+"""What a context's memory is: its kind and the sizes of its states (read by
+``Context.describe_memory``)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class MemoryKind(enum.Enum):
+    ATTENTION = "attention"  # plain KV cache: seq_rm rolls back anywhere
+    SWA = "swa"  # sliding-window attention beside full attention (Gemma 3)
+    RECURRENT = "recurrent"  # only recurrent state (Mamba)
+    HYBRID = "hybrid"  # recurrent layers beside attention (Qwen3.5, LFM2)
+
+
+@dataclass(slots=True, frozen=True)
+class MemoryInfo:
+    kind: MemoryKind
+    n_swa: int  # the SWA window, 0 if none
+    seq_rm_rollback: bool  # can a live lane be truncated anywhere with seq_rm
+    rs_rollback: bool  # does the architecture support n_rs_seq snapshots
+    n_rs_seq: int  # snapshots kept per lane in this context (0 = none)
+    bytes_per_token: int  # full-state bytes added per consumed token
+    bytes_per_lane: int  # full-state bytes independent of length (recurrent part)
+    partial_bytes_per_token: int
+    partial_bytes_per_lane: int
+
+    @property
+    def needs_partial(self) -> bool:
+        """Whether in-lane rollback needs a saved partial state (recurrent or SWA)."""
+        return not self.seq_rm_rollback
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "kind": self.kind.value, "n_swa": self.n_swa, "seq_rm_rollback": self.seq_rm_rollback,
+            "rs_rollback": self.rs_rollback, "n_rs_seq": self.n_rs_seq,
+            "bytes_per_token": self.bytes_per_token, "bytes_per_lane": self.bytes_per_lane,
+            "partial_bytes_per_token": self.partial_bytes_per_token,
+            "partial_bytes_per_lane": self.partial_bytes_per_lane,
+        }
