@@ -6,6 +6,10 @@ keywords it cannot enforce (``minimum``, ``uniqueItems``, ``not`` ...), which wo
 a reply through that does not validate. Any keyword outside ``HANDLED`` and
 ``ANNOTATIONS``, and the few combinations the converter drops a part of, are a
 ``SchemaError`` naming the part (a JSON path such as ``schema.properties.age``).
+
+This module is the HTTP side's face of the engine for grammars: it checks a client's GBNF
+text (``check_grammar``, llama.cpp's parser through the binding) and builds the reply
+grammars, so proxy/api imports nothing else of the engine for them.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.engine.binding import SchemaRules
+from proxy.engine.binding import SchemaRules, check_grammar
+
+__all__ = ["ANNOTATIONS", "HANDLED", "SchemaError", "check_grammar", "check_schema",
+           "literal", "schema_rules", "text_without", "after_reasoning", "SchemaPart"]
 
 # Keywords the converter enforces, and those that only describe (safe to ignore).
 HANDLED = frozenset({"type", "properties", "required", "additionalProperties", "items",
