@@ -45,26 +45,26 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.api.openai import (
+from proxy.api.chat import (
     TOOLS_END,
-    ApiError,
     ChatMessage,
     ChatRequest,
     Mark,
     Sampling,
     ToolCall,
-    _opt_bool,
-    _opt_float,
-    _opt_int,
-    _opt_str,
-    _template_kwargs,
-    _type_name,
-    constrained,
-    constraint,
     joined_parts,
-    json_format,
-    session_key,
 )
+from proxy.api.fields import (
+    ApiError,
+    obj,
+    opt_bool,
+    opt_float,
+    opt_int,
+    opt_str,
+    session_key,
+    template_kwargs,
+)
+from proxy.api.structured import constrained, constraint, json_format
 
 MAX_STOP_SEQUENCES = 16
 MAX_BREAKPOINTS = 4  # cache_control blocks in one request, as Anthropic allows
@@ -96,7 +96,7 @@ def _cache_ttl(block: object, param: str) -> float:
     """The ``ttl`` of a block's ``cache_control`` in seconds; 0 without one."""
     if not isinstance(block, dict) or block.get("cache_control") is None:
         return 0.0
-    cc = _obj(block["cache_control"], f"{param}.cache_control")
+    cc = obj(block["cache_control"], f"{param}.cache_control")
     if cc.get("type", "ephemeral") != "ephemeral":
         raise ApiError(f"'{param}.cache_control.type' must be 'ephemeral'",
                        f"{param}.cache_control.type")
@@ -107,14 +107,8 @@ def _cache_ttl(block: object, param: str) -> float:
     return TTLS[ttl]
 
 
-def _obj(v: object, param: str) -> Mapping[str, Any]:
-    if not isinstance(v, dict):
-        raise ApiError(f"'{param}' must be an object, not {_type_name(v)}", param)
-    return v
-
-
 def _block_type(block: object, param: str) -> str:
-    kind = _obj(block, param).get("type")
+    kind = obj(block, param).get("type")
     if not isinstance(kind, str):
         raise ApiError(f"'{param}.type' must be a string", f"{param}.type")
     return kind
@@ -161,7 +155,7 @@ def _tool_result(block: Mapping[str, Any], param: str) -> ChatMessage:
         raise ApiError(f"'{param}.tool_use_id' must be a string", f"{param}.tool_use_id")
     content = block.get("content")
     text = "" if content is None else _texts(content, f"{param}.content")
-    if _opt_bool(block, "is_error", f"{param}.is_error"):
+    if opt_bool(block, "is_error", f"{param}.is_error"):
         text = "Error: " + text
     return ChatMessage(role="tool", content=text, tool_call_id=call_id)
 
@@ -234,7 +228,7 @@ def _messages(v: object, out: list[ChatMessage], marks: _Marks) -> None:
         raise ApiError("'messages' must be a non-empty list", "messages")
     for i, m in enumerate(v):
         param = f"messages[{i}]"
-        role = _obj(m, param).get("role")
+        role = obj(m, param).get("role")
         content = m.get("content")
         if role not in ("user", "assistant", "system"):
             raise ApiError(f"'{param}.role' must be 'user', 'assistant' or 'system'; "
@@ -266,7 +260,7 @@ def _messages(v: object, out: list[ChatMessage], marks: _Marks) -> None:
 def _tool(t: object, param: str, hosted: str, ignored: list[str]) -> dict[str, Any] | None:
     """An Anthropic client tool as a chat-completions function tool (same key order);
     None for a server tool left out (its type noted in ``ignored``)."""
-    tool = _obj(t, param)
+    tool = obj(t, param)
     kind = tool.get("type")
     if kind not in (None, "custom"):
         if hosted == "reject" or not isinstance(kind, str):
@@ -278,10 +272,10 @@ def _tool(t: object, param: str, hosted: str, ignored: list[str]) -> dict[str, A
     if not isinstance(name, str) or not name:
         raise ApiError(f"'{param}.name' must be a non-empty string", f"{param}.name")
     fn: dict[str, Any] = {"name": name}
-    desc = _opt_str(tool, "description", f"{param}.description")
+    desc = opt_str(tool, "description", f"{param}.description")
     if desc is not None:
         fn["description"] = desc
-    fn["parameters"] = dict(_obj(tool.get("input_schema"), f"{param}.input_schema"))
+    fn["parameters"] = dict(obj(tool.get("input_schema"), f"{param}.input_schema"))
     return {"type": "function", "function": fn}
 
 
@@ -304,15 +298,15 @@ def _parallel(v: object) -> bool:
     """False when the tool choice asks for one tool use at most."""
     if not isinstance(v, dict):
         return True
-    return not _opt_bool(v, "disable_parallel_tool_use", "tool_choice.disable_parallel_tool_use")
+    return not opt_bool(v, "disable_parallel_tool_use", "tool_choice.disable_parallel_tool_use")
 
 
 def _output_format(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
     config = body.get("output_config")
     if config is None:
         return None
-    fmt = _obj(config, "output_config").get("format")
-    if fmt is not None and _obj(fmt, "output_config.format").get("type") != "json_schema":
+    fmt = obj(config, "output_config").get("format")
+    if fmt is not None and obj(fmt, "output_config.format").get("type") != "json_schema":
         raise ApiError("'output_config.format.type' must be 'json_schema'",
                        "output_config.format.type")
     return json_format(fmt, "output_config.format", nested=False)
@@ -321,7 +315,7 @@ def _output_format(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
 def _tool_choice(v: object) -> str | Mapping[str, Any] | None:
     if v is None:
         return None
-    choice = _obj(v, "tool_choice")
+    choice = obj(v, "tool_choice")
     kind = choice.get("type")
     if kind in ("auto", "any", "none"):
         return {"auto": "auto", "any": "required", "none": "none"}[kind]
@@ -334,7 +328,7 @@ def _tool_choice(v: object) -> str | Mapping[str, Any] | None:
 def _thinking_kwargs(v: object) -> dict[str, Any]:
     if v is None:
         return {}
-    kind = _obj(v, "thinking").get("type")
+    kind = obj(v, "thinking").get("type")
     if kind == "disabled":
         return {"enable_thinking": False}
     if kind in _THINKING_ON:
@@ -356,14 +350,14 @@ def _stop_sequences(body: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def _sampling(body: Mapping[str, Any], need_max_tokens: bool) -> Sampling:
-    max_tokens = _opt_int(body, "max_tokens", lo=0)  # 0: a pre-warm
+    max_tokens = opt_int(body, "max_tokens", lo=0)  # 0: a pre-warm
     if max_tokens is None and need_max_tokens:
         raise ApiError("'max_tokens' is required", "max_tokens")
-    temperature = _opt_float(body, "temperature", 0.0, 1.0)
-    top_p = _opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
-    return Sampling(temperature=temperature, top_p=top_p, top_k=_opt_int(body, "top_k", lo=0),
+    temperature = opt_float(body, "temperature", 0.0, 1.0)
+    top_p = opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
+    return Sampling(temperature=temperature, top_p=top_p, top_k=opt_int(body, "top_k", lo=0),
                     max_tokens=max_tokens, stop=_stop_sequences(body),
-                    speculative=_opt_bool(body, "speculative"))
+                    speculative=opt_bool(body, "speculative"))
 
 
 def unbounded(req: ChatRequest) -> ChatRequest:
@@ -386,7 +380,7 @@ def _session(body: Mapping[str, Any]) -> str | None:
     metadata = body.get("metadata")
     if metadata is None:
         return None
-    return session_key(_obj(metadata, "metadata").get("user_id"), "metadata.user_id")
+    return session_key(obj(metadata, "metadata").get("user_id"), "metadata.user_id")
 
 
 def parse_messages_request(body: object, *, count_only: bool = False,
@@ -395,7 +389,7 @@ def parse_messages_request(body: object, *, count_only: bool = False,
     ``hosted_tools``: "ignore" leaves server tools out, "reject" refuses them."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
-    _opt_str(body, "model")
+    opt_str(body, "model")
     session = _session(body)
     marks = _Marks()
     ignored: list[str] = []
@@ -409,7 +403,7 @@ def parse_messages_request(body: object, *, count_only: bool = False,
     # a top-level cache_control: the breakpoint goes on the last block of the conversation
     last = messages[-1]
     marks.breakpoint(body, "request", len(messages) - 1, len(last.content or ""))
-    kwargs = {**_thinking_kwargs(body.get("thinking")), **_template_kwargs(body)}
+    kwargs = {**_thinking_kwargs(body.get("thinking")), **template_kwargs(body)}
     grammar = constraint(json_schema=_output_format(body),
                          json_path="output_config.format.schema", tools=tools,
                          tool_choice=choice, parallel=_parallel(body.get("tool_choice")),
@@ -421,7 +415,7 @@ def parse_messages_request(body: object, *, count_only: bool = False,
         tool_choice=choice,
         template_kwargs=kwargs,
         sampling=constrained(_sampling(body, need_max_tokens=not count_only), grammar),
-        stream=bool(_opt_bool(body, "stream")) and not count_only,
+        stream=bool(opt_bool(body, "stream")) and not count_only,
         include_usage=True,
         user=None,
         marks=tuple(marks.marks),

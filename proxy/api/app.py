@@ -59,6 +59,8 @@ from proxy.api.anthropic import fit_max_tokens, parse_messages_request, unbounde
 from proxy.api.anthropic_events import MessageEvents, message_body, new_tool_use_id
 from proxy.api.anthropic_events import error_body as anthropic_error_body
 from proxy.api.auth import Access, AuthError, identify
+from proxy.api.chat import ChatRequest, Sampling
+from proxy.api.fields import ApiError
 from proxy.api.intake import BODY_LIMIT, SLOTS, read_json, release
 from proxy.api.metrics import CONTENT_TYPE, format_metrics
 from proxy.api.misses import (
@@ -67,13 +69,7 @@ from proxy.api.misses import (
     chat_conversation,
     prompt_conversation,
 )
-from proxy.api.openai import (
-    ApiError,
-    ChatRequest,
-    Sampling,
-    parse_chat_request,
-    parse_completion_request,
-)
+from proxy.api.openai import parse_chat_request, parse_completion_request
 from proxy.api.openai_events import ChatChunks, Chunks, CompletionChunks, error_body
 from proxy.api.prompt import Prompt, chat_prompt, completion_prompt
 from proxy.api.render import ChatTemplate, load_chat_template

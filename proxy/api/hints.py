@@ -25,7 +25,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Sequence
 
-from proxy.api.openai import TOOLS_END, ChatMessage, ChatRequest, Mark
+from proxy.api.chat import TOOLS_END, ChatMessage, ChatRequest, Mark
 
 MAX_MARKS = 24  # marks placed per request (a render each in the worst case)
 _SENTINELS = range(0xE000, 0xF900)  # the Basic Multilingual Plane's private use area

@@ -45,7 +45,7 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from proxy.api.openai import ChatMessage
+from proxy.api.chat import ChatMessage
 
 INNER_SYSTEM_MODES = ("auto", "fold", "keep")
 OPEN, CLOSE = "<system>\n", "\n</system>"

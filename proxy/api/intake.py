@@ -16,7 +16,7 @@ from typing import NoReturn
 
 from aiohttp import web
 
-from proxy.api.openai import ApiError
+from proxy.api.fields import ApiError
 
 MAX_DEPTH = 64  # OpenAI's own schemas nest a few levels; tool schemas a dozen at most
 BODY_TIMEOUT_S = 60.0  # a client that sends its body slower than this frees its slot

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from proxy.api.openai import ChatMessage, ChatRequest
+from proxy.api.chat import ChatMessage, ChatRequest
 from proxy.api.reply import parse_reply, starts_in_reasoning
 from proxy.engine.types import Divergence
 

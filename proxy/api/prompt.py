@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from proxy.api.chat import ChatRequest
+from proxy.api.fields import ApiError
 from proxy.api.hints import marks_to_place, place
 from proxy.api.literals import AREA_RE, Literals
-from proxy.api.openai import ApiError, ChatRequest
 from proxy.api.render import ChatTemplate, render_chat
 from proxy.engine.tokens import Tokenizer
 

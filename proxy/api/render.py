@@ -38,6 +38,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from proxy.api.chat import ChatMessage, ChatRequest, ToolCall
+from proxy.api.fields import RESERVED_TEMPLATE_VARS
 from proxy.api.inner import (
     fold_inner_system,
     merge_runs,
@@ -45,7 +47,6 @@ from proxy.api.inner import (
     should_fold,
     takes_runs,
 )
-from proxy.api.openai import RESERVED_TEMPLATE_VARS, ChatMessage, ChatRequest, ToolCall
 
 VENDOR_TEMPLATES = Path(__file__).resolve().parents[2] / "vendor" / "templates"
 FALLBACK_TEMPLATE = VENDOR_TEMPLATES / "gemma3.jinja"

@@ -40,25 +40,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.api.openai import (
+from proxy.api.chat import ChatMessage, ChatRequest, Mark, Sampling, ToolCall, joined_parts
+from proxy.api.fields import (
     ApiError,
-    ChatMessage,
-    ChatRequest,
-    Mark,
-    Sampling,
-    ToolCall,
-    _opt_bool,
-    _opt_float,
-    _opt_int,
-    _opt_str,
-    _template_kwargs,
-    _type_name,
-    constrained,
-    constraint,
-    joined_parts,
-    json_format,
+    obj,
+    opt_bool,
+    opt_float,
+    opt_int,
+    opt_str,
     session_key,
+    template_kwargs,
 )
+from proxy.api.structured import constrained, constraint, json_format
 
 # Reasoning sent back in ``encrypted_content`` is ours only with this prefix.
 REASONING_MARK = "statecache-reasoning:"
@@ -99,12 +92,6 @@ class ResponsesRequest:
         return bool(self.tools) and self.tool_choice != "none"
 
 
-def _obj(v: object, param: str) -> Mapping[str, Any]:
-    if not isinstance(v, dict):
-        raise ApiError(f"'{param}' must be an object, not {_type_name(v)}", param)
-    return v
-
-
 def _str(v: Mapping[str, Any], key: str, param: str) -> str:
     s = v.get(key)
     if not isinstance(s, str):
@@ -126,7 +113,7 @@ def _parts(v: object, param: str) -> tuple[str, tuple[int, ...]]:
     out: list[str] = []
     for j, part in enumerate(v):
         p = f"{param}[{j}]"
-        kind = _obj(part, p).get("type")
+        kind = obj(part, p).get("type")
         if kind == "refusal":
             out.append(_str(part, "refusal", p))
         elif kind in _TEXT_PARTS:
@@ -140,7 +127,7 @@ def _parts(v: object, param: str) -> tuple[str, tuple[int, ...]]:
 def _reasoning_text(item: Mapping[str, Any], param: str) -> str | None:
     content = item.get("content")
     if isinstance(content, list) and content:
-        texts = [_str(_obj(c, f"{param}.content[{j}]"), "text", f"{param}.content[{j}]")
+        texts = [_str(obj(c, f"{param}.content[{j}]"), "text", f"{param}.content[{j}]")
                  for j, c in enumerate(content)]
         return "\n".join(texts)
     secret = item.get("encrypted_content")
@@ -188,7 +175,7 @@ class _Turns:
 
 
 def _item(turns: _Turns, item: object, param: str) -> None:
-    v = _obj(item, param)
+    v = obj(item, param)
     kind = v.get("type", "message" if "role" in v else None)
     if kind == "message":
         role = v.get("role")
@@ -232,12 +219,12 @@ def _function(tool: Mapping[str, Any], param: str) -> dict[str, Any]:
     if not isinstance(name, str) or not name:
         raise ApiError(f"'{param}.name' must be a non-empty string", f"{param}.name")
     fn: dict[str, Any] = {"name": name}
-    desc = _opt_str(tool, "description", f"{param}.description")
+    desc = opt_str(tool, "description", f"{param}.description")
     if desc is not None:
         fn["description"] = desc
     params = tool.get("parameters")
     if params is not None:
-        fn["parameters"] = dict(_obj(params, f"{param}.parameters"))
+        fn["parameters"] = dict(obj(params, f"{param}.parameters"))
     return {"type": "function", "function": fn}
 
 
@@ -255,7 +242,7 @@ def _tool(t: object, param: str, chat: list[dict[str, Any]], namespaces: dict[st
           ignored: list[str] | None) -> None:
     """Adds a function tool to ``chat``, or a namespace's functions (noting their namespace);
     a hosted tool's type goes to ``ignored`` (None: hosted tools are refused)."""
-    tool = _obj(t, param)
+    tool = obj(t, param)
     kind = tool.get("type")
     if kind == "function":
         chat.append(_function(tool, param))
@@ -271,7 +258,7 @@ def _tool(t: object, param: str, chat: list[dict[str, Any]], namespaces: dict[st
         raise ApiError(f"'{param}' must have a string 'name' and a list of 'tools'", param)
     for j, f in enumerate(inner):
         p = f"{param}.tools[{j}]"
-        if _obj(f, p).get("type") != "function":
+        if obj(f, p).get("type") != "function":
             raise _unsupported_tool(f.get("type"), p)
         chat.append(_function(f, p))
         namespaces[chat[-1]["function"]["name"]] = space
@@ -310,21 +297,21 @@ def _reasoning_effort(body: Mapping[str, Any]) -> str | None:
     v = body.get("reasoning")
     if v is None:
         return None
-    return _opt_str(_obj(v, "reasoning"), "effort", "reasoning.effort")
+    return opt_str(obj(v, "reasoning"), "effort", "reasoning.effort")
 
 
 def _sampling(body: Mapping[str, Any]) -> Sampling:
-    return Sampling(temperature=_opt_float(body, "temperature", 0.0, 2.0),
-                    top_p=_opt_float(body, "top_p", 0.0, 1.0, lo_open=True),
-                    max_tokens=_opt_int(body, "max_output_tokens", lo=0),  # 0: pre-warm
-                    speculative=_opt_bool(body, "speculative"))
+    return Sampling(temperature=opt_float(body, "temperature", 0.0, 2.0),
+                    top_p=opt_float(body, "top_p", 0.0, 1.0, lo_open=True),
+                    max_tokens=opt_int(body, "max_output_tokens", lo=0),  # 0: pre-warm
+                    speculative=opt_bool(body, "speculative"))
 
 
 def _text_format(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
     text = body.get("text")
     if text is None:
         return None
-    return json_format(_obj(text, "text").get("format"), "text.format", nested=False)
+    return json_format(obj(text, "text").get("format"), "text.format", nested=False)
 
 
 def parse_responses_request(body: object, *, hosted_tools: str = "ignore"
@@ -342,18 +329,18 @@ def parse_responses_request(body: object, *, hosted_tools: str = "ignore"
     messages, marks = _input(body.get("input"))
     effort = _reasoning_effort(body)
     kwargs = {**({"enable_thinking": False} if effort == "none" else {}),
-              **_template_kwargs(body)}
-    store = _opt_bool(body, "store")
-    parallel = _opt_bool(body, "parallel_tool_calls")
+              **template_kwargs(body)}
+    store = opt_bool(body, "store")
+    parallel = opt_bool(body, "parallel_tool_calls")
     choice = _tool_choice(body.get("tool_choice"))
     grammar = constraint(json_schema=_text_format(body), json_path="text.format.schema",
                          tools=tools, tool_choice=choice, parallel=parallel is not False,
                          params_key="parameters")
     return ResponsesRequest(
-        model=_opt_str(body, "model") or "",
-        instructions=_opt_str(body, "instructions"),
+        model=opt_str(body, "model") or "",
+        instructions=opt_str(body, "instructions"),
         messages=messages,
-        previous_response_id=_opt_str(body, "previous_response_id"),
+        previous_response_id=opt_str(body, "previous_response_id"),
         tools=tools,
         tools_json=tuple(body.get("tools") or ()),
         namespaces=namespaces,
@@ -361,10 +348,10 @@ def parse_responses_request(body: object, *, hosted_tools: str = "ignore"
         parallel_tool_calls=True if parallel is None else parallel,
         template_kwargs=kwargs,
         sampling=constrained(_sampling(body), grammar),
-        stream=bool(_opt_bool(body, "stream")),
+        stream=bool(opt_bool(body, "stream")),
         store=True if store is None else store,
-        user=_opt_str(body, "user"),
-        metadata=dict(_obj(metadata, "metadata")) if metadata is not None else {},
+        user=opt_str(body, "user"),
+        metadata=dict(obj(metadata, "metadata")) if metadata is not None else {},
         reasoning_effort=effort,
         marks=marks,
         session=session_key(body.get("prompt_cache_key"), "prompt_cache_key"),

@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.api.openai import ChatMessage, ToolCall
+from proxy.api.chat import ChatMessage, ToolCall
 from proxy.api.reply import Delta, ParsedToolCall, StreamParser
 from proxy.api.responses import REASONING_MARK, ResponsesRequest
 from proxy.engine.types import FinishEvent, StartEvent, TokenLogprob, Usage

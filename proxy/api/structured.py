@@ -13,13 +13,19 @@
 
 A thinking template's reasoning may come first: the engine lets the reply reason until
 ``</think>`` when the prompt leaves it inside a ``<think>`` block (``REASONING``).
+
+``constraint``, ``json_format`` and ``constrained`` are the three APIs' way in: a schema
+the grammar cannot enforce is a 400 naming the request field at fault.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from proxy.api.chat import Sampling
+from proxy.api.fields import ApiError
 from proxy.api.reply import CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN
 from proxy.engine.grammar import (
     SchemaError,
@@ -126,3 +132,60 @@ def _rebase(node: Any, at: str) -> Any:
     if isinstance(node, list):
         return [_rebase(v, at) for v in node]
     return node
+
+
+def constraint(*, json_schema: Mapping[str, Any] | None, json_path: str,
+               tools: tuple[Mapping[str, Any], ...] | None = None, tool_choice: object = None,
+               parallel: bool = True, params_key: str = "function.parameters") -> str:
+    """``reply_grammar`` with its errors as 400s naming the field at fault."""
+    try:
+        return reply_grammar(json_schema=json_schema, json_path=json_path, tools=tools,
+                             tool_choice=tool_choice, parallel=parallel,
+                             params_key=params_key)
+    except SchemaError as e:
+        raise ApiError(str(e), _top(e.path)) from None
+
+
+def _top(path: str) -> str:
+    """The request field a JSON path starts with ("response_format.json_schema" ->
+    "response_format")."""
+    for i, c in enumerate(path):
+        if c in ".[":
+            return path[:i]
+    return path
+
+
+def constrained(sampling: Sampling, grammar: str) -> Sampling:
+    """``sampling`` with the reply grammar of a chat request (structured output or a
+    forced tool call), which a thinking template's reasoning may precede."""
+    if not grammar:
+        return sampling
+    if sampling.grammar:
+        raise ApiError("'grammar' and 'json_schema' cannot be combined with "
+                       "'response_format' or a forced 'tool_choice'", "grammar")
+    return dataclasses.replace(sampling, grammar=grammar, reasoning=REASONING)
+
+
+def json_format(fmt: object, param: str, *, nested: bool = True) -> Mapping[str, Any] | None:
+    """The JSON schema a reply format asks for: None for text, any object for
+    json_object; ``nested``: json_schema's schema sits in a "json_schema" object (chat's
+    ``response_format``), else beside "type" (Responses' ``text.format``)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ANY_OBJECT
+    if kind == "json_schema":
+        assert isinstance(fmt, dict)
+        spec, where = (fmt.get("json_schema"), f"{param}.json_schema") if nested \
+            else (fmt, param)
+        if not isinstance(spec, dict):
+            raise ApiError(f"'{where}' must be an object with the 'schema'", _top(param))
+        schema = spec.get("schema", ANY_OBJECT)
+        if not isinstance(schema, dict):
+            raise ApiError(f"'{where}.schema' must be an object (a JSON schema)", _top(param))
+        return schema
+    raise ApiError(f"'{param}.type' must be 'text', 'json_object' or 'json_schema'",
+                   _top(param))

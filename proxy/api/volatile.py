@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proxy.api.openai import ChatMessage, ChatRequest
+from proxy.api.chat import ChatMessage, ChatRequest
 from statecache.config import VolatileRule
 
 

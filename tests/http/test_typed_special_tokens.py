@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from proxy.api.app import ENGINE, TEMPLATE, _tokenize_chat
-from proxy.api.openai import ChatRequest, parse_chat_request
+from proxy.api.chat import ChatRequest
+from proxy.api.openai import parse_chat_request
 from proxy.api.render import render_chat
 from tests.http.conftest import Server, serve
 

@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 
 from proxy.api.anthropic import parse_messages_request
+from proxy.api.chat import TOOLS_END, Mark
+from proxy.api.fields import ApiError
 from proxy.api.hints import marks_to_place, place
-from proxy.api.openai import TOOLS_END, ApiError, Mark, parse_chat_request
+from proxy.api.openai import parse_chat_request
 from proxy.api.render import ChatTemplate, load_chat_template, render_chat
 from proxy.api.responses import chat_request, parse_responses_request
 from proxy.engine.detok import TextStream

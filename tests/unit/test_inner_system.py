@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from proxy.api.anthropic import parse_messages_request
+from proxy.api.chat import ChatMessage
 from proxy.api.inner import OPEN, InnerSystem, fold_inner_system, probe_inner_system
-from proxy.api.openai import ChatMessage, parse_chat_request
+from proxy.api.openai import parse_chat_request
 from proxy.api.render import ChatTemplate, load_chat_template, render_chat
 from proxy.api.responses import chat_request, parse_responses_request
 

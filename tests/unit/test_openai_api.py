@@ -6,15 +6,9 @@ from typing import Any
 
 import pytest
 
-from proxy.api.openai import (
-    MIN_TEMPERATURE,
-    ApiError,
-    ChatMessage,
-    Sampling,
-    ToolCall,
-    parse_chat_request,
-    parse_completion_request,
-)
+from proxy.api.chat import MIN_TEMPERATURE, ChatMessage, Sampling, ToolCall
+from proxy.api.fields import ApiError
+from proxy.api.openai import parse_chat_request, parse_completion_request
 
 USER = {"role": "user", "content": "hi"}
 

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
+from proxy.api.fields import ApiError
 from proxy.api.intake import MAX_DEPTH, check_depth
-from proxy.api.openai import ApiError
 from proxy.api.prompt import _history_cut, check_fits, utf8_len
 from proxy.engine.binding.vocab import alternation
 from statecache.config import ConfigError, load_config

@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 
-from proxy.api.openai import ApiError, ChatMessage, ToolCall, parse_chat_request
+from proxy.api.chat import ChatMessage, ToolCall
+from proxy.api.fields import ApiError
+from proxy.api.openai import parse_chat_request
 from proxy.api.render import VENDOR_TEMPLATES, ChatTemplate, render_chat
 from proxy.api.reply import StreamParser, parse_reply
 from proxy.api.responses import (

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from proxy.api.anthropic import parse_messages_request
-from proxy.api.openai import ApiError, parse_chat_request, parse_completion_request
+from proxy.api.fields import ApiError
+from proxy.api.openai import parse_chat_request, parse_completion_request
 from proxy.api.responses import parse_responses_request
 from proxy.engine.binding import check_grammar
 from proxy.engine.sampling import defaults, model_defaults, resolve

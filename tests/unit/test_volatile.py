@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.api.openai import ChatRequest, parse_chat_request
+from proxy.api.chat import ChatRequest
+from proxy.api.openai import parse_chat_request
 from proxy.api.volatile import Volatile
 from statecache.config import ConfigError, VolatileRule, load_config
 
