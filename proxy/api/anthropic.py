@@ -45,15 +45,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.api.chat import (
-    TOOLS_END,
-    ChatMessage,
-    ChatRequest,
-    Mark,
-    Sampling,
-    ToolCall,
-    joined_parts,
-)
+from proxy.api.chat import TOOLS_END, ChatMessage, ChatRequest, Mark, ToolCall, joined_parts
 from proxy.api.fields import (
     ApiError,
     obj,
@@ -65,6 +57,7 @@ from proxy.api.fields import (
     template_kwargs,
 )
 from proxy.api.structured import constrained, constraint, json_format
+from proxy.engine.types import SamplingParams
 
 MAX_STOP_SEQUENCES = 16
 MAX_BREAKPOINTS = 4  # cache_control blocks in one request, as Anthropic allows
@@ -349,31 +342,33 @@ def _stop_sequences(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(v)
 
 
-def _sampling(body: Mapping[str, Any], need_max_tokens: bool) -> Sampling:
+def _sampling(body: Mapping[str, Any], need_max_tokens: bool
+              ) -> tuple[SamplingParams, int | None]:
+    """The sampling fields, and the ``max_tokens`` asked (required but for counting)."""
     max_tokens = opt_int(body, "max_tokens", lo=0)  # 0: a pre-warm
     if max_tokens is None and need_max_tokens:
         raise ApiError("'max_tokens' is required", "max_tokens")
     temperature = opt_float(body, "temperature", 0.0, 1.0)
     top_p = opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
-    return Sampling(temperature=temperature, top_p=top_p, top_k=opt_int(body, "top_k", lo=0),
-                    max_tokens=max_tokens, stop=_stop_sequences(body),
-                    speculative=opt_bool(body, "speculative"))
+    return SamplingParams(temperature=temperature, top_p=top_p,
+                          top_k=opt_int(body, "top_k", lo=0), stop=_stop_sequences(body),
+                          speculative=opt_bool(body, "speculative")), max_tokens
 
 
 def unbounded(req: ChatRequest) -> ChatRequest:
     """The request without ``max_tokens``, to check its prompt against the context alone
     (``fit_max_tokens`` then cuts ``max_tokens`` to the room left)."""
-    return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens=None))
+    return dataclasses.replace(req, max_tokens=None)
 
 
-def fit_max_tokens(sampling: Sampling, n_ctx: int, n_prompt: int) -> Sampling:
+def fit_max_tokens(asked: int | None, n_ctx: int, n_prompt: int) -> int | None:
     """``max_tokens`` cut to the room the context leaves: clients such as Claude Code
     always ask for tens of thousands, and Anthropic's API runs until the context is full
     (``stop_reason: model_context_window_exceeded``) rather than refusing."""
     room = n_ctx - n_prompt
-    if sampling.max_tokens is None or room <= 0 or sampling.max_tokens <= room:
-        return sampling
-    return dataclasses.replace(sampling, max_tokens=room)
+    if asked is None or room <= 0 or asked <= room:
+        return asked
+    return room
 
 
 def _session(body: Mapping[str, Any]) -> str | None:
@@ -408,16 +403,18 @@ def parse_messages_request(body: object, *, count_only: bool = False,
                          json_path="output_config.format.schema", tools=tools,
                          tool_choice=choice, parallel=_parallel(body.get("tool_choice")),
                          params_key="input_schema")
+    sampling, max_tokens = _sampling(body, need_max_tokens=not count_only)
     return ChatRequest(
         model=body.get("model") or "",
         messages=tuple(messages),
         tools=tools,
         tool_choice=choice,
         template_kwargs=kwargs,
-        sampling=constrained(_sampling(body, need_max_tokens=not count_only), grammar),
+        sampling=constrained(sampling, grammar),
         stream=bool(opt_bool(body, "stream")) and not count_only,
         include_usage=True,
         user=None,
+        max_tokens=max_tokens,
         marks=tuple(marks.marks),
         session=session,
         ignored_tools=tuple(ignored),

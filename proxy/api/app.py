@@ -59,7 +59,7 @@ from proxy.api.anthropic import fit_max_tokens, parse_messages_request, unbounde
 from proxy.api.anthropic_events import MessageEvents, message_body, new_tool_use_id
 from proxy.api.anthropic_events import error_body as anthropic_error_body
 from proxy.api.auth import Access, AuthError, identify
-from proxy.api.chat import ChatRequest, Sampling
+from proxy.api.chat import ChatRequest
 from proxy.api.fields import ApiError
 from proxy.api.intake import BODY_LIMIT, SLOTS, read_json, release
 from proxy.api.metrics import CONTENT_TYPE, format_metrics
@@ -82,6 +82,7 @@ from proxy.api.responses_events import (
     output_items,
     response_head,
 )
+from proxy.api.sampling import to_params
 from proxy.api.volatile import Volatile
 from proxy.engine.tokens import Tokenizer
 from proxy.engine.types import (
@@ -89,6 +90,7 @@ from proxy.engine.types import (
     FinishEvent,
     GenerationRequest,
     QueueFull,
+    SamplingParams,
     StartEvent,
     TokenEvent,
     TokenLogprob,
@@ -328,30 +330,33 @@ def _ignored_tools(request: web.Request, kinds: Sequence[str]) -> None:
 
 
 def _chat_generation(request: web.Request, p: Prompt, req: ChatRequest, prefix: str,
-                     param: str, tenant: str, sampling: Sampling | None = None
+                     param: str, tenant: str, max_tokens: int | None = None
                      ) -> GenerationRequest:
+    """``max_tokens``: the request's own when None."""
     session = _session(request, req.session)
-    return _generation(request, p.tokens, sampling or req.sampling, prefix, param, tenant,
+    asked = req.max_tokens if max_tokens is None else max_tokens
+    return _generation(request, p.tokens, req.sampling, asked, prefix, param, tenant,
                        p.history,
                        chat_conversation(tenant, req, p.tokens, p.text, p.history, session),
                        share_points=p.share_points, breakpoints=p.breakpoints,
                        session=session)
 
 
-def _generation(request: web.Request, tokens: list[int], sampling: Sampling, prefix: str,
-                param: str, tenant: str, history: int | None = None,
+def _generation(request: web.Request, tokens: list[int], sampling: SamplingParams,
+                asked: int | None, prefix: str, param: str, tenant: str,
+                history: int | None = None,
                 seen: Conversation | None = None, *, share_points: tuple[int, ...] = (),
                 breakpoints: tuple[tuple[int, float], ...] = (),
                 session: str | None = None) -> GenerationRequest:
     release(request)  # the prompt is tokenized: the next request may be parsed
-    max_tokens = _max_tokens(request.app[ENGINE].n_ctx, len(tokens), sampling.max_tokens, param,
+    max_tokens = _max_tokens(request.app[ENGINE].n_ctx, len(tokens), asked, param,
                              request.app[LIMITS].default_max_tokens)
     divergence = None
     if seen is not None:  # where it leaves what was sent before (the engine reports misses)
         divergence = request.app[SEEN].divergence(seen)
         request[CONVERSATION] = seen
     gen = GenerationRequest(request_id=f"{prefix}-{secrets.token_hex(12)}",
-                            prompt_tokens=tuple(tokens), sampling=sampling.to_params(max_tokens),
+                            prompt_tokens=tuple(tokens), sampling=to_params(sampling, max_tokens),
                             tenant=tenant, history_tokens=history, divergence=divergence,
                             share_points=share_points, breakpoints=breakpoints,
                             session=session)
@@ -517,8 +522,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     bos = engine.bos_token
     prompt = req.prompt if not bos or req.prompt.startswith(bos) else bos + req.prompt
     tokens = await asyncio.to_thread(completion_prompt, engine.tokenizer, prompt, tenant,
-                                     engine.n_ctx, req.sampling.max_tokens)
-    gen = _generation(request, tokens, req.sampling, "cmpl", "prompt", tenant,
+                                     engine.n_ctx, req.max_tokens)
+    gen = _generation(request, tokens, req.sampling, req.max_tokens, "cmpl", "prompt", tenant,
                       seen=prompt_conversation(tenant, prompt, tokens))
     chunks = CompletionChunks(gen.request_id, engine.model_name, req.include_usage)
     if req.stream:
@@ -541,9 +546,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
     engine, tenant = request.app[ENGINE], _tenant(request, None)
     p = await asyncio.to_thread(_tokenize_chat, engine, request.app[TEMPLATE], unbounded(req),
                                 tenant)
-    sampling = fit_max_tokens(req.sampling, engine.n_ctx, len(p.tokens))
-    window = sampling != req.sampling
-    gen = _chat_generation(request, p, req, "msg", "messages", tenant, sampling)
+    max_tokens = fit_max_tokens(req.max_tokens, engine.n_ctx, len(p.tokens))
+    window = max_tokens != req.max_tokens
+    gen = _chat_generation(request, p, req, "msg", "messages", tenant, max_tokens)
     parser = StreamParser(starts_in_reasoning=starts_in_reasoning(p.text),
                           parse_tools=req.parse_tools, make_id=new_tool_use_id)
     if req.stream:

@@ -5,20 +5,18 @@ Responses (responses.py) each parse their body into one ``ChatRequest``, so rend
 tokenizing, planning and the cache are shared: a conversation started on one API
 continues from the same checkpoints on another.
 
-``Sampling`` holds the sampling fields as sent; ``to_params`` makes the engine's
-record of them once the prompt's length is known.
+Sampling is the engine's own record (``proxy.engine.types.SamplingParams``); its
+``max_tokens`` is set only once the prompt's length is known (``to_params`` in
+proxy/api/sampling.py): until then the request's ``max_tokens`` holds what was asked.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from proxy.engine.types import SamplingParams
-
-MIN_TEMPERATURE = 1e-6
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,47 +34,6 @@ class ChatMessage:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     reasoning_content: str | None = None
-
-
-@dataclass(slots=True, frozen=True)
-class Sampling:
-    """Sampling fields as sent (None: not sent, the server's default applies);
-    ``max_tokens`` stays None until the prompt length is known."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    typical_p: float | None = None
-    repeat_penalty: float | None = None
-    repeat_last_n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    dry_multiplier: float | None = None
-    dry_base: float | None = None
-    dry_allowed_length: int | None = None
-    dry_penalty_last_n: int | None = None
-    dry_sequence_breakers: tuple[str, ...] | None = None
-    xtc_probability: float | None = None
-    xtc_threshold: float | None = None
-    seed: int | None = None
-    max_tokens: int | None = None
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    grammar: str = ""
-    reasoning: tuple[str, str] | None = None
-    speculative: bool | None = None
-
-    def to_params(self, max_tokens: int) -> SamplingParams:
-        # Every API's parser builds a Sampling: a vanishing temperature is greedy for all.
-        t = self.temperature
-        values = {f: getattr(self, f) for f in _SHARED}
-        values["temperature"] = 0.0 if t is not None and t < MIN_TEMPERATURE else t
-        return SamplingParams(**values, max_tokens=max_tokens)
-
-
-_SHARED = tuple(f.name for f in dataclasses.fields(Sampling) if f.name != "max_tokens")
 
 
 TOOLS_END = -1  # Mark.message of a point after a tool definition
@@ -103,10 +60,12 @@ class ChatRequest:
     tools: tuple[Mapping[str, Any], ...] | None
     tool_choice: str | Mapping[str, Any] | None
     template_kwargs: Mapping[str, Any]
-    sampling: Sampling
+    sampling: SamplingParams  # its max_tokens is not the request's (see ``max_tokens``)
     stream: bool
     include_usage: bool
     user: str | None
+    # as asked (0: a pre-warm); None: as the context and server.max_tokens_default allow
+    max_tokens: int | None = None
     marks: tuple[Mark, ...] = ()
     # the conversation this request belongs to, as the client names it (Codex's
     # prompt_cache_key, Claude Code's session and agent ids): lane affinity, miss reasons
@@ -122,10 +81,11 @@ class ChatRequest:
 class CompletionRequest:
     model: str
     prompt: str
-    sampling: Sampling
+    sampling: SamplingParams  # its max_tokens is not the request's (see ``max_tokens``)
     stream: bool
     include_usage: bool
     user: str | None
+    max_tokens: int | None = None  # as asked, as ChatRequest's
 
 
 def joined_parts(texts: list[str], sep: str = "\n") -> tuple[str, tuple[int, ...]]:

@@ -170,7 +170,8 @@ def parse_chat_request(body: object) -> ChatRequest:
         raise ApiError("'messages' must be a non-empty list", "messages")
     tools, choice = _tools(body.get("tools")), _tool_choice(body.get("tool_choice"))
     parallel = opt_bool(body, "parallel_tool_calls")
-    sampling = dataclasses.replace(parse_sampling(body), logprobs=chat_logprobs(body))
+    sampling, max_tokens = parse_sampling(body)
+    sampling = dataclasses.replace(sampling, logprobs=chat_logprobs(body))
     grammar = constraint(json_schema=json_format(body.get("response_format"),
                                                  "response_format"),
                          json_path="response_format.json_schema.schema", tools=tools,
@@ -187,6 +188,7 @@ def parse_chat_request(body: object) -> ChatRequest:
         stream=stream,
         include_usage=usage,
         user=body.get("user"),
+        max_tokens=max_tokens,
         marks=tuple(marks),
         session=session_key(body.get("prompt_cache_key"), "prompt_cache_key"),
     )
@@ -200,7 +202,9 @@ def parse_completion_request(body: object) -> CompletionRequest:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise ApiError("'prompt' must be a string (or a list of exactly one string)", "prompt")
+    sampling, max_tokens = parse_sampling(body)
     return CompletionRequest(model=body.get("model") or "", prompt=prompt,
                              sampling=dataclasses.replace(
-                                 parse_sampling(body), logprobs=completion_logprobs(body)),
-                             stream=stream, include_usage=usage, user=body.get("user"))
+                                 sampling, logprobs=completion_logprobs(body)),
+                             stream=stream, include_usage=usage, user=body.get("user"),
+                             max_tokens=max_tokens)

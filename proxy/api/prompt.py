@@ -81,7 +81,7 @@ def chat_prompt(tokenizer: Tokenizer, template: ChatTemplate, req: ChatRequest, 
                 n_ctx: int) -> Prompt:
     table = Literals(tokenizer.special_re)
     text = render_chat(template, req, escape=table.escape)
-    check_fits(utf8_len(text), tokenizer.max_token_bytes, n_ctx, req.sampling.max_tokens,
+    check_fits(utf8_len(text), tokenizer.max_token_bytes, n_ctx, req.max_tokens,
                "messages")
     history = render_chat(template, req, add_generation_prompt=False, escape=table.escape)
     cut = _history_cut(text, history, tokenizer.special_re)

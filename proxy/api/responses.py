@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.api.chat import ChatMessage, ChatRequest, Mark, Sampling, ToolCall, joined_parts
+from proxy.api.chat import ChatMessage, ChatRequest, Mark, ToolCall, joined_parts
 from proxy.api.fields import (
     ApiError,
     obj,
@@ -52,6 +52,7 @@ from proxy.api.fields import (
     template_kwargs,
 )
 from proxy.api.structured import constrained, constraint, json_format
+from proxy.engine.types import SamplingParams
 
 # Reasoning sent back in ``encrypted_content`` is ours only with this prefix.
 REASONING_MARK = "statecache-reasoning:"
@@ -77,12 +78,13 @@ class ResponsesRequest:
     tool_choice: str | Mapping[str, Any] | None
     parallel_tool_calls: bool
     template_kwargs: Mapping[str, Any]
-    sampling: Sampling
+    sampling: SamplingParams  # its max_tokens is not the request's (see ``max_tokens``)
     stream: bool
     store: bool
     user: str | None
     metadata: Mapping[str, Any]
     reasoning_effort: str | None
+    max_tokens: int | None = None  # max_output_tokens as asked
     marks: tuple[Mark, ...] = ()  # content parts' starts, by index into ``messages``
     session: str | None = None  # prompt_cache_key
     ignored_tools: tuple[str, ...] = ()  # types of hosted tools left out
@@ -300,11 +302,13 @@ def _reasoning_effort(body: Mapping[str, Any]) -> str | None:
     return opt_str(obj(v, "reasoning"), "effort", "reasoning.effort")
 
 
-def _sampling(body: Mapping[str, Any]) -> Sampling:
-    return Sampling(temperature=opt_float(body, "temperature", 0.0, 2.0),
-                    top_p=opt_float(body, "top_p", 0.0, 1.0, lo_open=True),
-                    max_tokens=opt_int(body, "max_output_tokens", lo=0),  # 0: pre-warm
-                    speculative=opt_bool(body, "speculative"))
+def _sampling(body: Mapping[str, Any]) -> tuple[SamplingParams, int | None]:
+    """The sampling fields, and ``max_output_tokens`` as asked."""
+    temperature = opt_float(body, "temperature", 0.0, 2.0)
+    top_p = opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
+    max_tokens = opt_int(body, "max_output_tokens", lo=0)  # 0: pre-warm
+    return SamplingParams(temperature=temperature, top_p=top_p,
+                          speculative=opt_bool(body, "speculative")), max_tokens
 
 
 def _text_format(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -336,23 +340,27 @@ def parse_responses_request(body: object, *, hosted_tools: str = "ignore"
     grammar = constraint(json_schema=_text_format(body), json_path="text.format.schema",
                          tools=tools, tool_choice=choice, parallel=parallel is not False,
                          params_key="parameters")
+    model, instructions = opt_str(body, "model") or "", opt_str(body, "instructions")
+    previous = opt_str(body, "previous_response_id")
+    sampling, max_tokens = _sampling(body)
     return ResponsesRequest(
-        model=opt_str(body, "model") or "",
-        instructions=opt_str(body, "instructions"),
+        model=model,
+        instructions=instructions,
         messages=messages,
-        previous_response_id=opt_str(body, "previous_response_id"),
+        previous_response_id=previous,
         tools=tools,
         tools_json=tuple(body.get("tools") or ()),
         namespaces=namespaces,
         tool_choice=choice,
         parallel_tool_calls=True if parallel is None else parallel,
         template_kwargs=kwargs,
-        sampling=constrained(_sampling(body), grammar),
+        sampling=constrained(sampling, grammar),
         stream=bool(opt_bool(body, "stream")),
         store=True if store is None else store,
         user=opt_str(body, "user"),
         metadata=dict(obj(metadata, "metadata")) if metadata is not None else {},
         reasoning_effort=effort,
+        max_tokens=max_tokens,
         marks=marks,
         session=session_key(body.get("prompt_cache_key"), "prompt_cache_key"),
         ignored_tools=tuple(ignored or ()),
@@ -421,6 +429,7 @@ def chat_request(req: ResponsesRequest, history: tuple[ChatMessage, ...]) -> Cha
                        tools=req.tools, tool_choice=req.tool_choice,
                        template_kwargs=req.template_kwargs, sampling=req.sampling,
                        stream=req.stream, include_usage=True, user=req.user,
+                       max_tokens=req.max_tokens,
                        marks=tuple(Mark(m.message + shift, m.offset, m.ttl)
                                    for m in req.marks),
                        session=req.session, ignored_tools=req.ignored_tools)

@@ -43,7 +43,7 @@ def response_head(response_id: str, model: str, req: ResponsesRequest) -> JSON:
     """The ``response`` object before any output: what the request asked for, echoed."""
     return {"id": response_id, "object": "response", "created_at": int(time.time()),
             "status": "in_progress", "error": None, "incomplete_details": None,
-            "instructions": req.instructions, "max_output_tokens": req.sampling.max_tokens,
+            "instructions": req.instructions, "max_output_tokens": req.max_tokens,
             "model": model, "output": [], "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": req.reasoning_effort, "summary": None},

@@ -1,4 +1,5 @@
-"""The sampling fields of an OpenAI body (chat completions and completions).
+"""The sampling fields of an OpenAI body (chat completions and completions), as the
+engine's own record, ``SamplingParams``; and that record made final for the engine.
 
 Sampling runs on llama.cpp's sampler chain (proxy/engine/sampling.py): OpenAI's
 ``temperature``, ``top_p``, ``seed``, ``stop``, ``logit_bias`` (token id -> bias in
@@ -8,12 +9,13 @@ Sampling runs on llama.cpp's sampler chain (proxy/engine/sampling.py): OpenAI's
 ``grammar`` (GBNF) and ``json_schema``. A field left out takes the ``[sampling]``
 config's value, or the model's own recommendation in its GGUF.
 
-- ``max_completion_tokens`` wins over ``max_tokens`` when both are given.
+- ``max_completion_tokens`` wins over ``max_tokens`` when both are given; the request
+  keeps what was asked until the prompt's length is known (``to_params``).
 - ``top_k`` of -1 (vLLM's "off") is read as 0 (off here).
 - ``seed`` of -1 means "random" (llama.cpp's convention), as an absent seed does.
 - A ``temperature`` above 0 but below ``MIN_TEMPERATURE`` is greedy: dividing logits
   by it would overflow, and sampling at it is greedy in effect (every API's, in
-  ``Sampling.to_params``).
+  ``to_params``).
 - Fields that would not act are refused by name (400) when set to anything but their
   default: llama-server's ``mirostat``, ``ignore_eos``, ``n_probs``, ``top_n_sigma``,
   ``dynatemp_range``, ``samplers``.
@@ -21,15 +23,17 @@ config's value, or the model's own recommendation in its GGUF.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.api.chat import MIN_TEMPERATURE, Sampling
 from proxy.api.fields import ApiError, opt_bool, opt_float, opt_int, opt_str, refuse_set
 from proxy.api.structured import REASONING, constraint
 from proxy.engine.grammar import check_grammar
+from proxy.engine.types import SamplingParams
 
 MAX_STOP = 4
+MIN_TEMPERATURE = 1e-6
 MAX_SEED = 2**64 - 1
 MAX_LOGIT_BIAS = 1024
 MAX_GRAMMAR = 256 * 1024
@@ -40,13 +44,23 @@ UNSUPPORTED = (("mirostat", 0), ("ignore_eos", False), ("n_probs", 0), ("top_n_s
                ("dynatemp_range", 0), ("samplers", None))
 
 
-def parse_sampling(body: Mapping[str, Any]) -> Sampling:
-    """The sampling fields both OpenAI endpoints share (chat adds its constraints later)."""
+def to_params(sampling: SamplingParams, max_tokens: int) -> SamplingParams:
+    """The engine's record of a request: ``max_tokens`` as the prompt's length allows it,
+    and a vanishing temperature greedy (every API's parser leaves it to here)."""
+    t = sampling.temperature
+    return dataclasses.replace(
+        sampling, max_tokens=max_tokens,
+        temperature=0.0 if t is not None and t < MIN_TEMPERATURE else t)
+
+
+def parse_sampling(body: Mapping[str, Any]) -> tuple[SamplingParams, int | None]:
+    """The sampling fields both OpenAI endpoints share (chat adds its constraints later),
+    and the ``max_tokens`` asked (None: not given)."""
     refuse_set(body, UNSUPPORTED)
     top_k = opt_int(body, "top_k", lo=-1)
     max_tokens = opt_int(body, "max_tokens", lo=0)  # 0: a pre-warm (prefill and cache only)
     max_completion = opt_int(body, "max_completion_tokens", lo=0)
-    return Sampling(
+    sampling = SamplingParams(
         temperature=_temperature(body),
         top_p=opt_float(body, "top_p", 0.0, 1.0, lo_open=True),
         top_k=0 if top_k == -1 else top_k,
@@ -64,12 +78,12 @@ def parse_sampling(body: Mapping[str, Any]) -> Sampling:
         xtc_probability=opt_float(body, "xtc_probability", 0.0, 1.0),
         xtc_threshold=opt_float(body, "xtc_threshold", 0.0, 1.0),
         seed=_seed(body),
-        max_tokens=max_completion if max_completion is not None else max_tokens,
         stop=_stop(body),
         logit_bias=_logit_bias(body),
         speculative=opt_bool(body, "speculative"),
         **_grammar(body),
     )
+    return sampling, max_completion if max_completion is not None else max_tokens
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -145,7 +159,7 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
 
 def _grammar(body: Mapping[str, Any]) -> dict[str, Any]:
     """llama-server's ``grammar`` (GBNF: the whole reply must match it) or ``json_schema``
-    (the reply, after any reasoning, is JSON that validates): Sampling's fields."""
+    (the reply, after any reasoning, is JSON that validates): SamplingParams' fields."""
     text = opt_str(body, "grammar")
     schema = body.get("json_schema")
     if text and schema is not None:

@@ -24,7 +24,6 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from proxy.api.chat import Sampling
 from proxy.api.fields import ApiError
 from proxy.api.reply import CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN
 from proxy.engine.grammar import (
@@ -35,6 +34,7 @@ from proxy.engine.grammar import (
     schema_rules,
     text_without,
 )
+from proxy.engine.types import SamplingParams
 
 REASONING = (THINK_OPEN, THINK_CLOSE)
 ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
@@ -155,7 +155,7 @@ def _top(path: str) -> str:
     return path
 
 
-def constrained(sampling: Sampling, grammar: str) -> Sampling:
+def constrained(sampling: SamplingParams, grammar: str) -> SamplingParams:
     """``sampling`` with the reply grammar of a chat request (structured output or a
     forced tool call), which a thinking template's reasoning may precede."""
     if not grammar:

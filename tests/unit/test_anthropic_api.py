@@ -68,7 +68,7 @@ def test_agent_exchange_parses_into_chat_messages() -> None:
         ChatMessage(role="user", content="Go on."),
     )
     assert req.tools == tuple(CHAT["tools"])
-    assert req.sampling.max_tokens == 64 and req.parse_tools and not req.stream
+    assert req.max_tokens == 64 and req.parse_tools and not req.stream
 
 
 def test_same_conversation_renders_the_same_prompt_as_chat() -> None:
@@ -100,10 +100,10 @@ def test_system_messages_inside_the_conversation_stay_in_place() -> None:
 
 
 def test_max_tokens_is_cut_to_the_room_the_context_leaves() -> None:
-    asked = parse_messages_request({"max_tokens": 64000, "messages": [USER]}).sampling
-    assert fit_max_tokens(asked, n_ctx=4096, n_prompt=96).max_tokens == 4000
-    assert fit_max_tokens(asked, n_ctx=100_000, n_prompt=96) is asked
-    assert fit_max_tokens(asked, n_ctx=96, n_prompt=96) is asked  # no room: refused later
+    asked = parse_messages_request({"max_tokens": 64000, "messages": [USER]}).max_tokens
+    assert fit_max_tokens(asked, n_ctx=4096, n_prompt=96) == 4000
+    assert fit_max_tokens(asked, n_ctx=100_000, n_prompt=96) == asked
+    assert fit_max_tokens(asked, n_ctx=96, n_prompt=96) == asked  # no room: refused later
     cut = FinishEvent(reason="length", usage=Usage(prompt_tokens=96, completion_tokens=4000))
     body = message_body("m", "m", parse_reply("x"), cut, window=True)
     assert body["stop_reason"] == "model_context_window_exceeded"
@@ -116,7 +116,8 @@ def test_sampling_tool_choice_and_thinking() -> None:
         "tool_choice": {"type": "any"}, "thinking": {"type": "disabled"},
         "tools": ANTHROPIC["tools"]})
     s = req.sampling
-    assert (s.temperature, s.top_p, s.top_k, s.stop, s.max_tokens) == (0.0, 0.5, 3, ("END",), 10)
+    assert (s.temperature, s.top_p, s.top_k, s.stop, req.max_tokens) == (0.0, 0.5, 3, ("END",),
+                                                                          10)
     assert req.stream and req.tool_choice == "required" and req.user is None
     assert dict(req.template_kwargs) == {"enable_thinking": False}
     tool = parse_messages_request({"max_tokens": 1, "messages": [USER],
@@ -127,7 +128,7 @@ def test_sampling_tool_choice_and_thinking() -> None:
                                    "tool_choice": {"type": "none"}, "tools": ANTHROPIC["tools"]})
     assert not none.parse_tools
     counted = parse_messages_request({"messages": [USER], "stream": True}, count_only=True)
-    assert counted.sampling.max_tokens is None and not counted.stream
+    assert counted.max_tokens is None and not counted.stream
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [

@@ -6,9 +6,11 @@ from typing import Any
 
 import pytest
 
-from proxy.api.chat import MIN_TEMPERATURE, ChatMessage, Sampling, ToolCall
+from proxy.api.chat import ChatMessage, ToolCall
 from proxy.api.fields import ApiError
 from proxy.api.openai import parse_chat_request, parse_completion_request
+from proxy.api.sampling import MIN_TEMPERATURE, to_params
+from proxy.engine.types import SamplingParams
 
 USER = {"role": "user", "content": "hi"}
 
@@ -20,7 +22,7 @@ def chat(**fields: Any) -> dict[str, Any]:
 def test_minimal_chat_request_gets_defaults() -> None:
     req = parse_chat_request({"messages": [USER]})
     assert req.messages == (ChatMessage(role="user", content="hi"),)
-    assert req.sampling == Sampling()
+    assert req.sampling == SamplingParams() and req.max_tokens is None
     assert (req.model, req.stream, req.include_usage, req.user) == ("", False, False, None)
     assert (req.tools, req.tool_choice, dict(req.template_kwargs)) == (None, None, {})
     assert not req.parse_tools
@@ -51,10 +53,11 @@ def test_full_chat_request_parses() -> None:
     assert (tool.tool_call_id, tool.name) == ("c1", "f")
     assert req.tools == tuple(tools) and req.parse_tools
     assert req.template_kwargs == {"enable_thinking": False}
-    assert req.sampling == Sampling(temperature=0.0, top_p=0.5, top_k=0, min_p=0.1, seed=3,
-                                    max_tokens=20, stop=("END",), presence_penalty=0.0)
+    assert req.sampling == SamplingParams(temperature=0.0, top_p=0.5, top_k=0, min_p=0.1,
+                                          seed=3, stop=("END",), presence_penalty=0.0)
+    assert req.max_tokens == 20
     assert (req.stream, req.include_usage, req.user) == (True, True, "alice")
-    params = req.sampling.to_params(20)
+    params = to_params(req.sampling, 20)
     assert params.greedy and params.max_tokens == 20 and params.stop == ("END",)
 
 
@@ -63,7 +66,7 @@ def test_nulls_mean_absent_and_arguments_object_is_accepted() -> None:
                                   stream_options=None, max_tokens=None, messages=[
         USER, {"role": "assistant", "tool_calls": [
             {"id": "c", "function": {"name": "f", "arguments": {"é": 1}}}]}]))
-    assert req.sampling == Sampling()
+    assert req.sampling == SamplingParams() and req.max_tokens is None
     assert req.messages[1].tool_calls == (ToolCall("c", "f", '{"é": 1}'),)
     assert req.messages[1].content is None
 
@@ -159,7 +162,7 @@ def test_body_must_be_an_object(body: object) -> None:
 def test_completion_request_parses() -> None:
     req = parse_completion_request({"model": "m", "prompt": ["Once"], "max_tokens": 5,
                                     "temperature": 0.2, "stream": True, "echo": False})
-    assert (req.prompt, req.sampling.max_tokens, req.sampling.temperature, req.stream) == (
+    assert (req.prompt, req.max_tokens, req.sampling.temperature, req.stream) == (
         "Once", 5, 0.2, True)
     assert parse_completion_request({"prompt": ""}).prompt == ""
 
@@ -194,10 +197,10 @@ def test_a_vanishing_temperature_is_greedy() -> None:
     for t in (1e-320, 5e-324, MIN_TEMPERATURE / 2):
         req = parse_chat_request(chat(temperature=t))
         assert req.sampling.temperature == 0.0
-        assert req.sampling.to_params(4).greedy
+        assert to_params(req.sampling, 4).greedy
     assert parse_chat_request(chat(temperature=0.5)).sampling.temperature == 0.5
-    # another API's parser may build a Sampling itself: to_params still makes it greedy
-    assert Sampling(temperature=1e-320).to_params(4).greedy
+    # another API's parser may build its SamplingParams itself: to_params still makes it greedy
+    assert to_params(SamplingParams(temperature=1e-320), 4).greedy
 
 
 # llama-server fields that would not act here (the OpenAI ones all act now:

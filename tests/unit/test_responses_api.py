@@ -115,7 +115,7 @@ def test_sampling_and_options() -> None:
         "tools": [{"type": "function", "name": "f"}],
         "metadata": {"k": "v"}, "text": {"format": {"type": "text"}}, "truncation": "auto"})
     s = req.sampling
-    assert (s.max_tokens, s.temperature, s.top_p) == (20, 0.0, 0.5)
+    assert (req.max_tokens, s.temperature, s.top_p) == (20, 0.0, 0.5)
     assert not req.store and not req.parallel_tool_calls and req.stream
     assert dict(req.template_kwargs) == {"enable_thinking": False}
     assert req.tool_choice == {"type": "function", "function": {"name": "f"}}

@@ -12,6 +12,7 @@ from proxy.api.anthropic import parse_messages_request
 from proxy.api.fields import ApiError
 from proxy.api.openai import parse_chat_request, parse_completion_request
 from proxy.api.responses import parse_responses_request
+from proxy.api.sampling import to_params
 from proxy.engine.binding import check_grammar
 from proxy.engine.sampling import defaults, model_defaults, resolve
 from proxy.engine.types import SamplingParams
@@ -104,13 +105,13 @@ def test_each_field_reaches_the_engine(field: str, value: object, attr: str,
                                        expected: object) -> None:
     for parse in (lambda b: parse_chat_request(chat(**b)),
                   lambda b: parse_completion_request({"prompt": "a", **b})):
-        params = parse({field: value}).sampling.to_params(16)
+        params = to_params(parse({field: value}).sampling, 16)
         assert getattr(params, attr) == expected, field
         assert getattr(SamplingParams(), attr) != expected  # not the default by chance
 
 
 def test_logit_bias_false_bans_the_token() -> None:
-    params = parse_chat_request(chat(logit_bias={"3": False})).sampling.to_params(4)
+    params = to_params(parse_chat_request(chat(logit_bias={"3": False})).sampling, 4)
     assert params.logit_bias[0][0] == 3 and math.isinf(params.logit_bias[0][1])
 
 
@@ -160,7 +161,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
     {"tools": [TOOL], "response_format": {"type": "json_object"}},
 ])
 def test_constraints_make_grammars_llama_cpp_parses(fields: dict[str, Any]) -> None:
-    params = parse_chat_request(chat(**fields)).sampling.to_params(8)
+    params = to_params(parse_chat_request(chat(**fields)).sampling, 8)
     assert params.grammar and params.reasoning == ("<think>", "</think>")
     check_grammar(params.grammar)
 
@@ -246,7 +247,7 @@ def test_anthropic_forced_tools_and_output_format() -> None:
         "x": {"type": "integer"}}, "required": ["x"]}}]
     base = {"max_tokens": 8, "messages": [USER], "tools": tools}
     for choice in ({"type": "any"}, {"type": "tool", "name": "f"}):
-        params = parse_messages_request({**base, "tool_choice": choice}).sampling.to_params(8)
+        params = to_params(parse_messages_request({**base, "tool_choice": choice}).sampling, 8)
         assert params.grammar and params.reasoning is not None
         check_grammar(params.grammar)
         assert "tool-call-block (" in params.grammar  # parallel calls by default
