@@ -48,13 +48,13 @@ import numpy as np
 from proxy.api.chat import ChatMessage, ChatRequest
 from proxy.api.reply import parse_reply, starts_in_reasoning
 from proxy.engine.types import Divergence
+from statecache.pages import common_prefix
 
 PAGE = 32  # tokens; the engine's cache.page_size
 MAX_ENTRIES = 512
 PER_TENANT = 64
 MAX_BYTES = 64 << 20
 BEFORE, AFTER = 16, 24  # characters of an excerpt before and after the first difference
-_PROBE = 64  # tokens compared first: most remembered conversations part within them
 _TURN_BYTES = 64  # rough overhead of one remembered message
 
 
@@ -117,18 +117,6 @@ def chat_conversation(tenant: str, req: ChatRequest, tokens: Sequence[int], rend
 def prompt_conversation(tenant: str, text: str, tokens: Sequence[int]) -> Conversation:
     ids = np.asarray(tokens, dtype=np.int32)
     return Conversation(tenant, (Turn("prompt", text),), "", "", ids, len(ids))
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the common prefix of two id arrays; compares a short probe first."""
-    n, start, step = min(len(a), len(b)), 0, _PROBE
-    while start < n:
-        end = min(n, start + step)
-        diff = np.flatnonzero(a[start:end] != b[start:end])
-        if diff.size:
-            return start + int(diff[0])
-        start, step = end, step * 8
-    return n
 
 
 @dataclass(slots=True, frozen=True, eq=False)

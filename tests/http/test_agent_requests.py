@@ -23,9 +23,9 @@ from anthropic import AsyncAnthropic
 from proxy.api.anthropic import parse_messages_request
 from proxy.api.app import ENGINE, TEMPLATE
 from proxy.api.chat import ChatRequest
-from proxy.api.misses import common_prefix
 from proxy.api.prompt import chat_prompt
 from proxy.api.responses import chat_request, parse_responses_request
+from statecache.pages import common_prefix
 from tests.http.conftest import DoneLines, Server, serve
 
 pytestmark = pytest.mark.http

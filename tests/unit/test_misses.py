@@ -17,11 +17,11 @@ from proxy.api.misses import (
     SeenConversations,
     Turn,
     chat_conversation,
-    common_prefix,
     explain,
     prompt_conversation,
 )
 from proxy.api.openai import parse_chat_request
+from statecache.pages import common_prefix
 
 SYSTEM = "You are a coding agent. Read files and run the tests. " * 3
 
@@ -56,7 +56,7 @@ def replied(memory: SeenConversations, c: Conversation, reasoning: str, content:
     return reply
 
 
-def test_common_prefix_probes_then_widens() -> None:
+def test_common_prefix_finds_the_first_difference() -> None:
     a = np.arange(5000, dtype=np.int32)
     for at in (0, 1, 63, 64, 65, 511, 575, 4999):
         b = a.copy()
