@@ -31,7 +31,6 @@ prefix. Reported:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import sys
 import tempfile
@@ -39,10 +38,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from proxy.engine.binding import Context, ContextParams, Model
 from tools import synth_gguf
 
 SYSTEM = "You are a helpful assistant."
@@ -62,82 +61,46 @@ def chat_prompt(question: str) -> str:
             "<|im_start|>assistant\n")
 
 
-_SILENT: Any = None  # llama.cpp's log callback, referenced for as long as it may be called
-
-
-def _llama() -> Any:
-    import llama_cpp
-
-    global _SILENT
-    if _SILENT is None:
-        llama_cpp.llama_backend_init()
-        _SILENT = llama_cpp.llama_log_callback(lambda level, text, data: None)
-        llama_cpp.llama_log_set(_SILENT, None)
-    return llama_cpp
-
-
 class Greedy:
-    """One model and one context through llama-cpp-python's low-level API."""
+    """One model and one context (one lane) through the binding, proxy/engine/binding."""
 
     def __init__(self, path: Path, n_ctx: int = 2048, threads: int = 1) -> None:
-        lc = self.lc = _llama()
-        self.model = lc.llama_model_load_from_file(str(path).encode(),
-                                                   lc.llama_model_default_params())
-        if not self.model:
-            raise RuntimeError(f"cannot load {path}")
-        self.vocab = lc.llama_model_get_vocab(self.model)
-        self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
-        cp = lc.llama_context_default_params()
-        cp.n_ctx = n_ctx
-        cp.n_batch = cp.n_ubatch = 512
-        cp.n_threads = cp.n_threads_batch = threads
-        self.ctx = lc.llama_init_from_model(self.model, cp)
-        if not self.ctx:
-            lc.llama_model_free(self.model)
-            raise RuntimeError(f"cannot create a context for {path}")
+        self.model = Model(path)
+        try:
+            self.ctx = Context(self.model, ContextParams(n_ctx=n_ctx, n_batch=512,
+                                                         n_ubatch=512, threads=threads))
+        except Exception:
+            self.model.close()
+            raise
+        self.n_vocab = self.model.n_vocab
+        self._pos = 0  # tokens in the lane
 
     def close(self) -> None:
-        self.lc.llama_free(self.ctx)
-        self.lc.llama_model_free(self.model)
+        self.ctx.close()
+        self.model.close()
 
     def tokens(self) -> list[str]:
         """Every token's text (special tokens rendered)."""
-        out = []
-        buf = ctypes.create_string_buffer(64)
-        for t in range(self.n_vocab):
-            n = self.lc.llama_token_to_piece(self.vocab, t, buf, len(buf), 0, True)
-            out.append(buf.raw[: max(n, 0)].decode("utf-8", "replace"))
-        return out
+        return [self.model.token_bytes(t).decode("utf-8", "replace")
+                for t in range(self.n_vocab)]
 
     def tokenize(self, text: str, special: bool) -> list[int]:
-        data = text.encode()
-        buf = (self.lc.llama_token * (len(data) + 8))()
-        n = self.lc.llama_tokenize(self.vocab, data, len(data), buf, len(buf), False, special)
-        if n < 0:
-            raise ValueError("tokenize failed")
-        return list(buf[:n])
+        return self.model.tokenize(text, add_special=False, parse_special=special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        arr = (self.lc.llama_token * len(ids))(*ids)
-        buf = ctypes.create_string_buffer(len(ids) * 8 + 16)
-        n = self.lc.llama_detokenize(self.vocab, arr, len(ids), buf, len(buf), False, False)
-        if n < 0:
-            raise ValueError("detokenize failed")
-        return buf.raw[:n].decode("utf-8")
+        return self.model.detokenize(ids, special=False)
 
     def reset(self) -> None:
-        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        self.ctx.clear_all()
+        self._pos = 0
 
     def decode(self, ids: Sequence[int]) -> int:
         """Decode ``ids`` after what is already there; return the argmax of the last logits."""
-        for i in range(0, len(ids), 512):
-            chunk = ids[i : i + 512]
-            arr = (self.lc.llama_token * len(chunk))(*chunk)
-            rc = self.lc.llama_decode(self.ctx, self.lc.llama_batch_get_one(arr, len(chunk)))
-            if rc != 0:
-                raise RuntimeError(f"llama_decode returned {rc}")
-        ptr = self.lc.llama_get_logits_ith(self.ctx, -1)
-        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
+        logits = self.ctx.prefill(0, ids, self._pos)
+        if logits is None:
+            raise ValueError("nothing to decode")
+        self._pos += len(ids)
+        return int(np.argmax(logits))
 
 
 @contextmanager
