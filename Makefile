@@ -27,6 +27,7 @@ test: install models
 check: install
 	.venv/bin/ruff check statecache proxy tests tools bench
 	.venv/bin/mypy
+	$(PY) -m tools.check_imports
 
 # The 0.8B-class and mid hybrids are generated once (slow); skipped when present.
 bench: install models
