@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
 from proxy.api.fields import ApiError
-from proxy.api.intake import MAX_DEPTH, check_depth
+from proxy.api.intake import MAX_DEPTH, check_depth, check_text, may_hold_surrogates
 from proxy.api.prompt import _history_cut, check_fits, utf8_len
 from proxy.engine.binding.vocab import alternation
 from statecache.config import ConfigError, load_config
@@ -26,6 +27,38 @@ def test_depth_limit_is_exact_and_iterative() -> None:
         check_depth(_nested(MAX_DEPTH + 1))
     with pytest.raises(ApiError):
         check_depth(_nested(50_000))  # far past the recursion limit: no RecursionError
+
+
+@pytest.mark.parametrize(("raw", "where", "param"), [
+    (rb'{"user": "\ud800"}', "'user' holds a lone UTF-16 surrogate (U+D800)", "user"),
+    (rb'{"messages": [{"content": "a\uDC00b"}]}',
+     "'messages[0].content' holds a lone UTF-16 surrogate (U+DC00)", "messages[0].content"),
+    (rb'{"a": [1, ["\udbff\udbff"]]}', "'a[1][0]' holds", "a[1][0]"),
+    (rb'{"metadata": {"ok": 1, "\uDe00": 2}}', "a key of 'metadata' holds", "metadata"),
+    (rb'{"\udfff": 1}', "a top-level key holds", None),
+    (rb'"\ud800"', "the body holds", None),
+    (b'{"x": "\xed\xa0\x80"}', "'x' holds", "x"),  # a surrogate's bytes: not UTF-8
+    ('{"x": "\ud800"}'.encode("utf-16", "surrogatepass"), "'x' holds", "x"),
+])
+def test_a_lone_surrogate_anywhere_is_refused(raw: bytes, where: str, param: str | None
+                                              ) -> None:
+    assert may_hold_surrogates(raw)
+    with pytest.raises(ApiError) as e:
+        check_text(json.loads(raw))
+    assert str(e.value).startswith(where) and e.value.param == param
+    assert "not a character" in str(e.value)
+
+
+def test_pairs_and_escaped_backslashes_are_text() -> None:
+    for raw in (rb'{"a": "\ud83d\ude00"}', rb'{"a": "\\ud800"}', '{"é": ["😀"]}'.encode()):
+        check_text(json.loads(raw))
+
+
+def test_only_bodies_that_may_hold_a_surrogate_are_searched() -> None:
+    # plain text, other escapes, Hangul (U+D55C: UTF-8 lead byte 0xED, escape \ud55c)
+    for raw in (b'{"a": "x\\n\\u00e9"}', '{"a": "\ud55c"}'.encode(), rb'{"a": "\ud55c"}'):
+        assert not may_hold_surrogates(raw), raw
+    assert may_hold_surrogates(rb'{"a": "\uD83D\uDE00"}')  # a pair: searched, and fine
 
 
 def test_a_text_past_the_context_is_refused_from_its_length() -> None:
