@@ -27,7 +27,7 @@ from typing import Any
 
 import proxy.engine.binding as binding
 from bench.batching import DirectDecoder, _prompt
-from proxy.engine.scheduler import Engine
+from proxy.engine.engine import Engine
 from proxy.engine.types import GenerationRequest, SamplingParams, TokenEvent
 from statecache.config import load_config
 
@@ -85,7 +85,7 @@ def measure(model_path: Path, n_out: int, repeats: int) -> dict[str, Any]:
     eng = Engine(cfg, model_path)
     direct = DirectDecoder(model_path)
     loop = asyncio.new_event_loop()
-    lone_s = eng.alone_s
+    lone_s = eng.stepper.alone_s
     prompt = tuple(int(t) for t in eng.model.tokenize(_prompt(200, 10)))
     runs: dict[str, list[tuple[float, float, float, float]]] = {s: [] for s in SYSTEMS}
     try:
@@ -96,7 +96,7 @@ def measure(model_path: Path, n_out: int, repeats: int) -> dict[str, Any]:
                     if name == "binding":
                         rate = direct.rate(n_out)
                     else:
-                        eng.alone_s = lone_s if name == "engine" else 0.0
+                        eng.stepper.alone_s = lone_s if name == "engine" else 0.0
                         rate = loop.run_until_complete(_engine_rate(eng, prompt, n_out))
                 runs[name].append((rate, *clock.summary()))
     finally:

@@ -192,7 +192,7 @@ def rollback_check(target: Path, draft: Path, n_out: int, repeats: int,
     back through n_rs_seq snapshots or through a staged partial state."""
     import asyncio
 
-    from proxy.engine.scheduler import Engine
+    from proxy.engine.engine import Engine
     from proxy.engine.types import GenerationRequest, SamplingParams, TokenEvent
     from statecache.config import load_config
 

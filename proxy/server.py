@@ -15,7 +15,7 @@ from aiohttp import web
 from proxy.api.app import ENGINE, Limits, create_app
 from proxy.api.auth import Access
 from proxy.api.transport import JsonErrorRunner
-from proxy.engine.scheduler import Engine
+from proxy.engine.engine import Engine
 from proxy.models import resolve_model
 from statecache.config import Config
 

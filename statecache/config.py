@@ -104,6 +104,9 @@ class EngineConfig:
     # llama-server's) before they sleep; -1: none (llama.cpp then starts the threads of
     # every decode anew, which stalled the sub-millisecond decodes of tiny models)
     thread_poll: int = 50
+    # Check the engine's invariants after every step (proxy/engine/checks.py): the tests
+    # turn it on; it costs a pass over every lane's tokens a step
+    sanity_checks: bool = False
 
 
 @dataclass(slots=True, frozen=True)

@@ -44,7 +44,6 @@ class Costs:
         self._lock = threading.Lock()
         self._tps: float | None = None
         self._bw: dict[str, float] = {}
-        self.last: tuple[int, int, str] | None = None  # (prompt, reuse, why): the last plan
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """A step that prefilled ``tokens`` (and decoded nothing) took ``seconds``."""

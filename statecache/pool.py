@@ -480,6 +480,17 @@ class CheckpointPool:
         self._counts["refreshes"] += 1
         return entry.record
 
+    def holds(self, chain: PageChain, n: int, *, tenant: str = "") -> bool:
+        """Whether a FULL state after exactly ``chain.tokens[:n]`` is cached, in any local
+        tier (the index and the tokens only: nothing is read)."""
+        if chain.namespace != self.namespace(tenant) or chain.page_size != self.page_size:
+            raise ValueError("chain was built for another tenant or page size")
+        with self._lock:
+            for rec in self._index.candidates(chain, kind=Kind.FULL, owner=Owner.TARGET,
+                                              lane=None, max_n=n):
+                return rec.n == n
+            return False
+
     def keep(self, chain: PageChain, n: int, seconds: float, *, tenant: str = "") -> bool:
         """Keep the FULL state after ``chain.tokens[:n]`` for ``seconds`` more, above
         ordinary entries (a client's cache breakpoint on a prefix already cached); False

@@ -46,7 +46,6 @@ import math
 import secrets
 import socket
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -62,7 +61,6 @@ from proxy.api.auth import Access, AuthError, identify
 from proxy.api.chat import ChatRequest
 from proxy.api.fields import ApiError
 from proxy.api.intake import BODY_LIMIT, SLOTS, read_json, release
-from proxy.api.metrics import CONTENT_TYPE, format_metrics
 from proxy.api.misses import (
     Conversation,
     SeenConversations,
@@ -95,6 +93,8 @@ from proxy.engine.types import (
     TokenEvent,
     TokenLogprob,
 )
+from proxy.meter import CONTENT_TYPE, Family, render
+from proxy.meters import ApiMeter
 from statecache.config import VolatileRule
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class EngineLike(Protocol):
     def generate(self, req: GenerationRequest) -> AsyncIterator[Event]: ...
     def describe_checkpoints(self) -> list[dict[str, Any]]: ...
     def get_checkpoint(self, id: str) -> dict[str, Any] | None: ...
-    def metrics(self) -> dict[str, Any]: ...
+    def metrics(self) -> list[Family]: ...
     def health(self) -> dict[str, Any]: ...
     def recent_misses(self) -> list[dict[str, Any]]: ...
     # Stop admitting; running generations end at their next step with a final event.
@@ -136,15 +136,13 @@ class EngineLike(Protocol):
 
 ENGINE = web.AppKey("engine", EngineLike)
 TEMPLATE = web.AppKey("template", ChatTemplate)
-HTTP_COUNTS = web.AppKey("http_counts", Counter)
 RESPONSES = web.AppKey("responses", ResponseStore)
 STARTED = web.AppKey("started", int)
 SEEN = web.AppKey("seen", SeenConversations)  # what was rendered: why a request missed
 VOLATILE = web.AppKey("volatile", Volatile)
 CONVERSATION = web.RequestKey("conversation", Conversation)  # remembered once replied
 HOSTED_TOOLS = web.AppKey("hosted_tools", str)  # "ignore" | "reject"
-# counters of the HTTP side, for /metrics
-API_COUNTS: web.AppKey[Counter[str]] = web.AppKey("api_counts", Counter)
+METER = web.AppKey("meter", ApiMeter)  # the HTTP side's counters, for /metrics
 WARNED = web.AppKey("warned", set)  # hosted tool types warned about once
 # the last requests, newest last
 RECENT: web.AppKey[collections.deque[dict[str, Any]]] = web.AppKey("recent", collections.deque)
@@ -223,7 +221,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         resp = _rejected(request, resp)
     route = request.match_info.route.resource
     name = route.canonical if route is not None else "unmatched"
-    request.app[HTTP_COUNTS][(name, resp.status)] += 1
+    request.app[METER].http.inc(name, str(resp.status))
     if not request.path.startswith(_UNLOGGED):
         request.app[RECENT].append(_record(request, resp.status))
     return resp
@@ -321,7 +319,7 @@ def _ignored_tools(request: web.Request, kinds: Sequence[str]) -> None:
     for kind in (k[:64] for k in kinds):
         if kind not in warned and len(warned) >= MAX_TOOL_TYPES:
             kind = "other"  # a client's strings: the counters stay bounded
-        request.app[API_COUNTS][f"hosted_tools_ignored.{kind}"] += 1
+        request.app[METER].hosted_tools.inc(kind)
         if kind not in warned:
             warned.add(kind)
             log.warning("left the hosted tool of type %r out of the prompt: this server runs "
@@ -634,12 +632,12 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    counts: dict[str, Any] = request.app[ENGINE].metrics()
-    if request.app[VOLATILE]:
-        counts = {**counts, "volatile_replacements": request.app[VOLATILE].counts()}
-    api_counts = request.app[API_COUNTS]
-    counts = {**counts, **api_counts}
-    text = format_metrics(counts, request.app[HTTP_COUNTS])
+    """Prometheus' text format: the engine's families and the HTTP side's
+    (proxy/meters.py)."""
+    meter = request.app[METER]
+    for rule, n in request.app[VOLATILE].counts().items():
+        meter.volatile.put((rule,), n)
+    text = render(request.app[ENGINE].metrics() + meter.families())
     return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -688,12 +686,10 @@ def create_app(engine: EngineLike, *, admin: bool = True,
                                        eos_token=engine.eos_token, override=template_path,
                                        inner_system=inner_system)
     app[HOSTED_TOOLS] = hosted_tools
-    api_counts: Counter[str] = Counter()
-    app[API_COUNTS] = api_counts
+    app[METER] = ApiMeter()
     app[WARNED] = set()
     recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_RECENT)
     app[RECENT] = recent
-    app[HTTP_COUNTS] = Counter()
     app[RESPONSES] = ResponseStore()
     model = engine.tokenizer.model
     app[SEEN] = SeenConversations(page=page_size,

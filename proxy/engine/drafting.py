@@ -53,6 +53,7 @@ from proxy.engine.binding import (
     Model,
 )
 from proxy.engine.lanes import LaneSet
+from proxy.meters import EngineMeter
 from statecache.config import SpeculativeConfig
 from statecache.pages import common_prefix
 from statecache.pool import CheckpointPool
@@ -120,7 +121,7 @@ class DraftModel:
     def __init__(self, path: Path, target: Model, cfg: SpeculativeConfig, *, lanes: int,
                  n_ctx: int, step_tokens: int, threads: int, pool: CheckpointPool | None,
                  n_gpu_layers: int = -1, verbose: bool = False,
-                 threads_of: Context | None = None) -> None:
+                 threads_of: Context | None = None, meter: EngineMeter | None = None) -> None:
         self.model = Model(path, n_gpu_layers=n_gpu_layers, verbose=verbose)
         try:
             check_same_vocab(target, self.model)
@@ -141,9 +142,12 @@ class DraftModel:
         self.lanes = LaneSet(lanes)
         self.pool = pool
         self._staged: list[tuple[int, bytes] | None] = [None] * lanes
-        self.counters = {"draft_tokens_decoded": 0, "draft_rollbacks": 0,
-                         "draft_restores": 0, "draft_clears": 0, "draft_checkpoints": 0,
-                         "draft_checkpoint_bytes": 0}
+        self.meter = meter if meter is not None else EngineMeter()
+        m = self.meter  # its families are shown from the start, at 0
+        for event in ("rollbacks", "restores", "clears", "checkpoints"):
+            m.draft_events.inc(event, by=0)
+        for what in ("tokens_decoded", "checkpoint_bytes"):
+            m.draft_total.inc(what, by=0)
 
     # -- keeping up -------------------------------------------------------------------
 
@@ -168,7 +172,7 @@ class DraftModel:
             if synced and ask.want > 0:
                 rows[ask.lane] = row
         if batch.n:
-            self.counters["draft_tokens_decoded"] += batch.n
+            self.meter.draft_total.inc("tokens_decoded", by=batch.n)
             self.ctx.decode()
         out: dict[int, list[int]] = {}
         for ask in asks:
@@ -188,7 +192,7 @@ class DraftModel:
                 lane = self.lanes.lanes[ln]
                 rows[ln] = batch.add(ln, [out[ln][-1]], lane.n, logits_last=True)
                 lane.push(out[ln][-1])
-            self.counters["draft_tokens_decoded"] += batch.n
+            self.meter.draft_total.inc("tokens_decoded", by=batch.n)
             self.ctx.decode()
             for ln in going:
                 out[ln].append(self._pick(rows[ln]))
@@ -215,7 +219,7 @@ class DraftModel:
     def _rollback(self, lane_id: int, n: int, ask: DraftAsk) -> None:
         """Cut draft lane ``lane_id`` back to at most ``n`` tokens."""
         lane = self.lanes.lanes[lane_id]
-        self.counters["draft_rollbacks"] += 1
+        self.meter.draft_events.inc("rollbacks")
         if n > 0 and not self.recurrent:
             if self.ctx.seq_rm(lane_id, n, -1):
                 lane.truncate(n)
@@ -254,7 +258,7 @@ class DraftModel:
                 return False  # the draft lane no longer holds the cells below it
             ok = self._restore(lane_id, lease.data, m)
         if ok:
-            self.counters["draft_restores"] += 1
+            self.meter.draft_events.inc("restores")
         return ok
 
     def _drop_above(self, lane_id: int, n: int) -> None:
@@ -265,7 +269,7 @@ class DraftModel:
             self.pool.drop_lane(lane_id, above=n, owner=Owner.DRAFT)
 
     def clear(self, lane_id: int) -> None:
-        self.counters["draft_clears"] += 1
+        self.meter.draft_events.inc("clears")
         self.ctx.clear_lane(lane_id)
         self.lanes.lanes[lane_id].clear()
         self._drop_above(lane_id, -1)
@@ -285,8 +289,8 @@ class DraftModel:
                                tokens=lane.tokens, role=role, data=data, tenant=tenant)
         if rec is None:
             return 0
-        self.counters["draft_checkpoints"] += 1
-        self.counters["draft_checkpoint_bytes"] += rec.nbytes
+        self.meter.draft_events.inc("checkpoints")
+        self.meter.draft_total.inc("checkpoint_bytes", by=rec.nbytes)
         return rec.nbytes
 
     def close(self) -> None:

@@ -64,6 +64,8 @@ class Plan:
     # fetches it on another thread and plans again, so the streams that are decoding
     # never wait for a read
     fetch: Offer | None = None
+    chain: PageChain | None = None  # the prompt's page hashes (None without the cache)
+    plan_s: float = 0.0  # how long planning took
 
     def release(self) -> None:
         for lease in (self.partial, self.full):
@@ -181,8 +183,6 @@ def make_plan(
             break
     if best is None:
         best = Plan(cold_lane(free, session), Source.COLD, 0)
-    if pool is not None:  # read by the engine for its Started line
-        pool.costs.last = (len(prompt), best.reuse, best.estimate)
     others = all_lanes or free
     best.match_depth = max([best.reuse] + [min(ln.common(prompt, tenant), limit) for ln in others])
     return best

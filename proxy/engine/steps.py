@@ -1,4 +1,5 @@
-"""What goes into one engine step, and measured step times to size it.
+"""What goes into one engine step, measured step times to size it, and running the steps
+(``Stepper``: plan a step, have the executor run it, write the streams, end what is done).
 
 A step costs about ``a(d) + b * p``: ``a(d)`` a decode-only step of ``d`` lanes, ``b``
 one prefill token of a large batch. Both are moving averages of what the steps took,
@@ -16,11 +17,21 @@ the streams is ``python -m bench.batching``'s.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from proxy.engine.executor import Executor, Job, Work
+from proxy.engine.accounting import Accounting
+from proxy.engine.admission import Board, Entry
+from proxy.engine.build import Parts
+from proxy.engine.executor import Executor
+from proxy.engine.job import Job, Work
+from proxy.engine.outbox import Outbox
+from proxy.engine.placement import Placement
+from proxy.engine.streams import Streams
+from proxy.engine.tokens import Tokenizer
+
+log = logging.getLogger("statecache")
 
 ALPHA = 0.2  # weight of the newest measurement
 MIN_SAMPLE = 32  # prefill tokens a step needs to tell us the cost of one
@@ -104,7 +115,7 @@ def plan_step(jobs: list[Job], executor: Executor, timer: StepTimer, *, step_tok
     # a short request (its whole prefill is short), not the tail of a long one
     short = [j for j in prefilling if len(j.prompt) - j.reuse <= SHORT_PREFILL]
     long = sorted((j for j in prefilling if len(j.prompt) - j.reuse > SHORT_PREFILL),
-                  key=lambda j: (j.starved < MAX_STARVED, len(j.prompt) - j.pos))
+                  key=lambda j: (j.wait.starved < MAX_STARVED, len(j.prompt) - j.pos))
     given = 0
     for job in short:
         got = _add(works, job, executor, min(budget, prefill_chunk))
@@ -118,7 +129,7 @@ def plan_step(jobs: list[Job], executor: Executor, timer: StepTimer, *, step_tok
         # burst goes on: its first token is that close, and it then decodes with them
         if given or (timer.owed_s > 0 and any(len(j.prompt) - j.pos > burst for j in long)):
             for job in long:
-                job.starved += 1
+                job.wait.starved += 1
             return works
         budget = burst
         timer.burst = True
@@ -132,8 +143,139 @@ def plan_step(jobs: list[Job], executor: Executor, timer: StepTimer, *, step_tok
 def _add(works: list[Work], job: Job, executor: Executor, budget: int) -> int:
     w = executor.work_for(job, budget) if budget > 0 else None
     if w is None:
-        job.starved += 1
+        job.wait.starved += 1
         return 0
-    job.starved = 0
+    job.wait.starved = 0
     works.append(w)
     return w.n
+
+
+class Stepper:
+    """Runs the steps: plans one (``plan_step``), has the executor run it, times it,
+    writes the streams and ends the requests that are done. One stream decoding with
+    nothing else to do runs steps of its own (``_decode_alone``)."""
+
+    def __init__(self, parts: Parts, board: Board, executor: Executor, placement: Placement,
+                 accounting: Accounting, tokenizer: Tokenizer, timer: StepTimer,
+                 streams: Streams) -> None:
+        self.p = parts
+        self.board = board
+        self.exec = executor
+        self.placement = placement
+        self.accounting = accounting
+        self.tokenizer = tokenizer
+        self.timer = timer
+        self.streams = streams
+        self.alone_s = parts.cfg.engine.lone_run_ms / 1000
+        self.prefill_chunk = min(parts.cfg.engine.prefill_chunk or parts.step_tokens,
+                                 parts.step_tokens)
+
+    def run(self, active: list[Entry]) -> None:
+        """One step of the active requests (or a lone stream's run of them)."""
+        if len(active) == 1 and self._alone(active[0][0]):
+            self._decode_alone(*active[0])
+        elif active:
+            self._step(active)
+
+    def _step(self, active: list[Entry]) -> None:
+        for job, _ in active:
+            if job.cancelled and not job.done:
+                job.finish_reason = "cancelled"
+            elif job.stopping and not job.done and job.prefilling:
+                job.finish_reason = "length"  # shutting down: nothing more to prefill
+        ec = self.p.cfg.engine
+        works = plan_step([job for job, _ in active if not job.done], self.exec, self.timer,
+                          step_tokens=self.p.step_tokens, prefill_chunk=self.prefill_chunk,
+                          pause_s=ec.prefill_pause_ms / 1000, min_chunk=ec.min_prefill_chunk)
+        n_decode = n_prefill = 0  # lanes that decode; prompt tokens this step prefills
+        for w in works:
+            if w.job.prefilling:
+                n_prefill += w.n
+            else:
+                n_decode += 1
+        if n_prefill:
+            self.write(active, flush=True)  # a prefill makes the step long
+        if works:
+            t0 = time.perf_counter()
+            try:
+                self.exec.run_step(works)
+            except Exception as exc:
+                log.exception("llama_decode failed; failing the %d lanes of this step",
+                              len(works))
+                for w in works:
+                    w.job.fail(exc)
+            else:
+                dt = time.perf_counter() - t0
+                self.timer.record(dt, n_decode, n_prefill)
+                if self.p.pool is not None and not n_decode:  # the planner's prefill rate
+                    self.p.pool.costs.note_prefill(n_prefill, dt)
+                count = self.p.meter.count
+                count("steps")
+                count("step_tokens", sum(w.n for w in works))  # with the drafts it carried
+                count("step_lane_work", len(works))
+                if len(works) > 1:
+                    count("steps_multi_lane")
+        self._after_step(active)
+
+    def _alone(self, job: Job) -> bool:
+        """Whether ``job``, the only active one, may run steps of its own: it decodes a
+        token a step, and nobody waits."""
+        return self.alone_s > 0 and not (self.board.waiting or job.cancelled) and \
+            self.exec.decodes_alone(job)
+
+    def _decode_alone(self, job: Job, box: Outbox) -> None:
+        """One stream and nothing else to do, the most common case: its steps without
+        planning each one (``Executor.decode_alone``) until a request arrives, the stream
+        ends, is cancelled or the server stops, or ``engine.lone_run_ms`` have passed
+        (the loop's own work between steps, as an idle lane's save, then gets its turn)."""
+        pair = [(job, box)]
+        write, board = self.streams.write, self.board
+        t0 = time.perf_counter()
+        until = t0 + self.alone_s
+
+        def more() -> bool:
+            write(pair)
+            return not (board.waiting or job.cancelled or job.stopping) and \
+                time.perf_counter() < until
+
+        try:
+            steps = self.exec.decode_alone(job, more)
+        except Exception as exc:
+            log.exception("a lone run of request %s failed", job.req.request_id)
+            job.fail(exc)
+        else:
+            self.timer.record(time.perf_counter() - t0, 1, 0, steps=steps)
+            count = self.p.meter.count
+            for name in ("steps", "step_tokens", "step_lane_work", "steps_alone"):
+                count(name, steps)
+        self._after_step(pair)
+
+    def _after_step(self, active: list[Entry]) -> None:
+        # every stream's tokens first, with one wake-up of the loop for all of them;
+        # a request that ends here saves its state next: nothing waits through that
+        ended = any(job.done for job, _ in active)
+        self.write(active, flush=ended)
+        for job, box in active:
+            if job.done:
+                self._end(job, box)
+        if ended:  # the lanes that decode together stay one run of ids (placement.py)
+            pass_s = min((s for s in self.timer.decode_s.values() if s > 0), default=0.0)
+            self.placement.close_gap([job for job, _ in active if not job.done],
+                                              pass_s)
+
+    def write(self, active: list[Entry] | None = None, *, flush: bool = False) -> None:
+        if active is None:
+            with self.board.cv:
+                active = list(self.board.active)
+        self.streams.write(active, flush=flush)
+
+    def _end(self, job: Job, box: Outbox) -> None:
+        try:
+            self.exec.finish(job)
+        except Exception:
+            log.exception("finishing request %s failed", job.req.request_id)
+        with self.board.cv:
+            self.board.active.remove((job, box))
+        if job.finish_reason in ("stop", "length"):
+            self.tokenizer.remember_reply(job.req.tenant, job.out.generated)
+        self.accounting.finish(job, box)

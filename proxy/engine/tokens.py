@@ -8,7 +8,6 @@ re-tokenized text (see proxy/engine/splice.py).
 
 from __future__ import annotations
 
-import collections
 import logging
 import re
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 
 from proxy.engine.binding import Model
 from proxy.engine.splice import ReplyMemory, aligned_replies, tokenize_spliced
+from proxy.meters import EngineMeter
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +27,10 @@ class Segment:
 
 
 class Tokenizer:
-    def __init__(self, model: Model, counters: collections.Counter[str],
+    def __init__(self, model: Model, meter: EngineMeter,
                  replies: ReplyMemory | None) -> None:
         self.model = model
-        self.counters = counters
+        self.meter = meter
         self.replies = replies
         model.vocab_facts()  # read once now (Gemma: 0.7 s), not in the first request
 
@@ -74,7 +74,7 @@ class Tokenizer:
             return self.tokenize(text)
         ids, n = tokenize_spliced(text, self.tokenize, self.replies.recent(tenant))
         if n:
-            self.counters["replies_spliced"] += n
+            self.meter.count("replies_spliced", n)
         return ids
 
     def remember_reply(self, tenant: str, generated: list[int]) -> None:

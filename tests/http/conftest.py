@@ -42,6 +42,7 @@ async def serve(model: Path, ckpt_dir: Path, **overrides: Any) -> AsyncIterator[
     settings: dict[str, Any] = {
         "model.path": str(model), "model.n_ctx": 4096, "server.lanes": 2,
         "cache.disk_path": str(ckpt_dir), "cache.page_size": 32,
+        "engine.sanity_checks": True,  # the engine checks its invariants after each step
         # the checkpoint key beside the directory, not in the user's home
         "cache.secret_path": str(ckpt_dir.parent / "secret.key"),
     }

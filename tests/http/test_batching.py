@@ -39,9 +39,9 @@ async def test_four_concurrent_sessions_match_cold_answers(
                 await s.turn(tool_result(k) if k % 2 else user_message(k))
 
         await asyncio.gather(*(run(s) for s in sessions))
-        m = srv.app[ENGINE].metrics()
-    assert m["steps_multi_lane"] > 0, "no step carried two lanes"
-    assert m["checkpoints_saved"] > 0
+        m = srv.app[ENGINE].meter
+    assert m.get("steps_multi_lane") > 0, "no step carried two lanes"
+    assert m.get("checkpoints_saved") > 0
     assert any(("ram" in e or "disk" in e) for e in done_lines.events), done_lines.events
     all_turns: list[Turn] = [t for s in sessions for t in s.turns]
     await _same_as_cold(model, tmp_path, all_turns, 24, NEAR_TIE[which])
@@ -54,12 +54,12 @@ async def test_two_streams_share_each_step(hybrid_path: Path, tmp_path: Path) ->
         a = Session(srv.client, system="Alpha. " * 30, max_tokens=80)
         b = Session(srv.client, system="Beta. " * 30, max_tokens=80)
         await asyncio.gather(a.turn(), b.turn())
-        m = engine.metrics()
+        m = engine.meter
     each = [t.completion_tokens for t in a.turns + b.turns]
     assert min(each) >= 50
     # while both decode, a step carries both lanes; one lane per step would make this 0
-    assert m["steps_multi_lane"] >= 0.5 * min(each), m
-    assert m["steps"] < sum(each), m
+    assert m.get("steps_multi_lane") >= 0.5 * min(each), m
+    assert m.get("steps") < sum(each), m
     await _same_as_cold(hybrid_path, tmp_path, a.turns + b.turns, 80, NEAR_TIE["hybrid"])
 
 
@@ -80,10 +80,10 @@ async def test_cancelled_lane_leaves_the_other_correct(hybrid_path: Path,
         await keep_task
         engine = srv.app[ENGINE]
         for _ in range(100):
-            if engine.metrics()["active_requests"] == 0:
+            if engine.queue()["active_requests"] == 0:
                 break
             await asyncio.sleep(0.05)
-        assert engine.metrics()["active_requests"] == 0
+        assert engine.queue()["active_requests"] == 0
     await _same_as_cold(hybrid_path, tmp_path, keep.turns, 120, NEAR_TIE["hybrid"])
 
 
@@ -144,7 +144,7 @@ async def test_short_request_behind_a_long_one_starts_first(
         long = asyncio.create_task(first_token("long", "word " * 600))
         engine = srv.app[ENGINE]
         for _ in range(200):  # the long prompt is being prefilled
-            if engine.metrics()["active_requests"] == 1:
+            if engine.queue()["active_requests"] == 1:
                 break
             await asyncio.sleep(0.01)
         await first_token("short", "Hi")
@@ -223,8 +223,8 @@ async def test_subagent_arriving_while_another_decodes_reuses_the_branch_point(
         task = asyncio.create_task(first.turn())
         engine = srv.app[ENGINE]
         for _ in range(400):  # until the first subagent decodes
-            if engine.metrics().get("tokens_generated", 0) > 16 or \
-                    len(done_lines.events) >= 3 and engine.metrics()["active_requests"] == 1:
+            if engine.meter.tokens_generated.get() > 16 or \
+                    len(done_lines.events) >= 3 and engine.queue()["active_requests"] == 1:
                 break
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)

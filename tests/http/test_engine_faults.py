@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from proxy.api.app import ENGINE
-from proxy.engine.scheduler import Engine
+from proxy.engine.engine import Engine
 from statecache.records import Kind, Role
 from tests.http.agent import Session, user_message
 from tests.http.conftest import DoneLines, serve
@@ -32,7 +32,7 @@ async def test_engine_thread_failure_fails_requests_and_health(
         def broken(*_a: object) -> list[object]:
             raise RuntimeError("a bug outside the per-request guards")
 
-        monkeypatch.setattr(engine, "_plan_step", broken)
+        monkeypatch.setattr(engine.stepper, "run", broken)
         with pytest.raises(openai.InternalServerError):
             await asyncio.wait_for(srv.client.chat.completions.create(
                 model="x", messages=HELLO, max_tokens=4), timeout=30)
@@ -55,13 +55,13 @@ async def test_request_failing_mid_start_leaves_its_lane_cleared(
         await s.turn()
         lane = engine.exec.lanes.lanes[0]
         assert lane.n > 0
-        real = engine.exec._carry_out  # noqa: SLF001
+        real = engine.restorer.carry_out
 
         def half_then_fail(plan: Any, job: Any) -> None:
             real(plan, job)
             raise RuntimeError("failed after the restore")
 
-        monkeypatch.setattr(engine.exec, "_carry_out", half_then_fail)
+        monkeypatch.setattr(engine.restorer, "carry_out", half_then_fail)
         with pytest.raises(openai.InternalServerError):
             await s.turn(user_message(1))
         assert lane.n == 0 and not lane.busy
@@ -80,15 +80,15 @@ async def test_a_failing_lane_ends_alone_and_publishes_nothing(
     async with serve(hybrid_path, tmp_path / "ckpt", server__lanes=2,
                      engine__idle_save_s=0) as srv:
         engine: Engine = srv.app[ENGINE]  # type: ignore[assignment]
-        take = engine.exec._take  # noqa: SLF001
+        take = engine.exec.emitter.take
 
         def fail_for_the_bad_one(job: Any, row: int) -> None:
-            if len(job.generated) == 3 and \
+            if len(job.out.generated) == 3 and \
                     "BAD" in engine.model.detokenize(list(job.req.prompt_tokens)):
                 raise RuntimeError("sampling failed for this lane")
             take(job, row)
 
-        monkeypatch.setattr(engine.exec, "_take", fail_for_the_bad_one)
+        monkeypatch.setattr(engine.exec.emitter, "take", fail_for_the_bad_one)
         good = Session(srv.client, system="Good one. " * 30, max_tokens=60)
         bad = Session(srv.client, system="BAD one. " * 30, max_tokens=60)
         results = await asyncio.gather(good.turn(), bad.turn(), return_exceptions=True)

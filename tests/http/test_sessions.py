@@ -120,7 +120,7 @@ async def test_two_sessions_keep_their_lanes_and_a_third_waits(
         tb = asyncio.create_task(b.turn(user_message(2)))
         engine = srv.app[ENGINE]
         for _ in range(600):  # until both hold a lane
-            if engine.metrics()["active_requests"] == 2:
+            if engine.queue()["active_requests"] == 2:
                 break
             await asyncio.sleep(0.05)
         tc = asyncio.create_task(c.turn())
@@ -186,7 +186,7 @@ async def test_a_disk_read_waits_off_the_engine_thread_while_others_stream(
         other = await _streaming(srv2, 3000)
         t2 = await s.turn(user_message(1))
         assert not other.done()  # it streamed all along
-        assert engine.counters["fetches_in_background"] == 1
+        assert engine.meter.get("fetches_in_background") == 1
         assert await other > 0
     assert t2.cached_tokens >= t1.prompt_tokens + t1.completion_tokens - PAGE
     for f in (tmp_path / "ckpt").glob("*.ckpt"):
@@ -198,7 +198,7 @@ async def test_a_disk_read_waits_off_the_engine_thread_while_others_stream(
         engine = srv3.app[ENGINE]
         other = await _streaming(srv3, 3000)
         t3 = await s.turn(user_message(2))
-        assert engine.counters["fetches_in_background"] == 1
+        assert engine.meter.get("fetches_in_background") == 1
         await other
     assert t3.cached_tokens == 0  # the corrupt state was a miss, never a wrong state
     await _same_as_cold(hybrid_path, tmp_path, s.turns, s.max_tokens, NEAR_TIE["hybrid"])

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from proxy.api.app import ENGINE
+from proxy.meters import EngineMeter
 from tests.http.agent import Session, ask, assert_same_or_near_tie, tool_result, user_message
 from tests.http.conftest import DoneLines, serve
 from tests.http.test_sessions import NEAR_TIE, _check_follow_ups, _same_as_cold
@@ -24,8 +25,9 @@ CODE = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(12
 NEAR_TIE_ALL = {**NEAR_TIE, "norollback": 0.05}
 
 
-def _spec(m: dict[str, Any]) -> tuple[int, int, int]:
-    return m.get("spec_drafted", 0), m.get("spec_accepted", 0), m.get("spec_verifications", 0)
+def _spec(m: EngineMeter) -> tuple[float, float, float]:
+    return (m.spec_tokens.get("drafted"), m.spec_tokens.get("accepted"),
+            m.spec_verifications.get())
 
 
 @pytest.mark.parametrize("which", ["hybrid", "norollback", "gemma", "draft"])
@@ -42,7 +44,7 @@ async def test_prompt_lookup_keeps_greedy_answers(
         await s.turn()
         await s.turn(tool_result(1))
         await s.turn({"role": "user", "content": "Copy this code exactly:\n" + CODE})
-        m = srv.app[ENGINE].metrics()
+        m = srv.app[ENGINE].meter
     drafted, accepted, _ = _spec(m)
     # a random model's reply seldom repeats itself: drafts made and (mostly) rejected;
     # the drafts a model accepts are the subject of the tests with a draft model
@@ -60,7 +62,7 @@ async def test_prompt_lookup_pays_off_when_the_reply_repeats_the_prompt(
     messages = [{"role": "user", "content": (text + "\n") * 3}]
     async with serve(gemma_path, tmp_path / "ckpt", speculative__source="lookup") as srv:
         got = await ask(srv.client, messages, 96)
-        drafted, accepted, verifications = _spec(srv.app[ENGINE].metrics())
+        drafted, accepted, verifications = _spec(srv.app[ENGINE].meter)
     assert drafted >= 40, drafted
     assert accepted / drafted >= 0.5, (accepted, drafted)
     # fewer target steps than tokens: several tokens per verification
@@ -77,10 +79,10 @@ async def test_two_lanes_draft_in_the_same_steps(spec_target_path: Path, spec_dr
         a = Session(srv.client, system="Alpha. " * 30, max_tokens=80)
         b = Session(srv.client, system="Beta beta. " * 30, max_tokens=80)
         await asyncio.gather(a.turn(), b.turn())
-        m = srv.app[ENGINE].metrics()
+        m = srv.app[ENGINE].meter
     drafted, accepted, verifications = _spec(m)
     assert drafted > 0 and accepted > 0, m
-    assert m["steps_multi_lane"] > 0, m
+    assert m.get("steps_multi_lane") > 0, m
     await _same_as_cold(spec_target_path, tmp_path, a.turns + b.turns, 80, NEAR_TIE["hybrid"])
 
 
@@ -92,11 +94,11 @@ async def test_a_request_can_turn_drafting_off(spec_target_path: Path, spec_draf
             model="x", messages=[{"role": "user", "content": "Copy: " + CODE}],
             max_tokens=48, temperature=0, extra_body={"speculative": False})
         assert r.usage is not None and r.usage.completion_tokens == 48
-        assert _spec(srv.app[ENGINE].metrics())[0] == 0
+        assert _spec(srv.app[ENGINE].meter)[0] == 0
         await srv.client.chat.completions.create(
             model="x", messages=[{"role": "user", "content": "Copy: " + CODE}],
             max_tokens=48, temperature=0)
-        assert _spec(srv.app[ENGINE].metrics())[0] > 0
+        assert _spec(srv.app[ENGINE].meter)[0] > 0
         async with aiohttp.ClientSession() as http, http.get(srv.url + "/metrics") as resp:
             text = await resp.text()
         drafted = re.search(r'^statecache_speculative_tokens_total\{what="drafted"\} (\S+)$',
@@ -124,7 +126,7 @@ async def test_sampling_with_drafts_stays_valid(spec_target_path: Path, spec_dra
                 model="x", messages=[{"role": "user", "content": "Copy: " + CODE}],
                 max_tokens=64, temperature=0.7, seed=11, extra_body={"top_k": 5})
             replies.append(r.choices[0].message.content)
-        assert _spec(srv.app[ENGINE].metrics())[0] > 0
+        assert _spec(srv.app[ENGINE].meter)[0] > 0
     assert replies[0] == replies[1]
 
 
@@ -164,18 +166,18 @@ async def test_draft_model_keeps_greedy_answers(
         await s.turn()
         await s.turn(user_message(1))
         await s.turn(tool_result(2))
-        m = srv.app[ENGINE].metrics()
+        m = srv.app[ENGINE].meter
         draft_memory = srv.app[ENGINE].draft.memory.kind.value
     drafted, accepted, _ = _spec(m)
     assert drafted > accepted, m  # some drafts rejected...
     if agrees:
         assert accepted / drafted >= 0.3, m  # ...and many accepted
     if pair == "norollback":
-        assert m["spec_replays"] > 0, m
+        assert m.spec_replays.get() > 0, m
     if draft_memory in ("hybrid", "recurrent"):
-        assert m["draft_checkpoints"] > 0 and m["draft_rollbacks"] > 0, m
+        assert m.draft_events.get("checkpoints") > 0 and m.draft_events.get("rollbacks") > 0, m
     else:  # a plain-attention draft keeps no state of its own (docs/design.md fact 9)
-        assert m["draft_checkpoints"] == 0, m
+        assert m.draft_events.get("checkpoints") == 0, m
     if pair != "norollback":  # (jamba re-renders its random replies differently)
         _check_follow_ups(s, done_lines)
     await _same_as_cold(target, tmp_path, s.turns, s.max_tokens, NEAR_TIE["hybrid"])
@@ -209,14 +211,14 @@ async def test_restored_session_keeps_drafting(spec_target_path: Path, spec_draf
             if interleave:
                 await other.turn(user_message(k) if k > 1 else None)
             await s.turn(user_message(k) if k % 2 else tool_result(k))
-        drafted, accepted, _ = _spec(srv.app[ENGINE].metrics())
+        drafted, accepted, _ = _spec(srv.app[ENGINE].meter)
         return s, accepted / drafted
 
     async with serve(spec_target_path, tmp_path / "a", server__lanes=1, **spec) as srv:
         restored, rate = await session(srv, interleave=True)
-        m = srv.app[ENGINE].metrics()
-    assert m.get("hits.ram.end-of-reply", 0) + m.get("hits.ram.replay", 0) >= 2, m
-    assert m["draft_clears"] > 0, m  # the draft lane held the other conversation
+        m = srv.app[ENGINE].meter
+    assert m.hits.get("ram", "end-of-reply") + m.hits.get("ram", "replay") >= 2
+    assert m.draft_events.get("clears") > 0  # the draft lane held the other conversation
     async with serve(spec_target_path, tmp_path / "b", server__lanes=1, **spec) as srv:
         alone, rate_alone = await session(srv, interleave=False)
     for a, b in zip(restored.turns, alone.turns, strict=True):

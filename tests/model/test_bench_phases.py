@@ -13,7 +13,7 @@ import pytest
 
 from bench.harness import PHASES, statecache_log_lines
 from bench.ideal import measure
-from proxy.engine.scheduler import Engine
+from proxy.engine.engine import Engine
 from proxy.engine.types import GenerationRequest, SamplingParams, TokenEvent
 from statecache.config import load_config
 
@@ -32,7 +32,8 @@ def _run(eng: Engine, prompt: tuple[int, ...], n: int) -> list[int]:
 def test_every_done_line_carries_its_phases_and_they_add_up(
     hybrid_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cfg = load_config(None, {"model.path": str(hybrid_path), "model.n_ctx": 2048,
+    cfg = load_config(None, {"model.path": str(hybrid_path),
+                             "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": 1, "cache.disk_path": str(tmp_path / "ck")})
     eng = Engine(cfg, hybrid_path)
     caplog.set_level(logging.DEBUG, logger="statecache")

@@ -1,4 +1,4 @@
-"""One stream with nothing else to do runs steps of its own (``Engine._decode_alone``),
+"""One stream with nothing else to do runs steps of its own (``Stepper._decode_alone``),
 without planning each one: the same tokens as a plain greedy loop on the binding, and
 the run ends as soon as something else needs the engine (a request arrives, the stream
 is cancelled)."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from proxy.engine.binding import Context, ContextParams
-from proxy.engine.scheduler import Engine
+from proxy.engine.engine import Engine
 from proxy.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from statecache.config import load_config
 
@@ -23,7 +23,8 @@ LONG_MS = 60_000  # a lone run that would outlast every test here unless somethi
 
 
 def _engine(path: Path, lone_run_ms: float = 250.0) -> Engine:
-    return Engine(load_config(None, {"model.path": str(path), "model.n_ctx": 2048,
+    return Engine(load_config(None, {"model.path": str(path),
+                                     "engine.sanity_checks": True, "model.n_ctx": 2048,
                                      "server.lanes": 2, "cache.enabled": False,
                                      "engine.lone_run_ms": lone_run_ms}), path)
 
@@ -71,8 +72,8 @@ def test_a_lone_stream_decodes_what_a_plain_greedy_loop_does(
         # every token after the first came from a lone run (the first: the prefill's),
         # unless they are off: every step planned
         alone = len(ids) - 1 if lone_run_ms else 0
-        assert eng.counters["steps_alone"] == alone, dict(eng.counters)
-        assert eng.counters["steps"] == len(ids), dict(eng.counters)
+        assert eng.meter.get("steps_alone") == alone
+        assert eng.meter.get("steps") == len(ids)
     finally:
         eng.close()
 
@@ -94,10 +95,10 @@ def test_a_request_that_arrives_ends_the_lone_run(hybrid_path: Path) -> None:
         long_ids, short_ids = asyncio.run(go())
         # the short request did not wait for the long one's run (of up to LONG_MS)
         assert done == ["short", "long"], done
-        assert eng.counters["steps_multi_lane"] >= 3
+        assert eng.meter.get("steps_multi_lane") >= 3
         assert short_ids and len(long_ids) == 600
         # and the long one went on alone once the short one was gone
-        assert eng.counters["steps_alone"] > 20 + eng.counters["steps_multi_lane"]
+        assert eng.meter.get("steps_alone") > 20 + eng.meter.get("steps_multi_lane")
     finally:
         eng.close()
 
@@ -119,12 +120,12 @@ def test_a_cancelled_lone_stream_stops_at_once(hybrid_path: Path) -> None:
     try:
         asyncio.run(go())
         deadline = time.monotonic() + 30
-        while eng.metrics()["active_requests"] and time.monotonic() < deadline:
+        while eng.queue()["active_requests"] and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert eng.metrics()["active_requests"] == 0
-        steps = eng.counters["steps_alone"]
+        assert eng.queue()["active_requests"] == 0
+        steps = eng.meter.get("steps_alone")
         time.sleep(0.1)
-        assert eng.counters["steps_alone"] == steps  # nothing decodes any more
+        assert eng.meter.get("steps_alone") == steps  # nothing decodes any more
         assert steps < 1000, "the cancelled stream decoded on to its limit"
         # the engine serves the next request from the same lanes, correctly
         ids, _ = asyncio.run(_collect(eng, _request("next", OTHER, 12), []))

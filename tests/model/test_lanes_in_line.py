@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from proxy.engine.executor import _runs
-from proxy.engine.scheduler import Engine
+from proxy.engine.engine import Engine
+from proxy.engine.placement import _runs
 from proxy.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from statecache.config import load_config
 
@@ -36,7 +36,8 @@ async def _one(eng: Engine, rid: str, prompt: tuple[int, ...], max_tokens: int,
 
 
 def test_a_follow_up_beside_a_gap_moves_next_to_the_busy_lane(hybrid_path: Path) -> None:
-    cfg = load_config(None, {"model.path": str(hybrid_path), "model.n_ctx": 2048,
+    cfg = load_config(None, {"model.path": str(hybrid_path),
+                             "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": 3, "cache.disk_enabled": False})
     eng = Engine(cfg, hybrid_path)
     tok = eng.model.tokenize
@@ -64,14 +65,14 @@ def test_a_follow_up_beside_a_gap_moves_next_to_the_busy_lane(hybrid_path: Path)
 
             # a reply of a few tokens is not worth a copy: it runs where its state is
             _, fin = await beside_x("z2-short", z2, 4)
-            assert fin.stats.lane == 2 and eng.counters["lane_copies"] == 0
+            assert fin.stats.lane == 2 and eng.meter.get("lane_copies") == 0
             held = eng.exec.lanes.lanes[2].tokens.copy()
             # a longer one runs next to lane 0, from a copy of lane 2 cut back to its
             # checkpoint one token short of the prompt
             got, fin = await beside_x("z2", z2, 32)
             assert fin.stats.lane == 1
             assert fin.usage.cached_tokens == len(z2) - 1
-            assert eng.counters["lane_copies"] == 1
+            assert eng.meter.get("lane_copies") == 1
             assert (eng.exec.lanes.lanes[2].tokens == held).all()  # lane 2 kept its state
             cold, _ = await _one(eng, "z2-cold", z2, 32, use_cache=False)
             assert got == cold
@@ -84,7 +85,8 @@ def test_a_follow_up_beside_a_gap_moves_next_to_the_busy_lane(hybrid_path: Path)
 def test_a_request_that_ends_leaves_no_gap_behind(hybrid_path: Path) -> None:
     # x, y and z start together in lanes 0, 1 and 2; y ends first: z, whose state is
     # the smaller, moves into lane 1 (a copy), so x and z decode in one ubatch again
-    cfg = load_config(None, {"model.path": str(hybrid_path), "model.n_ctx": 2048,
+    cfg = load_config(None, {"model.path": str(hybrid_path),
+                             "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": 3, "cache.disk_enabled": False})
     eng = Engine(cfg, hybrid_path)
     tok = eng.model.tokenize
@@ -96,7 +98,7 @@ def test_a_request_that_ends_leaves_no_gap_behind(hybrid_path: Path) -> None:
             got = await asyncio.gather(*(_one(eng, k, p, sizes[k]) for k, p in prompts.items()))
             lanes = [fin.stats.lane for _, fin in got]
             assert lanes == [0, 1, 1], lanes  # z ended in lane 1
-            assert eng.counters["lane_moves"] == 1
+            assert eng.meter.get("lane_moves") == 1
             for (out, _), (k, p) in zip(got, prompts.items(), strict=True):
                 cold, _ = await _one(eng, f"{k}-cold", p, sizes[k], use_cache=False)
                 assert out == cold, k
@@ -108,7 +110,8 @@ def test_a_request_that_ends_leaves_no_gap_behind(hybrid_path: Path) -> None:
 
 def test_a_new_conversation_takes_the_lane_that_closes_the_gap_unless_it_is_short(
         hybrid_path: Path) -> None:
-    cfg = load_config(None, {"model.path": str(hybrid_path), "model.n_ctx": 2048,
+    cfg = load_config(None, {"model.path": str(hybrid_path),
+                             "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": 3, "cache.disk_enabled": False})
     eng = Engine(cfg, hybrid_path)
     tok = eng.model.tokenize
@@ -131,11 +134,11 @@ def test_a_new_conversation_takes_the_lane_that_closes_the_gap_unless_it_is_shor
             # a new conversation would go to the least recently used lane, 2, beside a
             # gap: it takes lane 1 (nothing live to copy: a cold start)
             assert (await beside_a("other", p["other"], 64)).stats.lane == 1
-            assert eng.counters["lanes_kept_in_line"] == 1
-            assert eng.counters["lane_copies"] == 0
+            assert eng.meter.get("lanes_kept_in_line") == 1
+            assert eng.meter.get("lane_copies") == 0
             # lane 2 is the least recently used again; a reply of a few tokens stays there
             assert (await beside_a("new", p["new"], 4)).stats.lane == 2
-            assert eng.counters["lanes_kept_in_line"] == 1
+            assert eng.meter.get("lanes_kept_in_line") == 1
         asyncio.run(go())
     finally:
         eng.begin_shutdown()

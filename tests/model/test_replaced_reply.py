@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from proxy.engine.scheduler import Engine
+from proxy.engine.engine import Engine
 from proxy.engine.types import (
     FinishEvent,
     GenerationRequest,
@@ -70,13 +70,15 @@ def _full_ends(eng: Engine) -> set[int]:
 
 
 def test_a_retry_cuts_the_reply_without_keeping_it(hybrid_path: Path) -> None:
-    cfg = load_config(None, {"model.path": str(hybrid_path), "model.n_ctx": 2048,
+    cfg = load_config(None, {"model.path": str(hybrid_path),
+                             "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": 1, "cache.disk_enabled": False,
                              "engine.idle_save_s": 0})  # no save between the requests
     eng = Engine(cfg, hybrid_path)
-    cold = Engine(load_config(None, {"model.path": str(hybrid_path), "model.n_ctx": 2048,
+    cold = Engine(load_config(None, {"model.path": str(hybrid_path),
+                                     "engine.sanity_checks": True, "model.n_ctx": 2048,
                                      "server.lanes": 1, "cache.enabled": False}), hybrid_path)
-    c = eng.counters
+    c = eng.meter.get
     try:
         tok = eng.model.tokenize
         first = tuple(tok("a first question about recurrent state " * 12))
@@ -87,7 +89,7 @@ def test_a_retry_cuts_the_reply_without_keeping_it(hybrid_path: Path) -> None:
         again, fin = _run(eng, first)
         assert again == reply and fin.stats.source == "lane"
         assert fin.usage.cached_tokens == len(first) - 1
-        assert (c["replaced_replies"], c["handoffs"]) == (1, 0)
+        assert (c("replaced_replies"), c("handoffs")) == (1, 0)
         assert not _full_ends(eng)
 
         # the same history with its turn rendered anew (a client that strips reasoning
@@ -95,7 +97,7 @@ def test_a_retry_cuts_the_reply_without_keeping_it(hybrid_path: Path) -> None:
         anew = first[:-GEN_PROMPT] + tuple(tok(" and so, the answer: "))
         got, fin = _run(eng, anew)
         assert fin.stats.source == "lane" and fin.usage.cached_tokens < len(first) - 1
-        assert (c["replaced_replies"], c["handoffs"]) == (2, 0)
+        assert (c("replaced_replies"), c("handoffs")) == (2, 0)
         _as_cold(cold, anew, got)
         end = len(anew) + len(got) - 1  # the lane's state: the reply's last token aside
 
@@ -103,7 +105,7 @@ def test_a_retry_cuts_the_reply_without_keeping_it(hybrid_path: Path) -> None:
         # state is kept as a FULL checkpoint before the cut
         edited = first[: len(first) // 2] + tuple(tok(" asked another way, " * 8))
         edited_reply, _ = _run(eng, edited)
-        assert c["handoffs"] == 1 and end in _full_ends(eng)
+        assert c("handoffs") == 1 and end in _full_ends(eng)
         _as_cold(cold, edited, edited_reply)
 
         # the kept state serves that conversation's next turn from the reply's end

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from proxy.engine.scheduler import Engine
+from proxy.engine.engine import Engine
 from proxy.engine.types import (
     Divergence,
     FinishEvent,
@@ -47,7 +47,8 @@ def _replay_partials(eng: Engine) -> set[int]:
 
 
 def test_a_verbatim_client_gets_no_replay_cut(hybrid_path: Path, tmp_path: Path) -> None:
-    cfg = load_config(None, {"model.path": str(hybrid_path), "model.n_ctx": 2048,
+    cfg = load_config(None, {"model.path": str(hybrid_path),
+                             "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": 1, "cache.disk_enabled": False,
                              "cache.periodic_pages": 0})
     eng = Engine(cfg, hybrid_path)

@@ -14,6 +14,7 @@ import pytest
 from proxy.api.openai import parse_chat_request
 from proxy.api.render import VENDOR_TEMPLATES, ChatTemplate
 from proxy.api.reply import parse_reply
+from proxy.api.sampling import to_params
 from proxy.engine.binding import Context, ContextParams, Model, SamplerChain
 from proxy.engine.sampling import (
     ChainSpec,
@@ -149,7 +150,7 @@ def grammar_chain(model: Model, params: SamplingParams, prompt_tail: str = "") -
 def forced(**fields: object) -> SamplingParams:
     req = parse_chat_request({"messages": [{"role": "user", "content": "hi"}],
                               "tools": [WEATHER], **fields})
-    return req.sampling.to_params(64)
+    return to_params(req.sampling, 64)
 
 
 @pytest.mark.parametrize("template", ["chatml-tools-think.jinja", "gemma3.jinja"])
@@ -248,7 +249,7 @@ def test_every_chain_keeps_to_the_grammar(hybrid: Model, fields: dict[str, Any])
                               "response_format": {"type": "json_schema",
                                                   "json_schema": {"schema": SMALL}}})
     for seed in (1, 2):
-        params = dataclasses.replace(req.sampling.to_params(400), seed=seed, **fields)
+        params = dataclasses.replace(to_params(req.sampling, 400), seed=seed, **fields)
         toks = generate(hybrid, resolve(params, defaults(SamplingConfig(), {})), 400)
         jsonschema.validate(json.loads(hybrid.detokenize(toks)), SMALL)
 
@@ -278,7 +279,7 @@ def test_checking_the_likeliest_candidates_first_changes_nothing(
         for chunks in ((16, 128), ()):
             chains: list[SamplerChain] = []
             monkeypatch.setattr(SamplerChain, "CHUNKS", chunks)
-            spec = resolve(dataclasses.replace(req.sampling.to_params(200), seed=seed, **fields),
+            spec = resolve(dataclasses.replace(to_params(req.sampling, 200), seed=seed, **fields),
                            defaults(SamplingConfig(), {}))
             runs.append(generate(hybrid, spec, 200))
             settled += sum(c.settled_early for c in chains)
@@ -303,7 +304,7 @@ def test_json_grammar_on_gemmas_vocabulary(gemma_path: Path) -> None:
                                                   "json_schema": {"schema": schema}}})
     with Model(gemma_path) as gemma:
         for seed in (1, 2):
-            params = dataclasses.replace(req.sampling.to_params(80), seed=seed, temperature=1.0)
+            params = dataclasses.replace(to_params(req.sampling, 80), seed=seed, temperature=1.0)
             spec = resolve(params, defaults(SamplingConfig(), {}))
             toks = generate(gemma, spec, 80, "<start_of_turn>user\nA person as JSON."
                             "<end_of_turn>\n<start_of_turn>model\n")

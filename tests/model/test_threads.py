@@ -67,10 +67,11 @@ def test_a_draft_decodes_on_its_targets_threadpool(spec_target_path: Path,
 def test_the_engine_gives_its_draft_the_targets_threadpool_by_default(
     spec_target_path: Path, spec_draft_path: Path, tmp_path: Path
 ) -> None:
-    from proxy.engine.scheduler import Engine
+    from proxy.engine.engine import Engine
     from statecache.config import load_config
 
-    cfg = load_config(None, {"model.path": str(spec_target_path), "model.threads": 2,
+    cfg = load_config(None, {"model.path": str(spec_target_path),
+                             "engine.sanity_checks": True, "model.threads": 2,
                              "model.draft_path": str(spec_draft_path), "model.n_ctx": 512,
                              "server.lanes": 1, "speculative.source": "draft",
                              "cache.disk_path": str(tmp_path / "ck")})

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from proxy.engine.engine import Engine
 from proxy.engine.outbox import Outbox
-from proxy.engine.scheduler import Engine
 from proxy.engine.types import GenerationRequest, SamplingParams, TokenEvent
 from statecache.config import load_config
 
@@ -29,7 +29,8 @@ def test_staggered_streams_share_each_wake_up(hybrid_path: Path,
         real(boxes)
 
     monkeypatch.setattr(Outbox, "wake_all", staticmethod(counting))
-    cfg = load_config(None, {"model.path": str(hybrid_path), "model.n_ctx": 2048,
+    cfg = load_config(None, {"model.path": str(hybrid_path),
+                             "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": STREAMS, "server.stream_interval_ms": 40,
                              "cache.enabled": False})
     eng = Engine(cfg, hybrid_path)

@@ -9,8 +9,8 @@ import pytest
 from proxy.api.literals import FIRST, Literals
 from proxy.api.openai import parse_chat_request
 from proxy.api.render import ChatTemplate, render_chat
-from proxy.engine.tokens import Segment
 from proxy.engine.binding.vocab import alternation
+from proxy.engine.tokens import Segment
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<unk>", "<|im"]
 SPECIAL_RE = re.compile(alternation(SPECIALS))

@@ -1,14 +1,53 @@
-"""/metrics names the engine's lane counters (executor._in_line, close_gap) as counters
-with their own help, not as untyped leftovers."""
+"""/metrics names the engine's lane counters (placement.in_line, close_gap) as counters
+with their own help, not as untyped leftovers; the typed meter renders Prometheus' text
+format without parsing names back."""
 
 from __future__ import annotations
 
-from proxy.api.metrics import format_metrics
+import pytest
+
+from proxy.meter import Counter, Gauge, Histogram, render
+from proxy.meters import EngineMeter, pool_families
 
 
 def test_the_lane_counters_are_typed_counters() -> None:
-    text = format_metrics({"lanes_kept_in_line": 3, "lane_copies": 1, "lane_moves": 2})
+    m = EngineMeter()
+    for name, value in (("lanes_kept_in_line", 3), ("lane_copies", 1), ("lane_moves", 2)):
+        m.count(name, value)
+    text = render(m.families())
     for name, value in (("lanes_kept_in_line", 3), ("lane_copies", 1), ("lane_moves", 2)):
         assert f"# TYPE statecache_{name}_total counter" in text
         assert f"\nstatecache_{name}_total {value}\n" in text
     assert "untyped" not in text
+
+
+def test_families_render_with_their_labels_and_only_when_they_hold_samples() -> None:
+    hits = Counter("x_hits_total", "Hits.", ["tier", "role"])
+    hits.inc("ram", "branch")
+    hits.inc("ram", "branch", by=2)
+    hits.inc("disk", 'quo"te')
+    idle = Gauge("x_idle", "Nothing yet.")
+    lat = Histogram("x_seconds", "Latency.", [0.1, 1.0])
+    lat.observe(0.05)
+    lat.observe(3.0)
+    text = render([hits, idle, lat])
+    assert 'x_hits_total{tier="ram",role="branch"} 3' in text
+    assert 'x_hits_total{tier="disk",role="quo\\"te"} 1' in text
+    assert "x_idle" not in text  # no sample: not shown
+    assert 'x_seconds_bucket{le="0.1"} 1\nx_seconds_bucket{le="1.0"} 1\n' \
+           'x_seconds_bucket{le="+Inf"} 2\nx_seconds_sum 3.05\nx_seconds_count 2' in text
+    with pytest.raises(ValueError, match="takes labels"):
+        hits.inc("ram")
+
+
+def test_the_pool_report_maps_by_its_keys() -> None:
+    text = render(pool_families({"hits_ram": 2, "hits_role_end_of_reply": 1, "ram_bytes": 10,
+                                 "remote_rejected_forged": 1, "remote_probes": 4,
+                                 "bandwidth_disk": 5.0, "inserts": 7}))
+    assert 'statecache_pool_hits_total{tier="ram"} 2' in text
+    assert 'statecache_pool_hits_by_role_total{role="end_of_reply"} 1' in text
+    assert 'statecache_checkpoint_bytes{tier="ram"} 10' in text
+    assert 'statecache_remote_rejected_total{reason="forged"} 1' in text
+    assert 'statecache_remote_total{event="probes"} 4' in text
+    assert 'statecache_read_bandwidth_bytes_per_second{tier="disk"} 5.0' in text
+    assert "# TYPE statecache_pool_inserts untyped\nstatecache_pool_inserts 7" in text

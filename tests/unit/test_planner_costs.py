@@ -38,7 +38,6 @@ def test_disk_is_read_when_it_beats_the_prefill(make_pool: PoolFactory) -> None:
     plan = _plan(pool, [Lane(0)])
     assert (plan.source, plan.reuse) == (Source.DISK, 160)
     assert plan.estimate.startswith("est. disk ") and "vs cold 200 ms" in plan.estimate
-    assert pool.costs.last == (200, 160, plan.estimate)
     plan.release()
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from proxy.engine.job import Waiting
 from proxy.engine.steps import CHUNK, SHORT_PREFILL, StepTimer, plan_step
 
 
@@ -31,8 +32,8 @@ class _Job:
     prompt: np.ndarray
     reuse: int = 0
     pos: int = 0
-    starved: int = 0
     name: str = ""
+    wait: Waiting = field(default_factory=Waiting)
 
     @property
     def prefilling(self) -> bool:
@@ -107,7 +108,7 @@ def test_a_short_request_goes_in_at_once_and_holds_the_burst_back() -> None:
     # a short request (its whole prefill is 100 tokens) goes in at once; the long
     # prompt's burst waits for the next step
     assert _plan([stream, short, long], t) == {"stream": 1, "short": 100}
-    assert long.starved == 1
+    assert long.wait.starved == 1
     # the tail of a long prompt (100 tokens left) is no short request: a burst
     assert _plan([stream, long], t) == {"stream": 1, "long": 65}
     # no stream, a short request and a long prompt: the short one's first token first

@@ -1,4 +1,4 @@
-"""Micro-benchmark of the pool: `python -m statecache.bench_pool`."""
+"""Micro-benchmark of the pool: `python -m bench.pool`."""
 
 from __future__ import annotations
 

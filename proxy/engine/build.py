@@ -1,0 +1,127 @@
+"""Build what the engine runs on, from the config: the model, the context and its lanes,
+the checkpoint pool, the draft model, and how rejected drafts roll back (chosen once
+here, for every room that needs it).
+
+``Parts`` is that set, shared by the rooms (restore, publishing, placement, the step,
+speculation, emit): each reads the same context, lanes, pool and meter.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from proxy.engine.binding import (
+    Context,
+    ContextParams,
+    MemoryInfo,
+    MemoryKind,
+    Model,
+    supports_rs_rollback,
+)
+from proxy.engine.drafting import DraftModel
+from proxy.engine.lanes import LaneSet
+from proxy.engine.sizing import choose_n_ctx, state_format
+from proxy.meters import EngineMeter
+from statecache.config import Config
+from statecache.pool import CheckpointPool
+from statecache.sizes import format_size
+
+log = logging.getLogger("statecache")
+
+
+@dataclass(slots=True, eq=False)
+class Parts:
+    """What the engine's rooms share; built once by ``build``."""
+
+    cfg: Config
+    model: Model
+    params: ContextParams
+    ctx: Context
+    memory: MemoryInfo
+    pool: CheckpointPool | None
+    draft: DraftModel | None
+    lanes: LaneSet
+    meter: EngineMeter  # the engine's counters (proxy/meters.py)
+    page: int  # tokens of a page (cache.page_size)
+    step_tokens: int  # tokens of one step, every lane together
+    why_n_ctx: str  # how the lanes' context was sized (the startup line)
+    # "off", "lookup" or "draft": where drafts come from
+    speculation: str
+    # how rejected drafts leave the target lane: seq_rm where the memory can cut its
+    # tail back (attention, SWA kept whole, a hybrid's n_rs_seq snapshots); else the
+    # lane's partial state is staged before a verification and restored after
+    rs_snapshots: bool
+    staging: bool
+    eog: np.ndarray  # end-of-turn tokens: the first one in a prompt ends its first turn
+
+    @property
+    def n_ctx(self) -> int:
+        """Tokens per lane."""
+        return self.ctx.n_ctx_seq
+
+
+def build(cfg: Config, model_path: Path) -> Parts:
+    mc, ec, sc = cfg.model, cfg.engine, cfg.speculative
+    model = Model(model_path, n_gpu_layers=mc.n_gpu_layers, verbose=cfg.log.llama_verbose)
+    meter = EngineMeter()
+    lanes = cfg.server.lanes
+    n_ctx, why = choose_n_ctx(model, cfg)
+    step = ec.step_tokens or mc.n_batch
+    if step < lanes:
+        raise ValueError(f"engine.step_tokens ({step}) must hold one token per lane ({lanes})")
+    n_rs_seq = mc.n_rs_seq
+    drafting_model = sc.source in ("draft", "auto") and bool(mc.draft_path)
+    rollback = sc.rollback if sc.rollback != "auto" else (
+        "snapshots" if drafting_model else "staged")
+    if sc.source != "off" and rollback == "snapshots" and supports_rs_rollback(model):
+        # a verification's rejected drafts roll back through the hybrid memory's
+        # per-token snapshots: the drafts and the token before them
+        n_rs_seq = max(n_rs_seq, sc.draft_max + 1)
+    params = ContextParams(n_ctx=n_ctx * lanes, n_seq_max=lanes, n_batch=max(step, mc.n_batch),
+                           n_ubatch=mc.n_ubatch, n_rs_seq=n_rs_seq, threads=mc.threads,
+                           poll=ec.thread_poll)
+    ctx = Context(model, params)
+    memory = ctx.describe_memory()
+    pool = None
+    if cfg.cache.enabled:
+        pool = CheckpointPool(cfg.cache, model.fingerprint, state_format=state_format(params))
+    draft = None
+    if drafting_model:
+        draft = DraftModel(Path(mc.draft_path).expanduser(), model, sc, lanes=lanes,
+                           n_ctx=ctx.n_ctx_seq, step_tokens=step, threads=mc.threads,
+                           pool=pool, n_gpu_layers=mc.n_gpu_layers,
+                           verbose=cfg.log.llama_verbose, threads_of=ctx, meter=meter)
+    rs_snapshots = memory.needs_partial and memory.n_rs_seq > sc.draft_max \
+        and sc.rollback != "staged"
+    return Parts(
+        cfg=cfg, model=model, params=params, ctx=ctx, memory=memory, pool=pool, draft=draft,
+        lanes=LaneSet(ctx.n_lanes), meter=meter,
+        page=cfg.cache.page_size, step_tokens=step, why_n_ctx=why,
+        speculation="off" if sc.source == "off" else ("draft" if draft else "lookup"),
+        rs_snapshots=rs_snapshots,
+        staging=memory.needs_partial and memory.kind is not MemoryKind.SWA
+        and not rs_snapshots,
+        eog=np.array([t for t in range(model.n_vocab) if model.is_eog(t)], dtype=np.int32))
+
+
+def log_started(p: Parts, name: str) -> None:
+    """The startup lines: the model and lanes, the tiers, speculative decoding."""
+    cfg = p.cfg
+    log.info("model %s (%s, %s memory, fingerprint %s): %d lanes x %s tokens (%s), "
+             "steps of %d tokens", name, p.model.architecture, p.memory.kind.value,
+             p.model.fingerprint[:12], len(p.lanes), f"{p.n_ctx:,}", p.why_n_ctx,
+             p.step_tokens)
+    if p.pool is not None:
+        log.info("checkpoints: RAM %s, disk tier %s, remote tier %s",
+                 format_size(cfg.cache.ram_budget), p.pool.disk_status, p.pool.remote_status)
+    if p.speculation != "off":
+        how = "a staged partial state" if p.staging else (
+            f"n_rs_seq {p.memory.n_rs_seq}" if p.rs_snapshots else "seq_rm")
+        what = "prompt lookup" if p.draft is None else \
+            f"draft model {Path(cfg.model.draft_path).name} ({p.draft.memory.kind.value} memory)"
+        log.info("speculative decoding: %s, up to %d tokens a step; rejected drafts "
+                 "roll back by %s", what, cfg.speculative.draft_max, how)
