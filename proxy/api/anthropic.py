@@ -13,7 +13,8 @@ Mapping:
   ``is_error`` prefixes the result with "Error: ".
 - Assistant content blocks: ``thinking`` is the reasoning (it goes back into the
   template), ``text`` the content, ``tool_use`` a tool call with its ``input`` as JSON
-  text; ``redacted_thinking`` is opaque and dropped.
+  text; ``redacted_thinking`` is opaque and dropped (content blocks:
+  proxy/api/anthropic_blocks.py).
 - ``tools`` (``name``, ``description``, ``input_schema``) become function tools;
   Anthropic's server tools and other tools whose ``type`` is not a client tool's (web
   search, web fetch, code execution, bash, text editor, computer use ...) are left out of
@@ -31,8 +32,9 @@ Mapping:
 - ``metadata.user_id`` names the conversation (the session), never the tenant (Claude
   Code sends one per session, which would keep its subagents from sharing the system
   prompt). The tenant is the ``X-Statecache-Tenant`` header.
-- ``max_tokens: 0`` is a pre-warm: the prompt is prefilled and cached, nothing is
-  generated, and the reply stops with ``max_tokens``.
+- ``max_tokens`` is cut to the room the context leaves (``fit_max_tokens`` of
+  proxy/api/generation.py); ``max_tokens: 0`` is a pre-warm: the prompt is prefilled
+  and cached, nothing is generated, and the reply stops with ``max_tokens``.
 - Images, documents and other non-text blocks are rejected: text-only models.
 - A conversation that ends with an assistant message (a prefilled reply to continue)
   is rejected, as Anthropic does for models without prefill.
@@ -40,12 +42,11 @@ Mapping:
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.api.chat import TOOLS_END, ChatMessage, ChatRequest, Mark, ToolCall, joined_parts
+from proxy.api.anthropic_blocks import Marks, append_messages, texts
+from proxy.api.chat import TOOLS_END, ChatMessage, ChatRequest
 from proxy.api.fields import (
     ApiError,
     obj,
@@ -60,194 +61,8 @@ from proxy.api.structured import constrained, constraint, json_format
 from proxy.engine.types import SamplingParams
 
 MAX_STOP_SEQUENCES = 16
-MAX_BREAKPOINTS = 4  # cache_control blocks in one request, as Anthropic allows
-TTLS = {"5m": 300.0, "1h": 3600.0}
 _THINKING_ON = ("enabled", "adaptive", "between_tools")
 _SERVER_TOOL_HINT = "only client tools (name, description, input_schema) are supported"
-
-
-class _Marks:
-    """Where the message list being built stands, and the marks found in it: content
-    parts' starts and cache breakpoints (ends of blocks with ``cache_control``)."""
-
-    def __init__(self) -> None:
-        self.marks: list[Mark] = []
-
-    def parts(self, message: int, starts: tuple[int, ...]) -> None:
-        self.marks.extend(Mark(message, at) for at in starts)
-
-    def breakpoint(self, block: object, param: str, message: int, offset: int) -> None:
-        ttl = _cache_ttl(block, param)
-        if ttl:
-            if sum(1 for m in self.marks if m.ttl) >= MAX_BREAKPOINTS:
-                raise ApiError(f"at most {MAX_BREAKPOINTS} blocks may have 'cache_control'",
-                               param)
-            self.marks.append(Mark(message, offset, ttl))
-
-
-def _cache_ttl(block: object, param: str) -> float:
-    """The ``ttl`` of a block's ``cache_control`` in seconds; 0 without one."""
-    if not isinstance(block, dict) or block.get("cache_control") is None:
-        return 0.0
-    cc = obj(block["cache_control"], f"{param}.cache_control")
-    if cc.get("type", "ephemeral") != "ephemeral":
-        raise ApiError(f"'{param}.cache_control.type' must be 'ephemeral'",
-                       f"{param}.cache_control.type")
-    ttl = cc.get("ttl", "5m")
-    if ttl not in TTLS:
-        raise ApiError(f"'{param}.cache_control.ttl' must be one of {', '.join(TTLS)}",
-                       f"{param}.cache_control.ttl")
-    return TTLS[ttl]
-
-
-def _block_type(block: object, param: str) -> str:
-    kind = obj(block, param).get("type")
-    if not isinstance(kind, str):
-        raise ApiError(f"'{param}.type' must be a string", f"{param}.type")
-    return kind
-
-
-def _text_of(block: Mapping[str, Any], param: str) -> str:
-    text = block.get("text")
-    if not isinstance(text, str):
-        raise ApiError(f"'{param}.text' must be a string", f"{param}.text")
-    return text
-
-
-def _unsupported(kind: str, param: str) -> ApiError:
-    return ApiError(f"content blocks of type '{kind}' are not supported here: this server "
-                    "serves text-only models with client tools", param)
-
-
-def _texts(v: object, param: str, marks: _Marks | None = None, message: int = 0) -> str:
-    """A string, or a list of text blocks joined with "\\n" (system, tool results);
-    ``marks`` takes their starts and breakpoints as points of message ``message``."""
-    if isinstance(v, str):
-        return v
-    if not isinstance(v, list):
-        raise ApiError(f"'{param}' must be a string or a list of text blocks", param)
-    out: list[str] = []
-    for j, block in enumerate(v):
-        p = f"{param}[{j}]"
-        kind = _block_type(block, p)
-        if kind != "text":
-            raise _unsupported(kind, p)
-        out.append(_text_of(block, p))
-    text, starts = joined_parts(out)
-    if marks is not None:
-        marks.parts(message, starts)
-        for j, block in enumerate(v):
-            end = (starts[j] if j < len(starts) else len(text) + 1) - 1
-            marks.breakpoint(block, f"{param}[{j}]", message, end)
-    return text
-
-
-def _tool_result(block: Mapping[str, Any], param: str) -> ChatMessage:
-    call_id = block.get("tool_use_id")
-    if not isinstance(call_id, str):
-        raise ApiError(f"'{param}.tool_use_id' must be a string", f"{param}.tool_use_id")
-    content = block.get("content")
-    text = "" if content is None else _texts(content, f"{param}.content")
-    if opt_bool(block, "is_error", f"{param}.is_error"):
-        text = "Error: " + text
-    return ChatMessage(role="tool", content=text, tool_call_id=call_id)
-
-
-def _user(content: list[Any], param: str, out: list[ChatMessage], marks: _Marks) -> None:
-    """Tool results become tool messages; runs of text between them, user messages."""
-    texts: list[tuple[str, object, str]] = []  # (text, block, param)
-
-    def flush() -> None:
-        if texts:
-            text, starts = joined_parts([t for t, _, _ in texts])
-            marks.parts(len(out), starts)
-            for k, (_, block, p) in enumerate(texts):
-                end = (starts[k] if k < len(starts) else len(text) + 1) - 1
-                marks.breakpoint(block, p, len(out), end)
-            out.append(ChatMessage(role="user", content=text))
-            texts.clear()
-
-    for j, block in enumerate(content):
-        p = f"{param}[{j}]"
-        kind = _block_type(block, p)
-        if kind == "text":
-            texts.append((_text_of(block, p), block, p))
-        elif kind == "tool_result":
-            flush()
-            result = _tool_result(block, p)
-            marks.breakpoint(block, p, len(out), len(result.content or ""))
-            out.append(result)
-        else:
-            raise _unsupported(kind, p)
-    flush()
-
-
-def _tool_use(block: Mapping[str, Any], param: str) -> ToolCall:
-    call_id, name = block.get("id"), block.get("name")
-    if not isinstance(call_id, str) or not isinstance(name, str):
-        raise ApiError(f"'{param}' must have a string 'id' and 'name'", param)
-    args = block.get("input", {})
-    if not isinstance(args, dict):
-        raise ApiError(f"'{param}.input' must be an object", f"{param}.input")
-    return ToolCall(id=call_id, name=name, arguments=json.dumps(args, ensure_ascii=False))
-
-
-def _assistant(content: list[Any], param: str) -> ChatMessage:
-    reasoning: list[str] = []
-    texts: list[str] = []
-    calls: list[ToolCall] = []
-    for j, block in enumerate(content):
-        p = f"{param}[{j}]"
-        kind = _block_type(block, p)
-        if kind == "text":
-            texts.append(_text_of(block, p))
-        elif kind == "thinking":
-            thinking = block.get("thinking")
-            if not isinstance(thinking, str):
-                raise ApiError(f"'{p}.thinking' must be a string", f"{p}.thinking")
-            reasoning.append(thinking)
-        elif kind == "tool_use":
-            calls.append(_tool_use(block, p))
-        elif kind != "redacted_thinking":
-            raise _unsupported(kind, p)
-    return ChatMessage(role="assistant", content="\n".join(texts),
-                       reasoning_content="\n".join(reasoning) if reasoning else None,
-                       tool_calls=tuple(calls))
-
-
-def _messages(v: object, out: list[ChatMessage], marks: _Marks) -> None:
-    """Appends the ``messages`` to ``out`` (which may hold the system prompt)."""
-    if not isinstance(v, list) or not v:
-        raise ApiError("'messages' must be a non-empty list", "messages")
-    for i, m in enumerate(v):
-        param = f"messages[{i}]"
-        role = obj(m, param).get("role")
-        content = m.get("content")
-        if role not in ("user", "assistant", "system"):
-            raise ApiError(f"'{param}.role' must be 'user', 'assistant' or 'system'; "
-                           f"got {role!r}", f"{param}.role")
-        if isinstance(content, str):
-            out.append(ChatMessage(role=role, content=content))
-            continue
-        if role == "system":
-            text = _texts(content, f"{param}.content", marks, len(out))
-            out.append(ChatMessage(role=role, content=text))
-            continue
-        if not isinstance(content, list):
-            raise ApiError(f"'{param}.content' must be a string or a list of content blocks",
-                           f"{param}.content")
-        if role == "user":
-            _user(content, f"{param}.content", out, marks)
-        else:
-            message = _assistant(content, f"{param}.content")
-            for j, block in enumerate(content):
-                marks.breakpoint(block, f"{param}.content[{j}]", len(out),
-                                 len(message.content or ""))
-            out.append(message)
-    if v[-1].get("role") == "assistant":
-        # The template would close the turn and open a new one: not a continuation.
-        raise ApiError("the last message is from the assistant: continuing a prefilled reply "
-                       "is not supported", f"messages[{len(v) - 1}]")
 
 
 def _tool(t: object, param: str, hosted: str, ignored: list[str]) -> dict[str, Any] | None:
@@ -272,7 +87,7 @@ def _tool(t: object, param: str, hosted: str, ignored: list[str]) -> dict[str, A
     return {"type": "function", "function": fn}
 
 
-def _tools(v: object, hosted: str, ignored: list[str], marks: _Marks
+def _tools(v: object, hosted: str, ignored: list[str], marks: Marks
            ) -> tuple[Mapping[str, Any], ...] | None:
     if v is None:
         return None
@@ -355,22 +170,6 @@ def _sampling(body: Mapping[str, Any], need_max_tokens: bool
                           speculative=opt_bool(body, "speculative")), max_tokens
 
 
-def unbounded(req: ChatRequest) -> ChatRequest:
-    """The request without ``max_tokens``, to check its prompt against the context alone
-    (``fit_max_tokens`` then cuts ``max_tokens`` to the room left)."""
-    return dataclasses.replace(req, max_tokens=None)
-
-
-def fit_max_tokens(asked: int | None, n_ctx: int, n_prompt: int) -> int | None:
-    """``max_tokens`` cut to the room the context leaves: clients such as Claude Code
-    always ask for tens of thousands, and Anthropic's API runs until the context is full
-    (``stop_reason: model_context_window_exceeded``) rather than refusing."""
-    room = n_ctx - n_prompt
-    if asked is None or room <= 0 or asked <= room:
-        return asked
-    return room
-
-
 def _session(body: Mapping[str, Any]) -> str | None:
     metadata = body.get("metadata")
     if metadata is None:
@@ -386,15 +185,15 @@ def parse_messages_request(body: object, *, count_only: bool = False,
         raise ApiError("the request body must be a JSON object")
     opt_str(body, "model")
     session = _session(body)
-    marks = _Marks()
+    marks = Marks()
     ignored: list[str] = []
     tools, choice = (_tools(body.get("tools"), hosted_tools, ignored, marks),
                      _tool_choice(body.get("tool_choice")))
     messages: list[ChatMessage] = []
     system = body.get("system")
     if system is not None:
-        messages.append(ChatMessage(role="system", content=_texts(system, "system", marks)))
-    _messages(body.get("messages"), messages, marks)
+        messages.append(ChatMessage(role="system", content=texts(system, "system", marks)))
+    append_messages(body.get("messages"), messages, marks)
     # a top-level cache_control: the breakpoint goes on the last block of the conversation
     last = messages[-1]
     marks.breakpoint(body, "request", len(messages) - 1, len(last.content or ""))

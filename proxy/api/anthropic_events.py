@@ -96,9 +96,12 @@ def _stop_sequence(fin: FinishEvent, tool_calls: bool) -> str | None:
 
 
 class MessageEvents:
-    """The SSE events of one streamed message (the ``Chunks`` protocol of app.py)."""
+    """The SSE events of one streamed message (the ``Chunks`` protocol of
+    proxy/api/streaming.py)."""
 
     early = True  # message_start as soon as the plan is known
+    named = True
+    end = b""
 
     def __init__(self, message_id: str, model: str, parser: StreamParser,
                  prompt_tokens: int, window: bool = False) -> None:

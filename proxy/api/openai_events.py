@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any
 
 from proxy.api.reply import Delta, StreamParser
 from proxy.engine.types import FinishEvent, StartEvent, TokenLogprob
@@ -17,23 +17,17 @@ def error_body(status: int, message: str, *, param: str | None = None,
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-class Chunks(Protocol):
-    """What one streaming endpoint sends: at the start, per text delta, at the end.
-    ``early``: the start goes out once the request has a lane and its plan (Anthropic's
-    ``message_start`` carries the cached tokens); else with the first token, so a
-    client's first chunk stays its first token."""
-
-    early: bool
-
-    def start(self, started: StartEvent | None = None) -> list[JSON]: ...
-    def text(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> list[JSON]: ...
-    def finish(self, fin: FinishEvent) -> list[JSON]: ...
+# OpenAI's streams: bare ``data:`` lines, the last one ``[DONE]``
+_END = b"data: [DONE]\n\n"
 
 
 class ChatChunks:
-    """``chat.completion.chunk`` events, the text split by a ``StreamParser``."""
+    """``chat.completion.chunk`` events, the text split by a ``StreamParser`` (the
+    ``Chunks`` protocol of proxy/api/streaming.py)."""
 
     early = False
+    named = False
+    end = _END
 
     def __init__(self, request_id: str, model: str, parser: StreamParser,
                  include_usage: bool) -> None:
@@ -77,6 +71,9 @@ class ChatChunks:
             out.append({**self._head, "choices": [], "usage": fin.usage.to_json()})
         return out
 
+    def error(self, status: int, message: str) -> JSON:
+        return error_body(status, message)
+
     @staticmethod
     def completion(request_id: str, model: str, reply: Delta, fin: FinishEvent,
                    logprobs: list[TokenLogprob] | None = None) -> JSON:
@@ -101,6 +98,8 @@ class CompletionChunks:
     """``text_completion`` bodies and stream events."""
 
     early = False
+    named = False
+    end = _END
 
     def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
         self._head = {"id": request_id, "object": "text_completion",
@@ -127,6 +126,9 @@ class CompletionChunks:
         if self._usage:
             out.append({**self._head, "choices": [], "usage": fin.usage.to_json()})
         return out
+
+    def error(self, status: int, message: str) -> JSON:
+        return error_body(status, message)
 
     def completion(self, text: str, fin: FinishEvent,
                    logprobs: list[TokenLogprob] | None = None) -> JSON:

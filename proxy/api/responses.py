@@ -1,4 +1,4 @@
-"""Parse OpenAI Responses requests into the shared ``ChatRequest``; recent responses.
+"""Parse OpenAI Responses requests into the shared ``ChatRequest``.
 
 Input items become the chat messages an OpenAI chat client would send for the same
 conversation, so rendering, tokenizing, planning and the cache are shared with the
@@ -15,7 +15,8 @@ Mapping:
   comes from its ``reasoning_text`` parts, else from an ``encrypted_content`` this
   server wrote (clients such as the Codex CLI send back only that).
 - ``previous_response_id``: the stored conversation of that response (its input and
-  output) comes before the new input; unknown ids are a 400.
+  output) comes before the new input (proxy/api/response_store.py); unknown ids are a
+  400.
 - Only ``function`` tools, and ``namespace`` tools (groups of functions, which the Codex
   CLI sends): their functions are offered by their own names and a call of one carries
   its ``namespace``. Hosted tools (web search, file search, image generation, computer
@@ -35,7 +36,6 @@ Mapping:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -365,59 +365,6 @@ def parse_responses_request(body: object, *, hosted_tools: str = "ignore"
         session=session_key(body.get("prompt_cache_key"), "prompt_cache_key"),
         ignored_tools=tuple(ignored or ()),
     )
-
-
-@dataclass(slots=True, frozen=True)
-class _Stored:
-    tenant: str
-    parent: str | None
-    messages: tuple[ChatMessage, ...]  # this response's input and output
-    chars: int
-
-
-def _chars(messages: tuple[ChatMessage, ...]) -> int:
-    return sum(len(m.content or "") + len(m.reasoning_content or "")
-               + sum(len(c.arguments) for c in m.tool_calls) for m in messages)
-
-
-class ResponseStore:
-    """Recent responses for ``previous_response_id``: each keeps only its own input and
-    output and points at its parent. Bounded by count and characters; the least
-    recently used goes first, and reading a response touches its whole chain."""
-
-    def __init__(self, max_responses: int = 1024, max_chars: int = 64 * 1024 * 1024) -> None:
-        self._max_responses, self._max_chars = max_responses, max_chars
-        self._items: OrderedDict[str, _Stored] = OrderedDict()
-        self._chars = 0
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def history(self, response_id: str, tenant: str) -> tuple[ChatMessage, ...]:
-        """The conversation up to and including that response; ValueError if unknown."""
-        chain: list[tuple[ChatMessage, ...]] = []
-        at: str | None = response_id
-        while at is not None:
-            item = self._items.get(at)
-            if item is None or item.tenant != tenant:
-                raise ApiError(f"previous response {at!r} is not found: this server keeps "
-                               f"the last {self._max_responses} responses in memory, and "
-                               "only those stored with 'store': true",
-                               "previous_response_id")
-            self._items.move_to_end(at)
-            chain.append(item.messages)
-            at = item.parent
-        return tuple(m for part in reversed(chain) for m in part)
-
-    def put(self, response_id: str, tenant: str, parent: str | None,
-            messages: tuple[ChatMessage, ...]) -> None:
-        item = _Stored(tenant, parent, messages, _chars(messages))
-        self._items[response_id] = item
-        self._chars += item.chars
-        while self._items and (len(self._items) > self._max_responses
-                               or self._chars > self._max_chars):
-            _, old = self._items.popitem(last=False)
-            self._chars -= old.chars
 
 
 def chat_request(req: ResponsesRequest, history: tuple[ChatMessage, ...]) -> ChatRequest:

@@ -117,13 +117,16 @@ def assistant_message(reply: Delta) -> ChatMessage:
 
 
 class ResponseEvents:
-    """The SSE events of one streamed response (the ``Chunks`` protocol of app.py).
+    """The SSE events of one streamed response (the ``Chunks`` protocol of
+    proxy/api/streaming.py).
 
     ``reply`` gathers the parsed reply and ``final`` is the finished response, for the
     store, once ``finish`` has run.
     """
 
     early = False
+    named = True
+    end = b""
 
     def __init__(self, head: JSON, parser: StreamParser,
                  namespaces: Mapping[str, str]) -> None:

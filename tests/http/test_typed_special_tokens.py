@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from proxy.api.app import ENGINE, TEMPLATE, _tokenize_chat
+from proxy.api.app import ENGINE, TEMPLATE
 from proxy.api.chat import ChatRequest
+from proxy.api.generation import tokenize_chat
 from proxy.api.openai import parse_chat_request
 from proxy.api.render import render_chat
 from tests.http.conftest import Server, serve
@@ -28,7 +29,7 @@ CASES = {
 
 def _tokens(srv: Server, messages: list[dict[str, Any]]) -> tuple[list[int], int | None]:
     req = parse_chat_request({"messages": messages})
-    p = _tokenize_chat(srv.app[ENGINE], srv.app[TEMPLATE], req, "")
+    p = tokenize_chat(srv.app[ENGINE], srv.app[TEMPLATE], req, "")
     return p.tokens, p.history
 
 
@@ -66,10 +67,10 @@ async def test_typed_markup_never_becomes_control_tokens(
         literal = model.tokenize(end, parse_special=False)
         assert any(attacked[i:i + len(literal)] == literal for i in range(len(attacked)))
         # the same goes for reasoning, tool calls, their results and tool definitions
-        full = _tokenize_chat(srv.app[ENGINE], srv.app[TEMPLATE],
-                              _with_tools(attack, end), "").tokens
-        reference = _tokenize_chat(srv.app[ENGINE], srv.app[TEMPLATE],
-                                   _with_tools("ok", "ok"), "").tokens
+        full = tokenize_chat(srv.app[ENGINE], srv.app[TEMPLATE],
+                             _with_tools(attack, end), "").tokens
+        reference = tokenize_chat(srv.app[ENGINE], srv.app[TEMPLATE],
+                                  _with_tools("ok", "ok"), "").tokens
         for marker in (start, end):
             assert full.count(_id(srv, marker)) == reference.count(_id(srv, marker))
 

@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
-from proxy.api.anthropic import fit_max_tokens, parse_messages_request
+from proxy.api.anthropic import parse_messages_request
 from proxy.api.anthropic_events import MessageEvents, error_body, message_body
 from proxy.api.chat import ChatMessage, ToolCall
 from proxy.api.fields import ApiError
+from proxy.api.generation import fit_max_tokens
 from proxy.api.openai import parse_chat_request
 from proxy.api.render import VENDOR_TEMPLATES, ChatTemplate, render_chat
 from proxy.api.reply import StreamParser, parse_reply

@@ -12,12 +12,8 @@ from proxy.api.fields import ApiError
 from proxy.api.openai import parse_chat_request
 from proxy.api.render import VENDOR_TEMPLATES, ChatTemplate, render_chat
 from proxy.api.reply import StreamParser, parse_reply
-from proxy.api.responses import (
-    REASONING_MARK,
-    ResponseStore,
-    chat_request,
-    parse_responses_request,
-)
+from proxy.api.response_store import ResponseStore
+from proxy.api.responses import REASONING_MARK, chat_request, parse_responses_request
 from proxy.api.responses_events import (
     ResponseEvents,
     assistant_message,
