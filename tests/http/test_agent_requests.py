@@ -168,7 +168,7 @@ async def test_a_prewarm_never_takes_a_live_conversations_lane(
     """Both lanes hold a conversation that just replied: the pre-warm waits until one has
     been idle ``engine.idle_save_s`` and saved in full, and both follow-ups find their
     conversation live in its lane."""
-    async with serve(hybrid_path, tmp_path / "ckpt", engine__idle_save_s=3.0) as srv:
+    async with serve(hybrid_path, tmp_path / "ckpt", engine__idle_save_s=8.0) as srv:
         client = AsyncAnthropic(base_url=srv.url, api_key="x", max_retries=0)
         first = [await client.messages.create(**_claude(p)) for p in ("One?", "Two?")]
         warm = asyncio.create_task(client.messages.create(**_claude("Three?", max_tokens=0)))
