@@ -130,9 +130,9 @@ class Report:
         return 1 if self.failures else 0
 
 
-COLUMNS = ("agent", "model", "turn", "request", "status", "prompt", "cached", "prefilled",
-           "output", "TTFT", "miss / error")
-RIGHT = {"status", "prompt", "cached", "prefilled", "output", "TTFT"}
+COLUMNS = ("agent", "model", "turn", "request", "status", "prompt", "shared", "cached",
+           "prefilled", "output", "TTFT", "miss / error")
+RIGHT = {"status", "prompt", "shared", "cached", "prefilled", "output", "TTFT"}
 
 
 def assign(steps: Sequence[Step], requests: Sequence[Request]
@@ -169,6 +169,10 @@ def _ttft(value: object) -> str:
     return "-" if not isinstance(value, int | float) else f"{value:.2f} s"
 
 
+def _share(cached: object, shared: int) -> str:
+    return f"{100 * float(cached or 0) / shared:.1f}%"
+
+
 def _clip(text: str, n: int = 90) -> str:
     text = " ".join(text.split())
     return text if len(text) <= n else text[: n - 1] + "…"
@@ -181,7 +185,7 @@ def request_cells(step: Step | None, req: Request) -> tuple[str, ...]:
     return (step.agent if step else "-", step.model if step else "-",
             step.turn if step else "-", f"{req.get('method', '?')} {req.get('path', '?')}",
             str(req.get("status", "?")), _num(req.get("prompt_tokens")),
-            _num(req.get("cached_tokens")), _num(req.get("prefilled")),
+            _num(req.get("shared")), _num(req.get("cached_tokens")), _num(req.get("prefilled")),
             _num(req.get("output_tokens")), _ttft(req.get("ttft_s")), _clip(str(note)))
 
 
@@ -208,6 +212,9 @@ def step_line(step: Step, reqs: Sequence[Request]) -> str:
     first = _first_generation(reqs)
     reuse = (f"; first request reused {_num(first.get('cached_tokens'))} of "
              f"{_num(first.get('prompt_tokens'))} tokens" if first else "")
+    if first and isinstance(first.get("shared"), int) and first["shared"] > 0:
+        reuse += (f", {_share(first['cached_tokens'], first['shared'])} of the "
+                  f"{_num(first['shared'])} an earlier request held")
     return (f"{step.agent} on {step.model}, {step.turn}: {ended} after "
             f"{step.end - step.start:.1f} s, {len(reqs)} request(s){reuse}")
 

@@ -112,7 +112,8 @@ def _record(request: web.Request, status: int) -> dict[str, Any]:
                    cached_tokens=fin.usage.cached_tokens, prefilled=fin.stats.prefilled,
                    output_tokens=fin.usage.completion_tokens,
                    ttft_s=round(fin.stats.ttft_s, 4), finish_reason=fin.reason,
-                   miss=fin.stats.miss or None)
+                   miss=fin.stats.miss or None,
+                   shared=fin.stats.shared if fin.stats.shared >= 0 else None)
     return out
 
 

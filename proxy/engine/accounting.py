@@ -67,6 +67,8 @@ class Accounting:
             m.count("prewarms")
         if s.source != "cold":  # where the reused prefix came from, and its checkpoint's role
             m.hits.inc(s.source, s.role or "live")
+        if job.req.divergence is not None:
+            s.shared = job.req.divergence.known
         miss = self._miss(job)
         if miss is not None:
             s.miss = miss.describe()

@@ -158,6 +158,8 @@ class RequestStats:
     drafted: int = 0  # speculative decoding: tokens drafted and verified
     accepted: int = 0  # ...of which the target accepted
     miss: str = ""  # why it reused less than an earlier request held ("": it did not)
+    # prompt tokens an earlier prompt or reply held (what it could reuse; -1: unknown)
+    shared: int = -1
 
 
 @dataclass(slots=True, frozen=True)

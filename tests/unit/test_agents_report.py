@@ -45,10 +45,12 @@ def test_rows_show_status_tokens_ttft_and_turn_and_all_2xx_exits_0() -> None:
             gen(350.0, 19650, 4096, 40.5, miss="new conversation")]
     report = format_report([ServerRun("gemma3", STEPS, reqs)])
     got = rows(report.lines)
-    assert got[0] == ["claude", "gemma3", "turn 1", "HEAD /", "200", "-", "-", "-", "-", "-"]
-    assert got[1] == ["claude", "gemma3", "turn 1", "POST /v1/messages", "200", "19,647", "0",
-                      "19,647", "64", "207.07 s"]
-    assert got[2][2:8] == ["turn 2", "POST /v1/messages", "200", "19,760", "19,710", "50"]
+    assert got[0] == ["claude", "gemma3", "turn 1", "HEAD /", "200", "-", "-", "-", "-", "-",
+                      "-"]
+    assert got[1] == ["claude", "gemma3", "turn 1", "POST /v1/messages", "200", "19,647", "-",
+                      "0", "19,647", "64", "207.07 s"]
+    assert got[2][2:9] == ["turn 2", "POST /v1/messages", "200", "19,760", "-", "19,710",
+                           "50"]
     assert got[3][2] == "new session" and got[3][-1] == "new conversation"
     assert report.exit_code == 0 and report.failures == []
     assert "OK: every request got a 2xx status." in report.lines
@@ -120,3 +122,12 @@ def test_codex_keeps_its_default_tools_web_search_included() -> None:
     assert 'base_url = "http://127.0.0.1:8123/v1"' in config
     assert 'wire_api = "responses"' in config
     assert "web_search" not in config
+
+
+def test_a_new_session_says_what_share_of_the_shared_prefix_it_reused() -> None:
+    reqs = [gen(350.0, 19650, 18150, 10.5, shared=18160)]
+    report = format_report([ServerRun("gemma3", STEPS, reqs)])
+    assert rows(report.lines)[0][5:7] == ["19,650", "18,160"]
+    line = next(ln for ln in report.lines if "new session" in ln and "reused" in ln)
+    assert line.endswith("reused 18,150 of 19,650 tokens, 99.9% of the 18,160 an earlier "
+                         "request held")
