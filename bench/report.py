@@ -441,12 +441,14 @@ def write(out_dir: Path, prof: Profile, systems: tuple[str, ...], res: Results) 
     if res.speculative:
         from bench.speculative import table as speculative_table
         lines += ["## Speculative decoding", "",
-                  f"Draft length {res.speculative['draft_max']}, greedy, one stream at a "
-                  "time through the server; decode tokens/s from the first token to the "
-                  "last; acceptance = accepted / drafted. A draft model drafts with "
-                  "`draft_min_p = 0` (the synthetic drafts' probabilities are flat, so a "
-                  "threshold would only cut drafts the target accepts); the bench-size "
-                  "pair agrees at the rate set in tools/synth_gguf.py (DRAFTS).", ""] \
+                  "The default config (`auto`: adaptive prompt lookup, and the draft model "
+                  "where the target has one) against `source = \"off\"`, their servers "
+                  "running side by side; greedy, one stream at a time; decode tokens/s "
+                  "from the first token to the last; \"vs off\" is the median of the "
+                  "ratios run by run; acceptance = accepted / drafted. Workloads: a prose "
+                  "question (chat), a file re-emitted with one rename (code-edit), and a "
+                  "file the assistant wrote two turns earlier asked for again with one "
+                  "rename (re-emit).", ""] \
             + speculative_table(res.speculative) + [""]
     if res.remote:
         from bench.remote import markdown

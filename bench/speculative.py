@@ -19,6 +19,7 @@ show lookup on code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -32,6 +33,7 @@ from typing import Any
 
 from bench.harness import _sse_lines
 from bench.servers import ROOT, ModelSpec, running
+from statecache.config import SpeculativeConfig
 
 MODELS = ROOT / "models"
 CODE_FILE = ROOT / "statecache" / "pages.py"
@@ -82,8 +84,11 @@ def targets(full: bool, quick: bool = False) -> list[Target]:
 
 
 def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, float]:
+    # a conversation of its own every time: a repeat of a request must not draft from the
+    # reply remembered for the last one (proxy/engine/drafting.py History)
     body = {"model": "bench", "messages": messages, "stream": True, "temperature": 0.0,
-            "max_tokens": max_tokens, "stream_options": {"include_usage": True}}
+            "max_tokens": max_tokens, "stream_options": {"include_usage": True},
+            "prompt_cache_key": f"bench-{time.perf_counter_ns()}"}
     t0 = time.perf_counter()
     t_first = 0.0
     usage: dict[str, Any] = {}
@@ -115,6 +120,7 @@ def _spec_counts(url: str) -> dict[str, float]:
 
 def workloads(code_lines: int) -> dict[str, tuple[list[dict[str, str]], int]]:
     code = "\n".join(CODE_FILE.read_text().splitlines()[:code_lines])
+    renamed = code.replace("common_prefix", "shared_prefix")
     return {
         "chat": ([{"role": "user", "content": "Explain in a few paragraphs why a recurrent "
                    "state cannot be rolled back by truncating a cache, and what a "
@@ -122,38 +128,68 @@ def workloads(code_lines: int) -> dict[str, tuple[list[dict[str, str]], int]]:
         "code-edit": ([{"role": "user", "content": "Here is a Python file:\n\n```python\n"
                         + code + "\n```\n\nRewrite the whole file with the function "
                         "common_prefix renamed to shared_prefix. Output only the code."}], 256),
+        # a file the assistant wrote two turns earlier, asked for again with one change
+        "re-emit": ([
+            {"role": "user", "content": "Write a Python module of page hashes for a prefix "
+             "cache, with a function shared_prefix."},
+            {"role": "assistant", "content": "```python\n" + renamed + "\n```"},
+            {"role": "user", "content": "What does shared_prefix return?"},
+            {"role": "assistant", "content": "The number of leading tokens two token "
+             "sequences have in common."},
+            {"role": "user", "content": "Output the module from your first answer again, "
+             "whole, with shared_prefix renamed to common_length. Output only the code."}],
+            256),
     }
 
 
+# the sources a target is measured with: "off" and the default config ("auto": prompt
+# lookup, and the draft model where the target has one); --sources adds "lookup", "draft"
+DEFAULT_SOURCES = ("off", "auto")
+
+
 def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
-    sources = ["off", "lookup"] + (["draft"] if t.draft is not None else [])
+    """Decode tokens/s of each source, its servers running side by side: each repeat runs
+    a workload on every source in turn, and a source's speedup is the median of its
+    ratios to "off" in the same repeat (the machine's drift cancels out)."""
+    sources = [s for s in args.sources if s != "draft" or t.draft is not None]
     out: dict[str, Any] = {"kind": t.label, "model": t.model.label}
-    for source in sources:
-        extra = f'[speculative]\nsource = "{source}"\ndraft_max = {args.draft_max}\n'
-        if source == "draft":
-            extra += "draft_min_p = 0.0\n"
-        flags = ("--draft", str(t.draft)) if source == "draft" and t.draft else ()
-        res: dict[str, Any] = {}
-        with running("statecache", t.model, n_ctx=4096, lanes=1, log_dir=Path(args.log_dir),
-                     extra_config=extra, extra_args=flags, tag=f"-spec-{source}") as srv:
-            for name, (messages, max_tokens) in workloads(args.code_lines).items():
-                _chat(srv.url, messages, max_tokens)  # warm-up: the same request once
-                before = _spec_counts(srv.url)
-                runs = [_chat(srv.url, messages, max_tokens) for _ in range(args.repeats)]
-                after = _spec_counts(srv.url)
-                drafted = after.get("spec_drafted", 0) - before.get("spec_drafted", 0)
-                accepted = after.get("spec_accepted", 0) - before.get("spec_accepted", 0)
-                res[name] = {
-                    "decode_tps": statistics.median(r["decode_tps"] for r in runs),
-                    "tokens": runs[0]["tokens"],
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for source in sources:
+            extra = f'[speculative]\nsource = "{source}"\n'
+            if args.draft_max:
+                extra += f"draft_max = {args.draft_max}\n"
+            flags = ("--draft", str(t.draft)) if source in ("draft", "auto") and t.draft \
+                else ()
+            srv = stack.enter_context(running(
+                "statecache", t.model, n_ctx=4096, lanes=1, log_dir=Path(args.log_dir),
+                extra_config=extra, extra_args=flags, tag=f"-spec-{source}"))
+            urls[source] = srv.url
+        for name, (messages, max_tokens) in workloads(args.code_lines).items():
+            runs: dict[str, list[dict[str, float]]] = {s: [] for s in sources}
+            counts = {}
+            for source in sources:
+                _chat(urls[source], messages, max_tokens)  # warm-up: the prompt cached
+                counts[source] = _spec_counts(urls[source])
+            for _ in range(args.repeats):
+                for source in sources:
+                    runs[source].append(_chat(urls[source], messages, max_tokens))
+            for source in sources:
+                after = _spec_counts(urls[source])
+                drafted = after.get("spec_drafted", 0) - counts[source].get("spec_drafted", 0)
+                accepted = after.get("spec_accepted", 0) - \
+                    counts[source].get("spec_accepted", 0)
+                ratios = [r["decode_tps"] / b["decode_tps"]
+                          for r, b in zip(runs[source], runs["off"], strict=True)
+                          if b["decode_tps"]]
+                out.setdefault(source, {})[name] = {
+                    "decode_tps": statistics.median(r["decode_tps"] for r in runs[source]),
+                    "tokens": runs[source][0]["tokens"],
                     "drafted": drafted, "accepted": accepted,
                     "acceptance": accepted / drafted if drafted else None,
+                    "speedup": statistics.median(ratios) if source != "off" and ratios
+                    else None,
                 }
-        out[source] = res
-    for name in workloads(args.code_lines):
-        base = out["off"][name]["decode_tps"]
-        for source in sources[1:]:
-            out[source][name]["speedup"] = out[source][name]["decode_tps"] / base if base else None
     return out
 
 
@@ -266,7 +302,7 @@ def table(result: dict[str, Any]) -> list[str]:
         if "error" in t:
             lines.append(f"| {t['kind']} | {t['model']} | failed: {t['error'][:80]} |||||||")
             continue
-        for source in ("off", "lookup", "draft"):
+        for source in ("off", "auto", "lookup", "draft"):
             if source not in t:
                 continue
             for name, r in t[source].items():
@@ -308,8 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="results/speculative.json")
     p.add_argument("--full", action="store_true", help="also Gemma 3 and the bench-size pair")
     p.add_argument("--quick", action="store_true", help="only the tiny hybrid and its pair")
-    p.add_argument("--draft-max", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--draft-max", type=int, default=0,
+                   help="speculative.draft_max (0: the default config's)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sources", type=lambda v: tuple(v.split(",")), default=DEFAULT_SOURCES,
+                   help="comma-separated: off (always measured), auto (the default "
+                   "config), lookup, draft")
+    p.add_argument("--only", default="", help="only the targets whose model label has this")
     p.add_argument("--code-lines", type=int, default=40)
     p.add_argument("--log-dir", default="results/logs")
     p.add_argument("--rollback-check", action="store_true",
@@ -317,15 +358,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pair", default="mid", choices=("mid", "bench"),
                    help="with --rollback-check: hybrid-mid or hybrid-bench and its draft")
     a = p.parse_args(argv)
+    dm = a.draft_max or SpeculativeConfig().draft_max
     if a.rollback_check:
         rows = rollback_check(MODELS / f"hybrid-{a.pair}.gguf",
                               MODELS / f"hybrid-{a.pair}-draft.gguf", 256, a.repeats,
-                              a.draft_max)
+                              dm)
         print("\n".join(table({"targets": [], "checkpoints": [], "rollback": rows})))
         return 0
-    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "draft_max": a.draft_max,
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "draft_max": dm,
                               "targets": [], "checkpoints": []}
-    ts = targets(a.full, a.quick)
+    if "off" not in a.sources:
+        a.sources = ("off", *a.sources)
+    ts = [t for t in targets(a.full, a.quick) if a.only in t.model.label]
     for t in ts:
         try:
             result["targets"].append(run_target(t, a))
@@ -335,11 +379,13 @@ def main(argv: list[str] | None = None) -> int:
     result["verify"] = [r for t in ts  # the qwen35 hybrids: n_rs_seq rollback
                         if t.draft is not None and t.label.startswith("hybrid")
                         and "jamba" not in t.label
-                        for r in verify_cost(t.model.path, a.draft_max + 1)]
+                        for r in verify_cost(t.model.path, dm + 1)]
+    result["verify"] += [r for t in ts if t.draft is None  # the real models: prompt lookup
+                         for r in verify_cost(t.model.path, 0, (1, 2, 4, 9, 17))]
     mid = [t for t in ts if t.model.label == "hybrid-mid"]
     if mid and mid[0].draft is not None:
         result["rollback"] = rollback_check(mid[0].model.path, mid[0].draft, 256, a.repeats,
-                                            a.draft_max)
+                                            dm)
     for t in ts:
         if t.draft is not None:
             for n in (2000, 8000):

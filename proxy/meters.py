@@ -40,6 +40,9 @@ _COUNTS = {
                 "generated.",
     "prewarms_dropped": "Waiting pre-warms dropped (503) to make room in a full queue for a "
                         "request that generates.",
+    "spec_rests": "Lanes that stopped drafting: drafts did not pay there (or prompt lookup "
+                  "kept finding nothing).",
+    "spec_probes": "Drafts a resting lane tried, to see whether drafting pays again.",
 }
 
 

@@ -156,13 +156,23 @@ class SpeculativeConfig:
     # "off"; "lookup": prompt lookup (n-grams of the prompt and reply, no model);
     # "draft": the draft model at model.draft_path; "auto": the draft model if
     # model.draft_path is set, else prompt lookup
-    source: str = "off"
+    source: str = "auto"
     # tokens drafted per lane and step; 3 from `python -m bench.speculative --rollback-check
     # --pair bench [--draft-max 4]`: 33.6 tokens/s against 22.2 undrafted, 31.0 with 4
     draft_max: int = 3
     draft_min_p: float = 0.5  # a draft model stops where its likeliest token is less likely
     lookup_max: int = 4  # longest n-gram prompt lookup matches
     lookup_min: int = 2  # shortest
+    # most tokens prompt lookup drafts a step (draft_max where a hybrid rolls back by
+    # n_rs_seq snapshots); the engine drafts fewer where fewer pay (bench.speculative)
+    lookup_draft_max: int = 8
+    # true: each lane drafts only while drafting pays there (proxy/engine/speculation.py);
+    # false: every lane drafts what its source proposes at every step
+    adaptive: bool = True
+    # replies remembered for prompt lookup (proxy/engine/drafting.py History): this many
+    # recent conversations (tenant and session), their last history_tokens tokens each
+    history_sessions: int = 64
+    history_tokens: int = 16384
     catch_up: int = 256  # most tokens a step a draft model decodes to follow its target lane
     # how a hybrid target that has n_rs_seq snapshots drops rejected drafts: "snapshots"
     # (n_rs_seq = draft_max + 1: every decode keeps per-token states), "staged" (a partial
@@ -242,6 +252,9 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("speculative.draft_min_p", 0, 1),
     ("speculative.lookup_max", 1, 64),
     ("speculative.lookup_min", 1, 64),
+    ("speculative.lookup_draft_max", 1, 64),
+    ("speculative.history_sessions", 0, 4096),
+    ("speculative.history_tokens", 0, 1 << 20),
     ("speculative.catch_up", 1, None),
     ("server.port", 0, 65535),
     ("server.lanes", 1, None),

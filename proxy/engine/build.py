@@ -121,7 +121,9 @@ def log_started(p: Parts, name: str) -> None:
     if p.speculation != "off":
         how = "a staged partial state" if p.staging else (
             f"n_rs_seq {p.memory.n_rs_seq}" if p.rs_snapshots else "seq_rm")
-        what = "prompt lookup" if p.draft is None else \
-            f"draft model {Path(cfg.model.draft_path).name} ({p.draft.memory.kind.value} memory)"
-        log.info("speculative decoding: %s, up to %d tokens a step; rejected drafts "
-                 "roll back by %s", what, cfg.speculative.draft_max, how)
+        sc = cfg.speculative
+        what = f"prompt lookup (up to {sc.lookup_draft_max} tokens a step)" if p.draft is None \
+            else (f"prompt lookup and draft model {Path(cfg.model.draft_path).name} "
+                  f"({p.draft.memory.kind.value} memory, up to {sc.draft_max} tokens a step)")
+        log.info("speculative decoding: %s, %s; drafts that do not pay are undone by %s",
+                 what, "adaptive per lane" if sc.adaptive else "at every step", how)

@@ -40,6 +40,8 @@ hybrid draft back and keeps stale positions; here every ``seq_rm`` is checked):
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,30 +66,101 @@ log = logging.getLogger(__name__)
 LOOKUP_WINDOW = 65536  # most recent tokens prompt lookup searches
 
 
-def lookup_draft(tokens: np.ndarray, k: int, n_max: int = 4, n_min: int = 2) -> np.ndarray:
+def lookup_draft(tokens: np.ndarray, k: int, n_max: int = 4, n_min: int = 2,
+                 history: np.ndarray | None = None) -> np.ndarray:
     """Prompt lookup: up to ``k`` tokens that followed the latest earlier occurrence of
-    the longest n-gram (``n_max`` down to ``n_min`` tokens) that ends ``tokens``."""
-    hist = tokens[-LOOKUP_WINDOW:]
-    n_tok = len(hist)
+    the longest n-gram (``n_max`` down to ``n_min`` tokens) that ends ``tokens``; where
+    ``tokens`` has none, the same n-gram's latest occurrence in ``history`` (the replies
+    of the conversation's earlier requests, ``History``)."""
+    return lookup(tokens, k, n_max, n_min, history)[0]
+
+
+def lookup(tokens: np.ndarray, k: int, n_max: int = 4, n_min: int = 2,
+           history: np.ndarray | None = None, cursor: int = -1) -> tuple[np.ndarray, int]:
+    """``lookup_draft``, and where in ``tokens`` its drafts start (-1: from ``history``
+    or none). ``cursor``: where in ``tokens`` the last drafts' copy goes on (the text a
+    reply is copying, past what it accepted); while the copy holds there (its ``n_min``
+    tokens before it end ``tokens`` too) the drafts come from there, whatever else
+    matches: a file re-emitted line by line repeats short n-grams everywhere."""
+    n_tok = len(tokens)
     if n_tok < n_min + 1 or k <= 0:
-        return np.empty(0, dtype=np.int32)
-    # earlier positions holding the last token (each followed by at least one token),
-    # then how far back each match reaches: a few array operations, whatever the length
-    ends = np.flatnonzero(hist[: n_tok - 1] == hist[-1])
+        return NO_DRAFT, -1
+    if n_min <= cursor < n_tok - 1 and \
+            np.array_equal(tokens[cursor - n_min: cursor], tokens[n_tok - n_min:]):
+        return tokens[cursor: cursor + k].astype(np.int32, copy=True), cursor
+    off = max(n_tok - LOOKUP_WINDOW, 0)
+    hist = tokens[off:]
+    found, start = _follows(hist, len(hist) - 1, hist, k, n_max, n_min)
+    if len(found):
+        return found, start + off
+    if history is not None and len(history):
+        return _follows(history, len(history), hist, k, n_max, n_min)[0], -1
+    return NO_DRAFT, -1
+
+
+NO_DRAFT = np.empty(0, dtype=np.int32)
+
+
+def _follows(hay: np.ndarray, n_ends: int, tail: np.ndarray, k: int, n_max: int,
+             n_min: int) -> tuple[np.ndarray, int]:
+    """Up to ``k`` tokens of ``hay`` after the latest of the longest matches (``n_min``
+    to ``n_max`` tokens) of ``tail``'s end that ends before ``hay[n_ends]``."""
+    n_tail = len(tail)
+    # positions holding the last token, then how far back each match reaches: a few
+    # array operations, whatever the length
+    ends = np.flatnonzero(hay[:n_ends] == tail[-1])
     length = np.ones(ends.size, dtype=np.int32)
     alive = np.ones(ends.size, dtype=bool)
-    for j in range(1, n_max):
+    for j in range(1, min(n_max, n_tail)):
         back = ends - j
         alive &= back >= 0
-        alive[alive] = hist[back[alive]] == hist[n_tok - 1 - j]
+        alive[alive] = hay[back[alive]] == tail[n_tail - 1 - j]
         if not alive.any():
             break
         length += alive
     if not ends.size or int(length.max()) < n_min:
-        return np.empty(0, dtype=np.int32)
+        return NO_DRAFT, -1
     best = int(np.flatnonzero(length == length.max())[-1])  # the latest of the longest
     start = int(ends[best]) + 1
-    return hist[start: start + k].astype(np.int32, copy=True)
+    out = hay[start: start + k]
+    cut = np.flatnonzero(out < 0)  # History's separator: a reply's end
+    return (out[: cut[0]] if cut.size else out).astype(np.int32, copy=True), start
+
+
+class History:
+    """The replies of recent conversations, for prompt lookup: a request may re-emit what
+    an earlier request of its conversation produced but its prompt no longer holds (a
+    regenerated answer, a client that drops or compacts earlier turns, the reasoning a
+    template leaves out of later turns, a subagent's output). Per conversation (tenant
+    and the client's session name), the last ``tokens`` tokens of its replies, separated;
+    ``sessions`` conversations at most, the least recently used forgotten first. At most
+    ``sessions * tokens`` int32s: 4 MiB by default. Engine thread only."""
+
+    def __init__(self, sessions: int = 64, tokens: int = 16384) -> None:
+        self.sessions = sessions
+        self.tokens = tokens
+        self._held: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
+
+    def get(self, tenant: str, session: str | None) -> np.ndarray | None:
+        key = (tenant, session or "")
+        held = self._held.get(key)
+        if held is not None:
+            self._held.move_to_end(key)
+        return held
+
+    def add(self, tenant: str, session: str | None, reply: Sequence[int]) -> None:
+        if len(reply) < 2 or self.sessions <= 0 or self.tokens <= 0:
+            return
+        key = (tenant, session or "")
+        new = np.asarray(reply, dtype=np.int32)
+        held = self._held.pop(key, None)
+        joined = new if held is None else np.concatenate([held, SEPARATOR, new])
+        self._held[key] = joined[-self.tokens:]
+        while len(self._held) > self.sessions:
+            self._held.popitem(last=False)
+
+
+SEPARATOR = np.array([-1], dtype=np.int32)  # between two replies: no match runs across
 
 
 def check_same_vocab(target: Model, draft: Model) -> None:
@@ -127,6 +200,7 @@ class DraftModel:
             check_same_vocab(target, self.model)
             self.cfg = cfg
             self.catch_up = max(cfg.catch_up, cfg.draft_max + 1)
+            self.followed = 0  # tokens the last propose decoded to follow its target lanes
             # a step's tokens of every lane, plus a catch-up of each lane that lags
             n_batch = step_tokens + lanes * (self.catch_up + cfg.draft_max + 1)
             self.ctx = Context(self.model, ContextParams(
@@ -171,6 +245,7 @@ class DraftModel:
             lane.tenant = ask.tenant
             if synced and ask.want > 0:
                 rows[ask.lane] = row
+        self.followed = batch.n  # tokens decoded to follow the target lanes, this step
         if batch.n:
             self.meter.draft_total.inc("tokens_decoded", by=batch.n)
             self.ctx.decode()

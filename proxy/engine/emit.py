@@ -23,9 +23,13 @@ class Emitter:
         p, out = self.p, job.out
         out.sampler = make_sampler(p.model, job.req.sampling, p.cfg.sampling, job.prompt)
         out.stream = TextStream(job.req.sampling.stop)
-        # a grammar would have to pass every drafted token: such a request drafts nothing
-        job.spec.on = (p.speculation != "off" and job.req.sampling.speculative is not False
-                       and not out.sampler.constrained)
+        # a grammar would have to pass every drafted token: such a request drafts nothing;
+        # nor does one with a seed unless it asks to: a seed promises the same reply
+        # again, and a verification batch may be other arithmetic than one-by-one steps
+        # (docs/design.md fact 16) on a schedule the machine's timings decide
+        sp = job.req.sampling
+        job.spec.on = (p.speculation != "off" and not out.sampler.constrained
+                       and (sp.speculative or (sp.speculative is None and sp.seed is None)))
 
     def take(self, job: Job, row: int) -> None:
         """Sample the next token and decide whether the request is done."""

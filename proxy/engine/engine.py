@@ -48,8 +48,9 @@ from proxy.engine.restore import Restorer
 from proxy.engine.sampling import check_logit_bias
 from proxy.engine.speculation import Speculation
 from proxy.engine.splice import ReplyMemory
-from proxy.engine.steps import Stepper, StepTimer
+from proxy.engine.steps import Stepper
 from proxy.engine.streams import Streams
+from proxy.engine.timing import StepTimer
 from proxy.engine.tokens import Tokenizer
 from proxy.engine.types import Event, FinishEvent, GenerationRequest, QueueFull
 from proxy.meter import Family
@@ -73,7 +74,8 @@ class Engine:
         self.n_ctx = p.n_ctx
         publisher = Publisher(p)
         emitter = Emitter(p)
-        self.exec = Executor(p, publisher, Speculation(p), emitter)
+        self.timer = StepTimer(share=cfg.engine.decode_share)
+        self.exec = Executor(p, publisher, Speculation(p, self.timer), emitter)
         self.restorer = Restorer(p, publisher, Placement(p, publisher), emitter)
         self.board = Board()
         self.accounting = Accounting(p)
@@ -82,7 +84,6 @@ class Engine:
         self.tokenizer = Tokenizer(
             self.model, self.meter,
             ReplyMemory(size=8 * len(p.lanes)) if cfg.cache.splice_generated else None)
-        self.timer = StepTimer(share=cfg.engine.decode_share)
         self.stepper = Stepper(p, self.board, self.exec, self.restorer.placement,
                                self.accounting, self.tokenizer, self.timer,
                                Streams(cfg.server.stream_interval_ms / 1000))

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from proxy.engine.build import Parts
 from proxy.engine.emit import Emitter
-from proxy.engine.job import NONE, Job, Work
+from proxy.engine.job import NONE, Job, StepDrafts, Work
 from proxy.engine.lanes import LaneSet
 from proxy.engine.publishing import Publisher
 from proxy.engine.speculation import Speculation
@@ -58,14 +58,19 @@ class Executor:
             return None
         return Work(job, end - job.pos, job.pos)
 
-    def run_step(self, works: list[Work]) -> None:
-        """One llama_decode for every work; then commit each lane on its own.
+    def run_step(self, works: list[Work]) -> StepDrafts:
+        """One llama_decode for every work; then commit each lane on its own. Returns what
+        the step drafted.
 
         A failed decode raises (the caller fails those lanes); a lane whose commit
         fails gets ``job.error`` and the others go on.
         """
+        spec = self.speculation
         if self.p.speculation != "off":
-            self.speculation.propose(works)
+            spec.propose(works)
+        drafted = [len(w.job.spec.drafts) for w in works if not w.job.prefilling]
+        out = StepDrafts(sum(drafted), sum(1 for d in drafted if d), spec.model_asked,
+                         spec.model_s) if any(drafted) or spec.model_asked else StepDrafts()
         batch = self.p.ctx.batch
         batch.clear()
         # llama.cpp splits a batch of separate lanes into ubatches of consecutive lane
@@ -91,12 +96,14 @@ class Executor:
             except Exception as exc:  # this lane alone
                 log.exception("request %s failed", w.job.req.request_id)
                 w.job.fail(exc)
+        return out
 
-    @staticmethod
-    def decodes_alone(job: Job) -> bool:
+    def decodes_alone(self, job: Job) -> bool:
         """Whether a step of ``job`` alone is one token and its logits: a decoding lane
-        with no drafts to verify and nothing to replay (``decode_alone`` may run it)."""
-        return not (job.prefilling or job.done or job.spec.on or len(job.spec.replay))
+        that drafts nothing (it does not draft, or rests) and has nothing to replay
+        (``decode_alone`` may run it)."""
+        return not (job.prefilling or job.done or len(job.spec.replay)
+                    or self.speculation.wants_step(job))
 
     def decode_alone(self, job: Job, more: Callable[[], bool]) -> int:
         """Decode ``job``'s lane by itself, a token per ``llama_decode``, while the job
@@ -108,8 +115,9 @@ class Executor:
         ``job.error`` as in ``run_step``."""
         lane, out = job.lane, job.out
         assert lane is not None and self.decodes_alone(job)
-        ctx = self.p.ctx
+        ctx, spec = self.p.ctx, self.speculation
         batch, decode, take, push = ctx.batch, ctx.decode, self.emitter.take, lane.push
+        drafting = job.spec.on  # it rests: it counts the tokens to its next probe
         steps = 0
         while True:
             batch.clear()
@@ -122,6 +130,10 @@ class Executor:
             except Exception as exc:  # as run_step's commit
                 log.exception("request %s failed", job.req.request_id)
                 job.fail(exc)
+            if drafting:
+                spec.decoded(job)
+                if spec.wants_step(job):
+                    return steps  # a probe is due
             if job.finish_reason or not more():
                 return steps
 

@@ -69,6 +69,22 @@ class Drafting:
     # staged state) decodes again in its next step, before ``pending``
     replay: np.ndarray = field(default_factory=lambda: NONE)
     staged: bytes | None = None  # the lane's partial state before this step's verification
+    # what drafting has paid off on this lane (proxy/engine/speculation.py): per source
+    # (prompt lookup, the draft model), the drafts the target accepted and the
+    # rejections, both decaying
+    accepted: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    rejected: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    source: int = 0  # of this step's drafts
+    fresh: bool = True  # its record not yet primed from the model's
+    # prompt lookup: where in the lane's tokens this step's drafts start (-1: elsewhere),
+    # and where the copy they came from goes on (drafting.lookup)
+    start: int = -1
+    cursor: int = -1
+    resting: bool = False  # drafting does not pay here now: a probe after ``rest`` tokens
+    rest: int = 16  # (half the first rest: each rest is twice the last one, up to a cap)
+    since: int = 0  # tokens decoded since this lane rests
+    misses: int = 0  # steps in a row that found nothing to draft
+    probing: bool = False  # this step's drafts are a probe
 
 
 @dataclass(slots=True)
@@ -119,6 +135,17 @@ class Job:
         """This request ends with ``exc``; the others go on."""
         self.error = exc
         self.finish_reason = "error"
+
+
+@dataclass(slots=True, frozen=True)
+class StepDrafts:
+    """What one step drafted: tokens, by how many lanes; the tokens asked of the draft
+    model and the seconds it took (its catch-up included)."""
+
+    tokens: int = 0
+    lanes: int = 0
+    model_asked: int = 0
+    model_s: float = 0.0
 
 
 @dataclass(slots=True)

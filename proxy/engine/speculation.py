@@ -2,6 +2,20 @@
 model's or prompt lookup's, proxy/engine/drafting.py), verified by the same
 ``llama_decode``, and rejected drafts taken back out of the lane's state.
 
+Drafting adapts per lane, by expected gain. A verification of ``k`` drafts yields
+``1 + p + ... + p^k`` tokens where each draft is accepted with probability ``p``
+(measured per lane and per source: the drafts accepted and rejected, decaying), and
+makes the step longer by what ``k`` drafts added to earlier steps (measured:
+``StepTimer.verify_s``, plus the draft model's own time per drafted token). A step of
+``n`` decoding lanes that takes ``S`` seconds yields ``n / S`` tokens a second; a lane
+drafts the ``k`` (0 to the source's maximum) that yields the most, from the source
+(prompt lookup, or the draft model where one is configured) that yields more. Where
+neither beats no drafts, or prompt lookup keeps finding nothing, the lane rests: it
+decodes as any other (a lone stream in its fast path; no lookup, no draft model) and
+probes once after ``PROBE_EVERY`` tokens, twice as long after each probe that did not
+pay (``MAX_REST`` at most), so a pair where drafting loses pays a probe a few hundred
+tokens.
+
 Nothing rejected is ever committed: a lane's tokens grow only by the tokens the target
 sampled. How a rejection leaves the lane depends on its memory (chosen once in
 proxy/engine/build.py): ``seq_rm`` where the memory cuts its tail back (attention, SWA
@@ -12,59 +26,223 @@ partial state staged before the step is restored, then the attention cells cut
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
 
 from proxy.engine.binding import FLAGS_PARTIAL
 from proxy.engine.build import Parts
-from proxy.engine.drafting import DraftAsk, lookup_draft
-from proxy.engine.job import NONE, Job, Work
+from proxy.engine.drafting import DraftAsk, History, lookup
+from proxy.engine.job import NONE, Drafting, Job, Work
+from proxy.engine.timing import StepTimer
+
+DECAY = 0.9  # weight of a lane's earlier drafts against its last verification
+MODEL_DECAY = 0.99  # ...and of every lane's, for the record a new request starts from
+PROBE_EVERY = 32  # tokens a lane rests before its first probe
+MAX_REST = 1024  # longest rest between two probes
+MISSES_TO_REST = 8  # steps in a row that found nothing to draft before a lane rests
+PROBE_DRAFTS = 2  # drafts a probe verifies, whatever they are expected to yield
+PRIOR = 24.0  # drafts' worth of this model's record a new request starts from
+LOOKUP, DRAFT = 0, 1  # the sources, as indexes of Drafting.accepted / rejected
+
+
+def acceptance(spec: Drafting, source: int) -> float:
+    """The chance a draft of ``source`` is accepted on this lane (prior: one of each)."""
+    a, r = spec.accepted[source], spec.rejected[source]
+    return (a + 1.0) / (a + r + 2.0)
+
+
+def expected_tokens(p: float, k: int) -> float:
+    """Tokens a verification of ``k`` drafts yields when each is accepted with ``p``."""
+    return sum(p ** i for i in range(k + 1))
+
+
+def best_length(p: float, k_max: int, lanes: int, step_s: float,
+                cost: Callable[[int], float | None]) -> tuple[int, float]:
+    """The draft length that yields the most tokens per second in a step of ``lanes``
+    decoding lanes that takes ``step_s`` seconds without it, where ``cost(k)`` is what
+    ``k`` drafts add (None: not measured yet, so worth measuring), and that rate
+    (``lanes / step_s`` for 0: drafting loses)."""
+    best, value = 0, lanes / step_s
+    for k in range(1, k_max + 1):
+        extra = cost(k)
+        if extra is None:
+            return k_max, float("inf")  # measure it
+        v = (lanes - 1 + expected_tokens(p, k)) / (step_s + extra)
+        if v > value * 1.0001:
+            best, value = k, v
+    return best, value
 
 
 class Speculation:
-    def __init__(self, parts: Parts) -> None:
+    def __init__(self, parts: Parts, timer: StepTimer) -> None:
         self.p = parts
+        self.timer = timer
+        sc = parts.cfg.speculative
+        # prompt lookup drafts cost nothing to make, so they may run longer than a draft
+        # model's, except where the lane's n_rs_seq snapshots hold draft_max + 1 tokens
+        self.lookup_max = sc.draft_max if parts.rs_snapshots else \
+            max(sc.draft_max, sc.lookup_draft_max)
+        self.history = History(sc.history_sessions, sc.history_tokens)
+        self.lookup_on = sc.source in ("lookup", "auto")  # "draft": the draft model only
+        self.lanes_decoding = 1  # in the step being planned (plan_step sets it)
+        self.model_s, self.model_asked = 0.0, 0  # the draft model's, this step
+        # every lane's record of the draft model, decaying slowly: where a request starts
+        self.accepted, self.rejected = [0.0, 0.0], [0.0, 0.0]
 
     def room(self, job: Job, n: int, budget: int) -> int:
-        """Drafts a decoding job may carry: the configured length, within the step's
+        """Drafts a decoding job may carry this step (``propose`` decides how many it
+        does): none while it rests, else within the longest a source drafts, the step's
         budget, the lane's context and the tokens the request may still produce."""
         assert job.lane is not None
+        if not self.wants_step(job):
+            return 0
         left = job.req.sampling.max_tokens - len(job.out.generated) - 1
         ctx_left = self.p.ctx.n_ctx_seq - job.lane.n - n
-        return max(0, min(self.p.cfg.speculative.draft_max, budget - n, left, ctx_left))
+        top = max(self.lookup_max if self.lookup_on else 0,
+                  self.p.cfg.speculative.draft_max if self.p.draft is not None else 0)
+        return max(0, min(top, budget - n, left, ctx_left))
+
+    def wants_step(self, job: Job) -> bool:
+        """Whether ``job`` drafts at its next step (a resting lane once a probe is due)."""
+        spec = job.spec
+        return spec.on and (not spec.resting or spec.since >= spec.rest)
+
+    def decoded(self, job: Job, n: int = 1) -> None:
+        """``n`` tokens decoded without drafts on ``job``'s lane."""
+        if job.spec.resting:
+            job.spec.since += n
+
+    def remember(self, job: Job) -> None:
+        """A request's reply, for later requests of its conversation to draft from."""
+        if job.spec.on:
+            self.history.add(job.req.tenant, job.req.session, job.out.generated)
+
+    def _rest(self, spec: Drafting) -> None:
+        """Drafting does not pay on this lane now: probe again later."""
+        spec.rest = min(spec.rest * 2, MAX_REST)  # 32 tokens first, twice as long after
+        spec.resting, spec.probing, spec.since, spec.misses = True, False, 0, 0
+        self.p.meter.count("spec_rests")
 
     def propose(self, works: list[Work]) -> None:
         """Fill in each decoding lane's drafts (and keep a draft model's lanes in step)."""
         p = self.p
-        sc = p.cfg.speculative
         asks: list[DraftAsk] = []
+        self.model_s, self.model_asked = 0.0, 0
         for w in works:
             job, lane = w.job, w.job.lane
             assert lane is not None
             job.spec.drafts = NONE
-            if not job.spec.on:
+            if not job.spec.on or (not job.prefilling and not w.room):
                 continue
             # what the lane holds once this step's tokens (drafts aside) are in: a prompt
             # chunk, or the replayed tokens and ``pending``
             step = w.tokens()
             known = np.concatenate([lane.tokens, step])
-            want = 0 if job.prefilling else w.room  # while prefilling the draft follows
-            if p.draft is not None:
+            if job.prefilling:
+                if p.draft is not None:  # the draft model follows the prompt
+                    asks.append(DraftAsk(lane.id, known, 0, lane.tenant, step=len(step)))
+                continue
+            want = self._choose(w, known)
+            if want:
                 asks.append(DraftAsk(lane.id, known, want, lane.tenant, step=len(step)))
-            elif want:
-                job.spec.drafts = lookup_draft(known, want, sc.lookup_max, sc.lookup_min)
+                self.model_asked += want
         if asks:
             assert p.draft is not None
+            t0 = time.perf_counter()
             drafted = p.draft.propose(asks)
+            self.model_s = time.perf_counter() - t0
+            if p.draft.followed > sum(a.step for a in asks):
+                self.model_asked = 0  # a lane caught up from far behind: not a sample
             for w in works:
-                lane = w.job.lane
+                lane, spec = w.job.lane, w.job.spec
                 assert lane is not None
-                if not w.job.prefilling and lane.id in drafted:
-                    w.job.spec.drafts = drafted[lane.id][: w.room]
+                if not w.job.prefilling and w.room and spec.source == DRAFT:
+                    spec.drafts = drafted.get(lane.id, NONE)[: w.room]
+                    self._drafted(spec)
         for w in works:
             if not w.job.prefilling:
                 w.n = len(w.job.spec.replay) + 1 + len(w.job.spec.drafts)
+
+    def _choose(self, w: Work, known: np.ndarray) -> int:
+        """This step's drafts for a decoding lane, by expected gain: prompt lookup's (set
+        here), or the draft model's (returns how many to ask it for), or none."""
+        job, spec, sc, timer = w.job, w.job.spec, self.p.cfg.speculative, self.timer
+        if spec.fresh:
+            self._prime(spec)
+        if spec.resting:  # a probe is due
+            spec.resting, spec.probing = False, True
+            self.p.meter.count("spec_probes")
+        found, spec.start = NONE, -1
+        if self.lookup_on:
+            history = self.history.get(job.req.tenant, job.req.session)
+            found, spec.start = lookup(known, min(w.room, self.lookup_max), sc.lookup_max,
+                                       sc.lookup_min, history, spec.cursor)
+        if not sc.adaptive:  # every step, the longest a source proposes
+            if len(found):
+                spec.source, spec.drafts = LOOKUP, found
+                return 0
+            spec.source = DRAFT
+            return min(w.room, sc.draft_max) if self.p.draft is not None else 0
+        lanes = self.lanes_decoding
+        # what a step without drafts costs: a lone lane runs such steps on its own
+        step_s = timer.alone_s if lanes == 1 and timer.alone_s else timer.decode_s.get(lanes, 0.0)
+        if step_s <= 0:
+            return 0  # this step, without drafts, measures one
+        k_look, v_look = best_length(acceptance(spec, LOOKUP), len(found), lanes, step_s,
+                                     timer.verify_cost) if len(found) else (0, 0.0)
+        k_model, v_model = 0, 0.0
+        if self.p.draft is not None:
+            per = timer.model_s
+
+            def model_cost(k: int) -> float | None:
+                verify = timer.verify_cost(k)
+                return None if verify is None or per <= 0 else verify + per * k
+            k_model, v_model = best_length(acceptance(spec, DRAFT),
+                                           min(w.room, sc.draft_max), lanes, step_s,
+                                           model_cost)
+        if spec.probing and not (k_model or k_look):  # it measures what drafts yield now
+            if len(found):
+                k_look = min(len(found), PROBE_DRAFTS)
+            elif self.p.draft is not None:
+                k_model, v_model = min(w.room, PROBE_DRAFTS), 1.0
+        if k_model and v_model > v_look:
+            spec.source = DRAFT
+            return k_model
+        if k_look:
+            spec.source = LOOKUP
+            spec.drafts = found[:k_look]
+            self._drafted(spec)
+            return 0
+        if len(found) or spec.probing or self.p.draft is not None:  # measured not to pay
+            self._rest(spec)
+        else:  # nothing to draft this time
+            spec.misses += 1
+            if spec.misses >= MISSES_TO_REST:
+                self._rest(spec)
+        return 0
+
+    def _prime(self, spec: Drafting) -> None:
+        """A new request's record of the draft model: this model's, worth ``PRIOR``
+        drafts at most (how well a draft model agrees with its target is theirs, where
+        prompt lookup's is the text's: it starts from nothing)."""
+        spec.fresh = False
+        a, r = self.accepted[DRAFT], self.rejected[DRAFT]
+        scale = min(1.0, PRIOR / (a + r)) if a + r > 0 else 0.0
+        spec.accepted[DRAFT], spec.rejected[DRAFT] = a * scale, r * scale
+
+    def _drafted(self, spec: Drafting) -> None:
+        """After a source drafted: a draft model that was asked for drafts and made
+        none (it was not sure enough of any) counts as a draft rejected, and a miss."""
+        if len(spec.drafts):
+            spec.misses = 0
+            return
+        spec.rejected[DRAFT] = spec.rejected[DRAFT] * DECAY + 1
+        spec.probing = False
+        spec.misses += 1
+        if spec.misses >= MISSES_TO_REST:
+            self._rest(spec)
 
     def stage(self, job: Job) -> None:
         """Before a verification of a lane without rollback: its partial state, to undo
@@ -86,6 +264,7 @@ class Speculation:
         lane.push(job.out.pending)
         take(job, w.row)
         if not len(drafts):
+            self.decoded(job)
             return
         accepted = 0
         for i, d in enumerate(drafts.tolist()):
@@ -95,6 +274,17 @@ class Speculation:
             accepted += 1
             take(job, w.row + 1 + i)
         spec.drafts = NONE
+        src = spec.source
+        spec.accepted[src] = spec.accepted[src] * DECAY + accepted
+        spec.rejected[src] = spec.rejected[src] * DECAY + (accepted < len(drafts))
+        if src == DRAFT:
+            self.accepted[src] = self.accepted[src] * MODEL_DECAY + accepted
+            self.rejected[src] = self.rejected[src] * MODEL_DECAY + (accepted < len(drafts))
+        spec.probing = False  # a probe is in: the next step weighs it
+        if src == LOOKUP and spec.start >= 0:  # where the copy goes on, if it does
+            spec.cursor = spec.start + accepted + 1
+        if accepted == len(drafts):  # drafting pays here: a rest starts short again
+            spec.rest = PROBE_EVERY // 2
         job.stats.drafted += len(drafts)
         job.stats.accepted += accepted
         m = self.p.meter

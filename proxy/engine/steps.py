@@ -1,12 +1,10 @@
 """What goes into one engine step, measured step times to size it, and running the steps
 (``Stepper``: plan a step, have the executor run it, write the streams, end what is done).
 
-A step costs about ``a(d) + b * p``: ``a(d)`` a decode-only step of ``d`` lanes, ``b``
-one prefill token of a large batch. Both are moving averages of what the steps took,
-so the sizes follow the model, the machine and the load.
+A step costs about ``a(d) + b * p`` (proxy/engine/timing.py measures both).
 
 While streams decode, a long prompt prefills in bursts: one step carries as many of
-its tokens as fit in ``pause_s`` (whole chunks of ``CHUNK`` tokens once it is that
+its tokens as fit in ``pause_s`` (whole chunks of ``timing.CHUNK`` tokens once it is that
 large), then the streams get steps of their own for as long as the burst took, times
 ``share / (1 - share)`` (a prompt whose rest fits in one burst does not wait). Small
 slices in every step would cost more for both sides on a CPU: ``python -m bench.chunks``
@@ -19,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 from proxy.engine.accounting import Accounting
 from proxy.engine.admission import Board, Entry
@@ -29,68 +26,13 @@ from proxy.engine.job import Job, Work
 from proxy.engine.outbox import Outbox
 from proxy.engine.placement import Placement
 from proxy.engine.streams import Streams
+from proxy.engine.timing import StepTimer
 from proxy.engine.tokens import Tokenizer
 
 log = logging.getLogger("statecache")
 
-ALPHA = 0.2  # weight of the newest measurement
-MIN_SAMPLE = 32  # prefill tokens a step needs to tell us the cost of one
 MAX_STARVED = 2  # steps a prefill may get nothing (beyond what the streams are owed)
 SHORT_PREFILL = 256  # prompt tokens left that count as close to the first token
-# Tokens of one lane that a recurrent layer processes as one chunk (llama.cpp's
-# CHUNK_SIZE for Gated DeltaNet); a burst is a whole number of them. Beside decoding
-# lanes it is one more: llama.cpp splits such a batch into a ubatch of one token of
-# every lane, then the rest of the prefilling lane.
-CHUNK = 64
-
-
-@dataclass(slots=True)
-class StepTimer:
-    decode_s: dict[int, float] = field(default_factory=dict)  # a(d)
-    per_token_s: float = 0.0  # b; 0 until measured
-    steps: int = 0
-    share: float = 0.5  # of the time, the streams' while a long prompt prefills
-    owed_s: float = 0.0  # time the streams get before the next burst
-    burst: bool = False  # the step planned last carries a burst
-
-    def record(self, seconds: float, n_decode: int, n_prefill: int, *, steps: int = 1) -> None:
-        """``steps`` alike took ``seconds`` in all."""
-        self.steps += steps
-        burst, self.burst = self.burst, False
-        if burst:
-            self.owed_s = seconds * self.share / (1.0 - self.share)
-        elif n_decode:
-            self.owed_s -= seconds
-        seconds /= steps
-        if n_decode == 0:
-            if n_prefill >= MIN_SAMPLE:
-                self._per_token(seconds / n_prefill)
-            return
-        a = self.decode_s.get(n_decode)
-        if n_prefill == 0:
-            self.decode_s[n_decode] = seconds if a is None else a + ALPHA * (seconds - a)
-        elif a is not None:
-            if n_prefill >= MIN_SAMPLE:
-                self._per_token(max(seconds - a, 0.0) / n_prefill)
-        elif self.per_token_s:
-            est = max(seconds - self.per_token_s * n_prefill, 0.0)
-            self.decode_s[n_decode] = est if a is None else a + ALPHA * (est - a)
-
-    def _per_token(self, x: float) -> None:
-        self.per_token_s = x if not self.per_token_s else \
-            self.per_token_s + ALPHA * (x - self.per_token_s)
-
-    def burst_tokens(self, pause_s: float, min_chunk: int, budget: int, beside: int) -> int:
-        """Prefill tokens of one burst: what fits in ``pause_s`` at the measured rate,
-        rounded down to whole chunks (plus ``beside``: 1 with decoding lanes in the step),
-        at least ``min_chunk``; ``pause_s`` 0: no limit."""
-        if pause_s <= 0:
-            return budget
-        b = self.per_token_s
-        fit = int(pause_s / b) if b else CHUNK + beside
-        if fit >= CHUNK + beside:
-            fit = (fit - beside) // CHUNK * CHUNK + beside
-        return min(max(fit, min_chunk), budget)
 
 
 def plan_step(jobs: list[Job], executor: Executor, timer: StepTimer, *, step_tokens: int,
@@ -184,6 +126,9 @@ class Stepper:
             elif job.stopping and not job.done and job.prefilling:
                 job.finish_reason = "length"  # shutting down: nothing more to prefill
         ec = self.p.cfg.engine
+        # drafts weigh against what the step yields without them (proxy/engine/speculation.py)
+        self.exec.speculation.lanes_decoding = max(
+            sum(1 for job, _ in active if not job.done and not job.prefilling), 1)
         works = plan_step([job for job, _ in active if not job.done], self.exec, self.timer,
                           step_tokens=self.p.step_tokens, prefill_chunk=self.prefill_chunk,
                           pause_s=ec.prefill_pause_ms / 1000, min_chunk=ec.min_prefill_chunk)
@@ -198,7 +143,7 @@ class Stepper:
         if works:
             t0 = time.perf_counter()
             try:
-                self.exec.run_step(works)
+                drafts = self.exec.run_step(works)
             except Exception as exc:
                 log.exception("llama_decode failed; failing the %d lanes of this step",
                               len(works))
@@ -206,7 +151,7 @@ class Stepper:
                     w.job.fail(exc)
             else:
                 dt = time.perf_counter() - t0
-                self.timer.record(dt, n_decode, n_prefill)
+                self.timer.record(dt, n_decode, n_prefill, drafts=drafts)
                 if self.p.pool is not None and not n_decode:  # the planner's prefill rate
                     self.p.pool.costs.note_prefill(n_prefill, dt)
                 count = self.p.meter.count
@@ -244,7 +189,7 @@ class Stepper:
             log.exception("a lone run of request %s failed", job.req.request_id)
             job.fail(exc)
         else:
-            self.timer.record(time.perf_counter() - t0, 1, 0, steps=steps)
+            self.timer.record(time.perf_counter() - t0, 1, 0, steps=steps, alone=True)
             count = self.p.meter.count
             for name in ("steps", "step_tokens", "step_lane_work", "steps_alone"):
                 count(name, steps)
@@ -278,4 +223,5 @@ class Stepper:
             self.board.active.remove((job, box))
         if job.finish_reason in ("stop", "length"):
             self.tokenizer.remember_reply(job.req.tenant, job.out.generated)
+            self.exec.speculation.remember(job)
         self.accounting.finish(job, box)

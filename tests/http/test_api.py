@@ -192,13 +192,16 @@ async def test_request_timeout_is_504_and_default_max_tokens_applies(
 
 
 async def test_logprobs_streaming_equal_non_streaming(hybrid_path: Path, tmp_path: Path) -> None:
+    # bitwise: no drafts (a verification batch is another product on this model, and
+    # adaptive drafting batches as the machine's timings say: docs/design.md fact 16)
+    off = {"speculative": False}
     async with serve(hybrid_path, tmp_path / "ckpt", cache__enabled=False) as srv:
         full = await srv.client.chat.completions.create(
             model="x", messages=HELLO, max_tokens=12, temperature=0,  # type: ignore[arg-type]
-            logprobs=True, top_logprobs=3)
+            logprobs=True, top_logprobs=3, extra_body=off)
         stream = await srv.client.chat.completions.create(
             model="x", messages=HELLO, max_tokens=12, temperature=0,  # type: ignore[arg-type]
-            logprobs=True, top_logprobs=3, stream=True)
+            logprobs=True, top_logprobs=3, stream=True, extra_body=off)
         streamed = []
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:

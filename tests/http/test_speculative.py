@@ -38,8 +38,10 @@ async def test_prompt_lookup_keeps_greedy_answers(
     # tokens replayed; gemma (SWA) and draft (plain attention): seq_rm.
     model: Path = request.getfixturevalue(f"{which}_path")
     splice = which == "gemma"
+    # drafting at every step, as a lane does while drafting pays: the rollbacks are the
+    # subject here (adaptive drafting would soon stop on a random model's reply)
     async with serve(model, tmp_path / "ckpt", speculative__source="lookup",
-                     cache__splice_generated=splice) as srv:
+                     speculative__adaptive=False, cache__splice_generated=splice) as srv:
         s = Session(srv.client, max_tokens=64)
         await s.turn()
         await s.turn(tool_result(1))
@@ -117,14 +119,18 @@ async def test_a_request_can_turn_drafting_off(spec_target_path: Path, spec_draf
 async def test_sampling_with_drafts_stays_valid(spec_target_path: Path, spec_draft_path: Path,
                                                 tmp_path: Path) -> None:
     # Not greedy: each row is drawn by the request's own chain and a draft is accepted
-    # while it equals the draw, so the same seed gives the same reply every time.
+    # while it equals the draw, so the same seed gives the same reply every time (on the
+    # same schedule of drafts: not adaptive; a request with a seed drafts only when it
+    # asks to)
     async with serve(spec_target_path, tmp_path / "ckpt", speculative__source="draft",
+                     speculative__adaptive=False,
                      model__draft_path=str(spec_draft_path)) as srv:
         replies = []
         for _ in range(2):
             r = await srv.client.chat.completions.create(
                 model="x", messages=[{"role": "user", "content": "Copy: " + CODE}],
-                max_tokens=64, temperature=0.7, seed=11, extra_body={"top_k": 5})
+                max_tokens=64, temperature=0.7, seed=11,
+                extra_body={"top_k": 5, "speculative": True})
             replies.append(r.choices[0].message.content)
         assert _spec(srv.app[ENGINE].meter)[0] > 0
     assert replies[0] == replies[1]

@@ -23,9 +23,11 @@ LONG_MS = 60_000  # a lone run that would outlast every test here unless somethi
 
 
 def _engine(path: Path, lone_run_ms: float = 250.0) -> Engine:
+    # no drafts: a lone stream's own steps, one token each (drafting has its tests)
     return Engine(load_config(None, {"model.path": str(path),
                                      "engine.sanity_checks": True, "model.n_ctx": 2048,
                                      "server.lanes": 2, "cache.enabled": False,
+                                     "speculative.source": "off",
                                      "engine.lone_run_ms": lone_run_ms}), path)
 
 

@@ -36,7 +36,8 @@ async def _one(eng: Engine, rid: str, prompt: tuple[int, ...], max_tokens: int,
 
 
 def test_a_follow_up_beside_a_gap_moves_next_to_the_busy_lane(hybrid_path: Path) -> None:
-    cfg = load_config(None, {"model.path": str(hybrid_path),
+    # no drafts: the answers are compared bitwise with cold ones (fact 16)
+    cfg = load_config(None, {"model.path": str(hybrid_path), "speculative.source": "off",
                              "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": 3, "cache.disk_enabled": False})
     eng = Engine(cfg, hybrid_path)
@@ -85,7 +86,8 @@ def test_a_follow_up_beside_a_gap_moves_next_to_the_busy_lane(hybrid_path: Path)
 def test_a_request_that_ends_leaves_no_gap_behind(hybrid_path: Path) -> None:
     # x, y and z start together in lanes 0, 1 and 2; y ends first: z, whose state is
     # the smaller, moves into lane 1 (a copy), so x and z decode in one ubatch again
-    cfg = load_config(None, {"model.path": str(hybrid_path),
+    # no drafts: the answers are compared bitwise with cold ones (fact 16)
+    cfg = load_config(None, {"model.path": str(hybrid_path), "speculative.source": "off",
                              "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": 3, "cache.disk_enabled": False})
     eng = Engine(cfg, hybrid_path)
@@ -110,7 +112,8 @@ def test_a_request_that_ends_leaves_no_gap_behind(hybrid_path: Path) -> None:
 
 def test_a_new_conversation_takes_the_lane_that_closes_the_gap_unless_it_is_short(
         hybrid_path: Path) -> None:
-    cfg = load_config(None, {"model.path": str(hybrid_path),
+    # no drafts: the answers are compared bitwise with cold ones (fact 16)
+    cfg = load_config(None, {"model.path": str(hybrid_path), "speculative.source": "off",
                              "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": 3, "cache.disk_enabled": False})
     eng = Engine(cfg, hybrid_path)

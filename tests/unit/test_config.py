@@ -117,7 +117,8 @@ def test_speculative_mistakes_are_named(tmp_path: Path, text: str, message: str)
 
 
 def test_speculative_defaults_and_agent_config() -> None:
-    assert load_config(None).speculative.source == "off"
+    assert load_config(None).speculative.source == "auto"  # on by default (issue 30)
+    assert load_config(REPO / "configs" / "default.toml").speculative.source == "auto"
     assert load_config(REPO / "configs" / "hybrid-agent.toml").speculative.source == "lookup"
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from proxy.engine.drafting import lookup_draft
+from proxy.engine.drafting import History, lookup, lookup_draft
+from proxy.engine.speculation import best_length, expected_tokens
 
 
 def _a(*xs: int) -> np.ndarray:
@@ -65,3 +66,76 @@ def test_agrees_with_the_definition_on_random_histories() -> None:
         k = int(rng.integers(1, 6))
         assert lookup_draft(toks, k, n_max, n_min).tolist() == _brute(toks, k, n_max, n_min), \
             (trial, toks.tolist(), k, n_max, n_min)
+
+
+def test_history_drafts_where_the_lane_has_no_match() -> None:
+    # the lane's tokens end "4 5"; no earlier "4 5" in them, but an earlier reply of the
+    # conversation has one, followed by 6 7 (and then that reply's end)
+    lane = _a(1, 2, 3, 4, 5)
+    hist = History(sessions=4, tokens=100)
+    hist.add("t", "s", [9, 4, 5, 6, 7])
+    hist.add("t", "s", [8, 8, 8])
+    held = hist.get("t", "s")
+    assert held is not None
+    assert lookup_draft(lane, 8, n_max=3, n_min=2, history=held).tolist() == [6, 7]
+    # a match in the lane itself comes first
+    lane2 = _a(4, 5, 30, 31, 4, 5)
+    assert lookup_draft(lane2, 2, n_max=3, n_min=2, history=held).tolist() == [30, 31]
+    # another tenant or session sees nothing of it
+    assert hist.get("u", "s") is None and hist.get("t", None) is None
+
+
+def test_history_is_bounded_per_conversation_and_in_conversations() -> None:
+    hist = History(sessions=2, tokens=10)
+    hist.add("t", "a", list(range(100, 108)))
+    hist.add("t", "a", list(range(200, 208)))
+    held = hist.get("t", "a")
+    assert held is not None and len(held) == 10
+    assert held.tolist()[-8:] == list(range(200, 208))  # the newest kept, whole
+    hist.add("t", "b", [1, 2, 3])
+    hist.get("t", "a")  # used: "b" is now the least recently used
+    hist.add("t", "c", [4, 5, 6])
+    assert hist.get("t", "b") is None and hist.get("t", "a") is not None
+    # off
+    none = History(sessions=4, tokens=0)
+    none.add("t", "a", [1, 2, 3])
+    assert none.get("t", "a") is None
+
+
+def test_a_draft_never_runs_across_two_replies() -> None:
+    hist = History(sessions=1, tokens=100)
+    hist.add("t", "", [1, 2, 3])
+    hist.add("t", "", [40, 41])
+    held = hist.get("t", "")
+    assert held is not None
+    assert lookup_draft(_a(7, 1, 2), 8, n_max=2, n_min=2, history=held).tolist() == [3]
+
+
+def test_the_cursor_follows_the_copy_past_a_later_match() -> None:
+    # "1 2" occurs at 0 (followed by 3 4 5) and at 5 (followed by 9): the latest match
+    # proposes 9, but a copy that was going on at position 2 goes on there
+    toks = _a(1, 2, 3, 4, 5, 1, 2, 9, 0, 1, 2)
+    assert lookup(toks, 3, n_max=2, n_min=2)[0].tolist() == [9, 0, 1]
+    drafts, start = lookup(toks, 3, n_max=2, n_min=2, cursor=2)
+    assert drafts.tolist() == [3, 4, 5] and start == 2
+    # a cursor where the copy does not hold any more is ignored
+    assert lookup(toks, 3, n_max=2, n_min=2, cursor=4)[0].tolist() == [9, 0, 1]
+
+
+def test_expected_tokens_and_best_length() -> None:
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 2) == 1.75
+    assert expected_tokens(1.0, 4) == 5.0
+    step = 0.010
+    # drafts that cost nothing and are always accepted: draft all
+    assert best_length(1.0, 8, 1, step, lambda k: 0.0)[0] == 8
+    # drafts that cost a whole step each: never worth it below certainty
+    assert best_length(0.9, 8, 1, step, lambda k: step * k)[0] == 0
+    # half a step each at 95%: a few pay, not all 8 (the last ones are seldom reached)
+    k, rate = best_length(0.95, 8, 1, step, lambda k: step * k / 2)
+    assert 1 <= k < 8 and rate > 1 / step
+    # four lanes: the same drafts must beat four tokens a step, not one
+    assert best_length(0.8, 8, 4, step, lambda k: step * k / 8)[0] < \
+        best_length(0.8, 8, 1, step, lambda k: step * k / 8)[0]
+    # not measured yet: the longest, to measure it
+    assert best_length(0.1, 5, 1, step, lambda k: None) == (5, float("inf"))

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from proxy.engine.job import Waiting
-from proxy.engine.steps import CHUNK, SHORT_PREFILL, StepTimer, plan_step
+from proxy.engine.steps import SHORT_PREFILL, plan_step
+from proxy.engine.timing import CHUNK, StepTimer
 
 
 def test_a_burst_is_what_fits_in_the_pause_in_whole_recurrent_chunks() -> None:

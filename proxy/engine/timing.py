@@ -1,0 +1,119 @@
+"""What engine steps cost, measured as they run: ``StepTimer``.
+
+A step costs about ``a(d) + b * p``: ``a(d)`` a decode-only step of ``d`` lanes, ``b``
+one prefill token of a large batch. Both are moving averages of what the steps took,
+so the sizes follow the model, the machine and the load. Beside them, what drafts add
+to a step (a verification of ``k`` drafts, the draft model's own time), which
+proxy/engine/speculation.py weighs against the tokens it expects them to yield.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from proxy.engine.job import StepDrafts
+
+ALPHA = 0.2  # weight of the newest measurement
+MIN_SAMPLE = 32  # prefill tokens a step needs to tell us the cost of one
+# Tokens of one lane that a recurrent layer processes as one chunk (llama.cpp's
+# CHUNK_SIZE for Gated DeltaNet); a burst is a whole number of them. Beside decoding
+# lanes it is one more: llama.cpp splits such a batch into a ubatch of one token of
+# every lane, then the rest of the prefilling lane.
+CHUNK = 64
+
+
+@dataclass(slots=True)
+class StepTimer:
+    decode_s: dict[int, float] = field(default_factory=dict)  # a(d)
+    # what a verification of k drafts adds to a decode step, per lane (a bigger batch, a
+    # staged save, a rollback), and the draft model's seconds per drafted token:
+    # proxy/engine/speculation.py weighs them against the drafts it expects accepted
+    verify_s: dict[int, float] = field(default_factory=dict)
+    model_s: float = 0.0  # per token asked of it
+    # a token of a lone stream in its own run of steps (Stepper._decode_alone: no step
+    # planned): what a lone lane's drafts compete with
+    alone_s: float = 0.0
+    per_token_s: float = 0.0  # b; 0 until measured
+    steps: int = 0
+    share: float = 0.5  # of the time, the streams' while a long prompt prefills
+    owed_s: float = 0.0  # time the streams get before the next burst
+    burst: bool = False  # the step planned last carries a burst
+
+    def record(self, seconds: float, n_decode: int, n_prefill: int, *, steps: int = 1,
+               drafts: StepDrafts | None = None, alone: bool = False) -> None:
+        """``steps`` alike took ``seconds`` in all; ``drafts``: what the step drafted;
+        ``alone``: a lone stream's run of steps."""
+        if alone and steps:
+            self.alone_s = steady(self.alone_s or None, seconds / steps)
+        if drafts is not None and drafts.tokens:
+            self._verified(seconds, n_decode, n_prefill, drafts)
+            self.steps += steps
+            return
+        self.steps += steps
+        burst, self.burst = self.burst, False
+        if burst:
+            self.owed_s = seconds * self.share / (1.0 - self.share)
+        elif n_decode:
+            self.owed_s -= seconds
+        seconds /= steps
+        if n_decode == 0:
+            if n_prefill >= MIN_SAMPLE:
+                self._per_token(seconds / n_prefill)
+            return
+        a = self.decode_s.get(n_decode)
+        if n_prefill == 0:
+            self.decode_s[n_decode] = seconds if a is None else a + ALPHA * (seconds - a)
+        elif a is not None:
+            if n_prefill >= MIN_SAMPLE:
+                self._per_token(max(seconds - a, 0.0) / n_prefill)
+        elif self.per_token_s:
+            est = max(seconds - self.per_token_s * n_prefill, 0.0)
+            self.decode_s[n_decode] = est if a is None else a + ALPHA * (est - a)
+
+    def _verified(self, seconds: float, n_decode: int, n_prefill: int,
+                  drafts: StepDrafts) -> None:
+        if drafts.model_asked:
+            self.model_s = steady(self.model_s or None, drafts.model_s / drafts.model_asked)
+        a = self.decode_s.get(n_decode)
+        if a is None or n_prefill or not drafts.lanes:
+            return
+        extra = max(seconds - drafts.model_s - a, 0.0) / drafts.lanes
+        k = max(1, round(drafts.tokens / drafts.lanes))
+        self.verify_s[k] = steady(self.verify_s.get(k), extra)
+        for j, old in self.verify_s.items():  # the other lengths, less, scaled: no length
+            if j != k:  # keeps a cost that later steps never measure again
+                self.verify_s[j] = steady(old, extra * j / k, ALPHA / 2)
+
+    def verify_cost(self, k: int) -> float | None:
+        """What ``k`` drafts add to a step, per lane: measured at ``k``, else scaled from
+        the nearest length measured; None before any verification."""
+        if k in self.verify_s:
+            return self.verify_s[k]
+        if not self.verify_s:
+            return None
+        near = min(self.verify_s, key=lambda j: (abs(j - k), j))
+        return self.verify_s[near] * k / near
+
+    def _per_token(self, x: float) -> None:
+        self.per_token_s = x if not self.per_token_s else \
+            self.per_token_s + ALPHA * (x - self.per_token_s)
+
+    def burst_tokens(self, pause_s: float, min_chunk: int, budget: int, beside: int) -> int:
+        """Prefill tokens of one burst: what fits in ``pause_s`` at the measured rate,
+        rounded down to whole chunks (plus ``beside``: 1 with decoding lanes in the step),
+        at least ``min_chunk``; ``pause_s`` 0: no limit."""
+        if pause_s <= 0:
+            return budget
+        b = self.per_token_s
+        fit = int(pause_s / b) if b else CHUNK + beside
+        if fit >= CHUNK + beside:
+            fit = (fit - beside) // CHUNK * CHUNK + beside
+        return min(max(fit, min_chunk), budget)
+
+
+def steady(old: float | None, x: float, alpha: float = ALPHA) -> float:
+    """A moving average that one stray sample moves little: a step another process
+    held the cores through counts as at most twice the average (or half of it)."""
+    if old is None or old <= 0:
+        return x
+    return old + alpha * (min(max(x, old / 2), old * 2) - old)

@@ -1,0 +1,105 @@
+"""Speculative decoding on by default and adaptive (proxy/engine/speculation.py): the
+default config drafts, a lane where drafting loses stops drafting, a regenerated reply
+is drafted from the conversation's earlier reply, and a request can still say no. Each
+answer is compared with the same request served without drafting (the near-tie rule)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.api.app import ENGINE
+from proxy.meters import EngineMeter
+from tests.http.agent import ask, assert_same_or_near_tie
+from tests.http.conftest import serve
+from tests.http.test_sessions import NEAR_TIE
+
+pytestmark = pytest.mark.http
+
+CODE = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(12))
+
+
+def _drafted(m: EngineMeter) -> tuple[float, float]:
+    return m.spec_tokens.get("drafted"), m.spec_tokens.get("accepted")
+
+
+async def _plain(model: Path, tmp: Path, messages: list[dict[str, str]],
+                 max_tokens: int) -> list[dict[str, object]]:
+    async with serve(model, tmp / "plain", cache__enabled=False, server__lanes=1,
+                     speculative__source="off") as plain:
+        return (await ask(plain.client, messages, max_tokens))["tokens"]
+
+
+async def test_the_default_config_drafts(gemma_path: Path, tmp_path: Path) -> None:
+    # nothing about drafting in the config: prompt lookup drafts a reply that copies code
+    messages = [{"role": "user", "content": "Copy this code exactly:\n" + CODE}]
+    async with serve(gemma_path, tmp_path / "ckpt") as srv:
+        got = await ask(srv.client, messages, 96)
+        drafted, accepted = _drafted(srv.app[ENGINE].meter)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+    assert_same_or_near_tie(got["tokens"], await _plain(gemma_path, tmp_path, messages, 96),
+                            NEAR_TIE["gemma"])
+
+
+async def test_drafting_stops_on_a_pair_where_it_loses(
+        spec_target_path: Path, spec_llama_draft_path: Path, tmp_path: Path) -> None:
+    # a draft model made for another target: it agrees with this one by chance only, so
+    # each verification costs more than it yields; the lane rests (decoding alone, in its
+    # fast path) and probes now and then, instead of drafting at every step
+    messages = [{"role": "user", "content": "Tell me a story. " * 8}]
+    async with serve(spec_target_path, tmp_path / "ckpt", server__lanes=1,
+                     model__draft_path=str(spec_llama_draft_path),
+                     speculative__draft_min_p=0.0) as srv:
+        got = await ask(srv.client, messages, 200)
+        m = srv.app[ENGINE].meter
+        drafted, accepted = _drafted(m)
+        rests, probes, alone = m.get("spec_rests"), m.get("spec_probes"), m.get("steps_alone")
+    n = got["completion_tokens"]
+    assert n == 200
+    assert rests >= 1, (rests, drafted, accepted)
+    # drafting every step would draft about draft_max (3) tokens per token produced
+    assert drafted < 0.5 * n, (drafted, accepted, rests, probes)
+    assert alone > 0.5 * n, alone  # most tokens came from the lone fast path
+    assert_same_or_near_tie(got["tokens"],
+                            await _plain(spec_target_path, tmp_path, messages, 200),
+                            NEAR_TIE["hybrid"])
+
+
+@pytest.mark.parametrize("history", [16384, 0])
+async def test_a_regenerated_reply_drafts_from_the_earlier_reply(
+        spec_llama_target_path: Path, tmp_path: Path, history: int) -> None:
+    # A client asks again (a retry, a regenerate): the prompt holds nothing of the first
+    # reply, but the conversation's history does, and the greedy reply is the same one.
+    # A random model's reply seldom repeats itself or its prompt: without the history,
+    # prompt lookup finds little to draft. (Not adaptive: what is drafted here must not
+    # depend on how busy the machine is.)
+    messages = [{"role": "user", "content": "Write something. " * 6}]
+    key = {"X-Statecache-Session": "conversation-1"}
+    async with serve(spec_llama_target_path, tmp_path / "ckpt", server__lanes=1,
+                     speculative__history_tokens=history,
+                     speculative__adaptive=False) as srv:
+        first = await ask(srv.client, messages, 128, extra_headers=key)
+        m = srv.app[ENGINE].meter
+        before = _drafted(m)
+        second = await ask(srv.client, messages, 128, extra_headers=key)
+        drafted, accepted = (a - b for a, b in zip(_drafted(m), before, strict=True))
+    assert [t["token"] for t in second["tokens"]] == [t["token"] for t in first["tokens"]]
+    n = second["completion_tokens"]
+    if history:
+        assert accepted >= 0.5 * n, (accepted, drafted, n)
+    else:
+        assert accepted < 0.25 * n, (accepted, drafted, n)
+    assert_same_or_near_tie(second["tokens"],
+                            await _plain(spec_llama_target_path, tmp_path, messages, 128),
+                            NEAR_TIE["draft"])
+
+
+async def test_a_request_says_no_under_the_default_config(gemma_path: Path,
+                                                         tmp_path: Path) -> None:
+    messages = [{"role": "user", "content": "Copy this code exactly:\n" + CODE}]
+    async with serve(gemma_path, tmp_path / "ckpt") as srv:
+        await srv.client.chat.completions.create(
+            model="x", messages=messages, max_tokens=64, temperature=0,  # type: ignore[arg-type]
+            extra_body={"speculative": False})
+        assert _drafted(srv.app[ENGINE].meter) == (0, 0)
