@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from proxy.meter import Counter, Family, Gauge
+from proxy.meter import Counter, Family, Gauge, Histogram
 
 # simple engine counters: attribute -> help (family statecache_<attribute>_total)
 _COUNTS = {
@@ -44,6 +44,10 @@ _COUNTS = {
                   "kept finding nothing).",
     "spec_probes": "Drafts a resting lane tried, to see whether drafting pays again.",
 }
+
+
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RATE_BUCKETS = (1.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
 
 
 class EngineMeter:
@@ -88,6 +92,12 @@ class EngineMeter:
             "statecache_share_points_total",
             "FULL checkpoints published where a prompt's first-turn messages start, for new "
             "conversations that share them.")
+        self.ttft = Histogram("statecache_ttft_seconds",
+                              "Time to first token of generation requests, from arrival at "
+                              "the engine (queue, restore and prefill).", TTFT_BUCKETS)
+        self.decode_rate = Histogram("statecache_decode_tokens_per_second",
+                                     "Decode rate of each request that generated two tokens or "
+                                     "more, from its first token to its last.", RATE_BUCKETS)
         self.queue_depth = Gauge("statecache_queue_depth", "Requests waiting for a lane.")
         self.active_requests = Gauge("statecache_active_requests",
                                      "Requests holding a lane now.")

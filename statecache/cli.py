@@ -103,6 +103,14 @@ def main(argv: list[str] | None = None, commands: Mapping[str, Command] | None =
 # -- disk helpers ------------------------------------------------------------------------
 
 
+def _proxy_dir(args: argparse.Namespace, told: Mapping[str, Any]) -> Path | None:
+    """--disk-path, else the directory of the proxy that answered (None: it has no disk
+    tier), else the config's."""
+    if not args.disk_path and "disk_path" in told:
+        return Path(told["disk_path"]) if isinstance(told["disk_path"], str) else None
+    return _disk_dir(args)
+
+
 def _disk_dir(args: argparse.Namespace) -> Path:
     if args.disk_path:
         return Path(args.disk_path).expanduser()
@@ -222,18 +230,25 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.misses:
         return _misses(args, url)
     notes: list[str] = []
+    told: dict[str, Any] = {}  # the proxy's model, fingerprint and disk directory
     try:
-        proxy_rows: list[dict[str, Any]] = (
-            _fetch(f"{url}/admin/checkpoints", _admin_key(args)) or {}
-        ).get("checkpoints", [])
+        told = _fetch(f"{url}/admin/checkpoints", _admin_key(args)) or {}
     except PermissionError as e:
-        proxy_rows = []
         notes.append(f"proxy at {url} refused ({e}); showing disk only")
     except OSError:
-        proxy_rows = []
         notes.append(f"proxy not reachable at {url}; showing disk only")
-    d = _disk_dir(args)
-    disk_rows, bad = _disk_rows(d)
+    proxy_rows: list[dict[str, Any]] = told.get("checkpoints", [])
+    d = _proxy_dir(args, told)
+    disk_rows, bad = _disk_rows(d) if d is not None else ([], [])
+    fingerprint = told.get("fingerprint")
+    if isinstance(fingerprint, str):  # that proxy's model only, named
+        others = [r for r in disk_rows if r["fingerprint"] != fingerprint]
+        if others:
+            notes.append(f"{len(others)} checkpoint(s) of other models in {d} left out")
+        disk_rows = [r for r in disk_rows if r["fingerprint"] == fingerprint]
+        for r in (*disk_rows, *proxy_rows):
+            if isinstance(r, dict) and r.get("fingerprint") == fingerprint:
+                r["model"] = told.get("model")
     merged: dict[str, dict[str, Any]] = {r["id"]: dict(r) for r in disk_rows}
     if args.remote is not None:
         from statecache.remoteadmin import public
@@ -261,8 +276,10 @@ def _inspect(args: argparse.Namespace) -> int:
         row.update(r, tiers=tiers)
     if bad:
         notes.append(f"{len(bad)} unreadable file(s) in {d}; run `statecache verify`")
-    quarantined = _quarantined(d)
-    if quarantined:
+    quarantined = _quarantined(d) if d is not None else []
+    if d is None:
+        notes.append(f"the proxy at {url} has no disk tier ({told.get('disk')})")
+    elif quarantined:
         notes.append(_quarantine_note(d, quarantined))
     out = sys.stdout
     if args.id:

@@ -804,6 +804,12 @@ class CheckpointPool:
         out.sort(key=lambda d: d["last_used"], reverse=True)
         return out
 
+    def page_hashes(self) -> dict[str, tuple[PageHash, ...]]:
+        """Each entry's page hashes (its record's own tuple, not a copy): entries that
+        share a hash share the tokens up to that page."""
+        with self._lock:
+            return {entry_id: e.record.page_hashes for entry_id, e in self._entries.items()}
+
     def get(self, entry_id: str) -> dict[str, Any] | None:
         if not isinstance(entry_id, str) or not valid_id(entry_id):
             return None

@@ -6,6 +6,8 @@
   the server and its endpoints.
 - The last requests (``GET /admin/requests``): route, status and, for a generation, its
   tokens, cached tokens, TTFT and miss reason.
+- ``GET /admin/checkpoints`` names the model and its disk directory beside the list, so
+  ``statecache inspect --url`` reads that proxy's directory, not the default one.
 """
 
 from __future__ import annotations
@@ -63,7 +65,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def list_checkpoints(request: web.Request) -> web.Response:
-    return web.json_response({"checkpoints": request.app[ENGINE].describe_checkpoints()})
+    """The pool's checkpoints (every tier), and whose they are and where its disk tier
+    is: the model, its fingerprint, the directory (``statecache inspect`` reads it)."""
+    engine = request.app[ENGINE]
+    tiers = engine.tiers()
+    return web.json_response({"checkpoints": engine.describe_checkpoints(),
+                              **{k: tiers.get(k) for k in ("model", "fingerprint",
+                                                           "disk_path", "disk")}})
 
 
 async def list_misses(request: web.Request) -> web.Response:

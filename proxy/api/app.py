@@ -74,6 +74,7 @@ from proxy.api.intake import BODY_LIMIT, SLOTS
 from proxy.api.misses import SeenConversations
 from proxy.api.render import load_chat_template
 from proxy.api.response_store import ResponseStore
+from proxy.api.ui import add_ui
 from proxy.api.volatile import Volatile
 from proxy.meters import ApiMeter
 from statecache.config import VolatileRule
@@ -145,4 +146,5 @@ def create_app(engine: EngineLike, *, admin: bool = True,
         app.router.add_get("/admin/checkpoints/{id}", get_checkpoint)
         app.router.add_get("/admin/misses", list_misses)
         app.router.add_get("/admin/requests", list_requests)
+        add_ui(app, page_size)  # GET /ui and the JSON it polls
     return app

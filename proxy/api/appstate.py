@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -14,6 +14,7 @@ from proxy.api.auth import Access
 from proxy.api.misses import Conversation, SeenConversations
 from proxy.api.render import ChatTemplate
 from proxy.api.response_store import ResponseStore
+from proxy.api.ui_tree import TreeView
 from proxy.api.volatile import Volatile
 from proxy.engine.tokens import Tokenizer
 from proxy.engine.types import Event, GenerationRequest
@@ -50,6 +51,12 @@ class EngineLike(Protocol):
     def metrics(self) -> list[Family]: ...
     def health(self) -> dict[str, Any]: ...
     def recent_misses(self) -> list[dict[str, Any]]: ...
+    # The live page (proxy/api/ui.py): lanes now (with their page hashes, in-process
+    # only), each checkpoint's page hashes, the tiers and where they are, the queue.
+    def describe_lanes(self) -> list[dict[str, Any]]: ...
+    def checkpoint_pages(self) -> Mapping[str, tuple[bytes, ...]]: ...
+    def tiers(self) -> dict[str, Any]: ...
+    def queue(self) -> dict[str, int]: ...
     # Stop admitting; running generations end at their next step with a final event.
     def begin_shutdown(self) -> None: ...
 
@@ -78,4 +85,5 @@ FINISHED = web.RequestKey("finished", tuple)  # (request id, its FinishEvent)
 REASON = web.RequestKey("reason", str)  # why a request was refused
 LIMITS = web.AppKey("limits", Limits)
 ACCESS = web.AppKey("access", Access)
+UI_TREE = web.AppKey("ui_tree", TreeView)  # the live page's tree, remembered between looks
 TENANT = web.RequestKey("tenant", str)  # set when the tenant comes from the API key

@@ -8,13 +8,15 @@
 - ``server.admin_key``: the admin routes need it (with keys configured but no admin key,
   nobody may use them); ``server.admin = false`` removes them.
 
-A key arrives as ``Authorization: Bearer K`` (OpenAI clients) or ``x-api-key: K``
-(Anthropic clients). Keys are compared in constant time, and every configured key is
+A key arrives as ``Authorization: Bearer K`` (OpenAI clients), ``x-api-key: K``
+(Anthropic clients) or ``Authorization: Basic`` with K as the password (a browser on the
+live page, ``/ui``, an admin route). Keys are compared in constant time, and every configured key is
 compared, so timing tells nothing about which one nearly matched.
 """
 
 from __future__ import annotations
 
+import base64
 import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from types import MappingProxyType
 
 OPEN_PATHS = ("/health", "/metrics")  # no tenant data: load balancers and scrapers
 ADMIN_PREFIX = "/admin/"
+UI_PATH = "/ui"  # the live page (proxy/api/ui.py): an admin route
 
 
 class AuthError(Exception):
@@ -54,7 +57,19 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
     scheme, _, token = auth.partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
+    if scheme.lower() == "basic" and token.strip():  # a browser: the key as the password
+        try:
+            user, _, password = base64.b64decode(token.strip(), validate=True).decode(
+                "utf-8").partition(":")
+        except ValueError:  # not base64, not UTF-8
+            user = password = ""
+        if password or user:
+            return password or user
     return headers.get("x-api-key") or None
+
+
+def is_admin_path(path: str) -> bool:
+    return path.startswith(ADMIN_PREFIX) or path == UI_PATH
 
 
 def _equal(a: str, b: str) -> bool:
@@ -75,7 +90,7 @@ def identify(access: Access, path: str, headers: Mapping[str, str]) -> Caller:
         return Caller(tenant=None, admin=True)
     key = presented_key(headers)
     is_admin = bool(access.admin_key) and key is not None and _equal(key, access.admin_key)
-    if path.startswith(ADMIN_PREFIX):
+    if is_admin_path(path):
         if is_admin:
             return Caller(tenant=None, admin=True)
         if key is None:

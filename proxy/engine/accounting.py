@@ -52,12 +52,15 @@ class Accounting:
         now = time.perf_counter()
         completion = len(out.generated) - (1 if out.generated and
                                            self.p.model.is_eog(out.generated[-1]) else 0)
+        m = self.p.meter
         if out.t_first:
             s.ttft_s = out.t_first - job.t_submit
+            m.ttft.observe(s.ttft_s)
         if out.t_first and out.generated:
             decode_s = now - out.t_first
             s.decode_tps = (len(out.generated) - 1) / decode_s if decode_s > 0 else 0.0
-        m = self.p.meter
+            if len(out.generated) > 1 and decode_s > 0:
+                m.decode_rate.observe(s.decode_tps)
         m.requests.inc()
         m.tokens_prompt.inc(by=len(job.prompt))
         m.tokens_reused.inc(by=job.reuse)

@@ -28,7 +28,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ from proxy.engine.types import Event, FinishEvent, GenerationRequest, QueueFull
 from proxy.meter import Family
 from proxy.meters import pool_families
 from statecache.config import Config
+from statecache.pages import PageChain
 
 log = logging.getLogger("statecache")
 
@@ -95,6 +96,7 @@ class Engine:
         self._dead: str | None = None
         self._close_lock = threading.Lock()
         self._closed = False
+        self._ui_chains: dict[int, PageChain] = {}  # describe_lanes: each lane's last chain
         self._thread = threading.Thread(target=self._run, name="statecache-engine", daemon=True)
         self._thread.start()
         log_started(p, self.model_name)
@@ -153,6 +155,53 @@ class Engine:
     def recent_misses(self) -> list[dict[str, Any]]:
         """The last misses, newest first (``GET /admin/misses``)."""
         return self.accounting.recent_misses()
+
+    # -- read-only views for the live page (proxy/api/ui.py); off the engine thread ------
+
+    def checkpoint_pages(self) -> Mapping[str, tuple[bytes, ...]]:
+        """Each checkpoint's page hashes (the records' own tuples, not copies): which
+        checkpoints share a prefix. In-process only, never sent as they are."""
+        return self.pool.page_hashes() if self.pool is not None else {}
+
+    def describe_lanes(self) -> list[dict[str, Any]]:
+        """Each lane now: what it holds (tokens, tenant, session), its request's progress
+        and rate, and in ``pages`` the page hashes of its tokens (where it sits among the
+        checkpoints; in-process only). Read while the engine runs: a lane that changes
+        meanwhile shows a step stale. The board's lock is held only to copy its list."""
+        with self.board.cv:
+            jobs = {job.lane.id: job for job, _ in self.board.active if job.lane is not None}
+        now = time.perf_counter()
+        out = []
+        for lane in self.parts.lanes:
+            tokens, tenant = lane.tokens.copy(), lane.tenant
+            row: dict[str, Any] = {"lane": lane.id, "tokens": int(tokens.size),
+                                   "tenant": tenant, "session": lane.session,
+                                   "state": "idle" if tokens.size else "empty",
+                                   "pages": self._lane_pages(lane.id, tokens, tenant)}
+            job = jobs.get(lane.id)
+            if job is not None:
+                row.update(_progress(job, now))
+            out.append(row)
+        return out
+
+    def _lane_pages(self, lane: int, tokens: np.ndarray, tenant: str) -> tuple[bytes, ...]:
+        if self.pool is None:
+            return ()
+        prev = self._ui_chains.get(lane)  # a lane's next look rehashes only its new pages
+        chain = self._ui_chains[lane] = self.pool.chain(tokens, tenant, prev)
+        return chain.hashes
+
+    def tiers(self) -> dict[str, Any]:
+        """Which model this is and where its tiers are: the model, its fingerprint, the
+        disk directory (None while the disk tier is off), the tiers' status and figures."""
+        pool = self.pool
+        disk = pool is not None and pool.disk_status == "ok"
+        return {"model": self.model_name, "fingerprint": self.model.fingerprint,
+                "disk_path": str(Path(self.cfg.cache.disk_path).expanduser().resolve())
+                if disk else None,
+                "disk": pool.disk_status if pool is not None else "cache off",
+                "remote": pool.remote_status if pool is not None else "off",
+                "stats": pool.stats() if pool is not None else {}}
 
     def queue(self) -> dict[str, int]:
         """Requests waiting for a lane and requests holding one, now."""
@@ -276,3 +325,19 @@ class Engine:
                     log.exception("saving idle lane %d failed", lane.id)
                 return  # one per step: a save holds the streams up
 
+
+def _progress(job: Job, now: float) -> dict[str, Any]:
+    """A running request's progress: prompt tokens consumed, tokens generated, and its
+    rate (prefill tokens/s since admission, or decode tokens/s since its first token)."""
+    out = job.out
+    generated = len(out.generated)
+    if job.prefilling:
+        took = now - job.t_admitted if job.t_admitted else 0.0
+        tps = (job.pos - job.reuse) / took if took > 0 else 0.0
+    else:
+        took = now - out.t_first if out.t_first else 0.0
+        tps = (generated - 1) / took if took > 0 and generated > 1 else 0.0
+    return {"state": "prefilling" if job.prefilling else "decoding",
+            "request_id": job.req.request_id, "prompt": len(job.prompt), "pos": job.pos,
+            "reused": job.reuse, "generated": generated,
+            "max_tokens": job.req.sampling.max_tokens, "tps": round(tps, 1)}

@@ -66,3 +66,25 @@ def test_an_admin_key_alone_guards_only_the_admin_routes() -> None:
     with pytest.raises(AuthError):
         identify(access, ADMIN, {})
     assert identify(access, ADMIN, _bearer("sk-admin")).admin
+
+
+def _basic(user: str, password: str) -> dict[str, str]:
+    import base64
+
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+def test_the_live_page_is_an_admin_route_and_a_browser_sends_the_key_as_a_password() -> None:
+    assert identify(KEYS, "/ui", _basic("admin", "sk-admin")).admin
+    assert identify(KEYS, "/ui", _basic("", "sk-admin")).admin
+    assert identify(KEYS, "/ui", _basic("sk-admin", "")).admin  # typed as the user name
+    assert identify(KEYS, "/admin/ui.json", _basic("anyone", "sk-admin")).admin
+    for headers, status in [({}, 401), (_basic("admin", "sk-alice"), 403),
+                            (_basic("admin", "wrong"), 401), (_bearer("sk-bob"), 403),
+                            ({"Authorization": "Basic %%%"}, 401)]:
+        with pytest.raises(AuthError) as e:
+            identify(KEYS, "/ui", headers)
+        assert e.value.status == status
+    assert identify(Access(), "/ui", {}).admin  # no keys: open, as /admin is
+    assert identify(KEYS, "/uix", _bearer("sk-alice")).tenant == "alice"  # not the page
+    assert presented_key({"Authorization": "Basic %%%", "x-api-key": "sk-bob"}) == "sk-bob"
