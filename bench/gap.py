@@ -81,7 +81,10 @@ async def _engine_rate(eng: Engine, prompt: tuple[int, ...], n_out: int) -> floa
 
 def measure(model_path: Path, n_out: int, repeats: int) -> dict[str, Any]:
     cfg = load_config(None, {"model.path": str(model_path), "server.lanes": 4,
-                             "model.n_ctx": 4096, "cache.enabled": False})
+                             "model.n_ctx": 4096, "cache.enabled": False,
+                             # one token a step: this bench times what each token costs
+                             # around its decode; drafting would batch tokens per decode
+                             "speculative.source": "off"})
     eng = Engine(cfg, model_path)
     direct = DirectDecoder(model_path)
     loop = asyncio.new_event_loop()

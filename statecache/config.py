@@ -176,9 +176,8 @@ class SpeculativeConfig:
     catch_up: int = 256  # most tokens a step a draft model decodes to follow its target lane
     # how a hybrid target that has n_rs_seq snapshots drops rejected drafts: "snapshots"
     # (n_rs_seq = draft_max + 1: every decode keeps per-token states), "staged" (a partial
-    # save before each verification, restored on a rejection); "auto": snapshots with a
-    # draft model, staged with prompt lookup (bench.speculative --rollback-check --pair
-    # bench: snapshots faster where a draft pays off; --pair mid: staged faster there)
+    # save before each verification, restored on a rejection); "auto": staged (snapshots
+    # make every decode dearer, drafted or not: bench.speculative's rollback table)
     rollback: str = "auto"
 
 

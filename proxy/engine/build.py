@@ -74,9 +74,12 @@ def build(cfg: Config, model_path: Path) -> Parts:
     if step < lanes:
         raise ValueError(f"engine.step_tokens ({step}) must hold one token per lane ({lanes})")
     n_rs_seq = mc.n_rs_seq
+    # "auto" stages: n_rs_seq snapshots make every decode dearer, drafted or not (10% on
+    # hybrid-mid, bench.speculative's rollback table), where a staged state costs only
+    # the verifications; adaptive drafting rests where drafts do not pay, and a resting
+    # lane should cost nothing
+    rollback = sc.rollback if sc.rollback != "auto" else "staged"
     drafting_model = sc.source in ("draft", "auto") and bool(mc.draft_path)
-    rollback = sc.rollback if sc.rollback != "auto" else (
-        "snapshots" if drafting_model else "staged")
     if sc.source != "off" and rollback == "snapshots" and supports_rs_rollback(model):
         # a verification's rejected drafts roll back through the hybrid memory's
         # per-token snapshots: the drafts and the token before them

@@ -41,7 +41,7 @@ DECAY = 0.9  # weight of a lane's earlier drafts against its last verification
 MODEL_DECAY = 0.99  # ...and of every lane's, for the record a new request starts from
 PROBE_EVERY = 32  # tokens a lane rests before its first probe
 MAX_REST = 1024  # longest rest between two probes
-MISSES_TO_REST = 8  # steps in a row that found nothing to draft before a lane rests
+MISSES_TO_REST = 4  # steps in a row that found nothing to draft before a lane rests
 PROBE_DRAFTS = 2  # drafts a probe verifies, whatever they are expected to yield
 PRIOR = 24.0  # drafts' worth of this model's record a new request starts from
 LOOKUP, DRAFT = 0, 1  # the sources, as indexes of Drafting.accepted / rejected
@@ -86,6 +86,9 @@ class Speculation:
             max(sc.draft_max, sc.lookup_draft_max)
         self.history = History(sc.history_sessions, sc.history_tokens)
         self.lookup_on = sc.source in ("lookup", "auto")  # "draft": the draft model only
+        # tokens resting lanes decoded since the draft model was last probed, and how
+        # many it waits for (doubling while its probes do not pay)
+        self.model_since, self.model_rest = 0, PROBE_EVERY
         self.lanes_decoding = 1  # in the step being planned (plan_step sets it)
         self.model_s, self.model_asked = 0.0, 0  # the draft model's, this step
         # every lane's record of the draft model, decaying slowly: where a request starts
@@ -113,6 +116,7 @@ class Speculation:
         """``n`` tokens decoded without drafts on ``job``'s lane."""
         if job.spec.resting:
             job.spec.since += n
+            self.model_since += n
 
     def remember(self, job: Job) -> None:
         """A request's reply, for later requests of its conversation to draft from."""
@@ -186,8 +190,7 @@ class Speculation:
             spec.source = DRAFT
             return min(w.room, sc.draft_max) if self.p.draft is not None else 0
         lanes = self.lanes_decoding
-        # what a step without drafts costs: a lone lane runs such steps on its own
-        step_s = timer.alone_s if lanes == 1 and timer.alone_s else timer.decode_s.get(lanes, 0.0)
+        step_s = timer.base_s(lanes)
         if step_s <= 0:
             return 0  # this step, without drafts, measures one
         k_look, v_look = best_length(acceptance(spec, LOOKUP), len(found), lanes, step_s,
@@ -205,7 +208,10 @@ class Speculation:
         if spec.probing and not (k_model or k_look):  # it measures what drafts yield now
             if len(found):
                 k_look = min(len(found), PROBE_DRAFTS)
-            elif self.p.draft is not None:
+            elif self.p.draft is not None and self.model_since >= self.model_rest:
+                # the draft model catches up on what its lane rested through: probed
+                # for every lane at once, as rarely as it keeps not paying
+                self.model_since, self.model_rest = 0, min(self.model_rest * 2, MAX_REST)
                 k_model, v_model = min(w.room, PROBE_DRAFTS), 1.0
         if k_model and v_model > v_look:
             spec.source = DRAFT
@@ -241,8 +247,8 @@ class Speculation:
         spec.rejected[DRAFT] = spec.rejected[DRAFT] * DECAY + 1
         spec.probing = False
         spec.misses += 1
-        if spec.misses >= MISSES_TO_REST:
-            self._rest(spec)
+        if spec.misses >= MISSES_TO_REST and self.p.cfg.speculative.adaptive:
+            self._rest(spec)  # (not adaptive: every step asks again)
 
     def stage(self, job: Job) -> None:
         """Before a verification of a lane without rollback: its partial state, to undo
@@ -285,6 +291,8 @@ class Speculation:
             spec.cursor = spec.start + accepted + 1
         if accepted == len(drafts):  # drafting pays here: a rest starts short again
             spec.rest = PROBE_EVERY // 2
+            if src == DRAFT:
+                self.model_rest = PROBE_EVERY
         job.stats.drafted += len(drafts)
         job.stats.accepted += accepted
         m = self.p.meter

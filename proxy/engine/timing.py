@@ -74,8 +74,8 @@ class StepTimer:
                   drafts: StepDrafts) -> None:
         if drafts.model_asked:
             self.model_s = steady(self.model_s or None, drafts.model_s / drafts.model_asked)
-        a = self.decode_s.get(n_decode)
-        if a is None or n_prefill or not drafts.lanes:
+        a = self.base_s(n_decode)
+        if not a or n_prefill or not drafts.lanes:
             return
         extra = max(seconds - drafts.model_s - a, 0.0) / drafts.lanes
         k = max(1, round(drafts.tokens / drafts.lanes))
@@ -83,6 +83,13 @@ class StepTimer:
         for j, old in self.verify_s.items():  # the other lengths, less, scaled: no length
             if j != k:  # keeps a cost that later steps never measure again
                 self.verify_s[j] = steady(old, extra * j / k, ALPHA / 2)
+
+    def base_s(self, lanes: int) -> float:
+        """What a step of ``lanes`` decoding lanes costs without drafts (a lone lane: a
+        token of its own run of steps, no step planned); 0 before it is measured."""
+        if lanes == 1 and self.alone_s:
+            return self.alone_s
+        return self.decode_s.get(lanes, 0.0)
 
     def verify_cost(self, k: int) -> float | None:
         """What ``k`` drafts add to a step, per lane: measured at ``k``, else scaled from
