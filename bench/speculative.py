@@ -171,9 +171,16 @@ def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
             for source in sources:
                 _chat(urls[source], messages, max_tokens)  # warm-up: the prompt cached
                 counts[source] = _spec_counts(urls[source])
-            for _ in range(args.repeats):
-                for source in sources:
+            # at least --repeats turns, more while a source has decoded for less than
+            # --min-seconds (a tiny model decodes 256 tokens in a tenth of a second, where
+            # a neighbour's burst of work weighs on one run); the order alternates
+            spent, r = 0.0, 0
+            while r < args.repeats or (spent < args.min_seconds and r < 10 * args.repeats):
+                for source in (sources if r % 2 == 0 else sources[::-1]):
                     runs[source].append(_chat(urls[source], messages, max_tokens))
+                spent += min(x["tokens"] / x["decode_tps"] if x["decode_tps"] else 0.0
+                             for x in (runs[s][-1] for s in sources))
+                r += 1
             for source in sources:
                 after = _spec_counts(urls[source])
                 drafted = after.get("spec_drafted", 0) - counts[source].get("spec_drafted", 0)
@@ -184,7 +191,8 @@ def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
                           if b["decode_tps"]]
                 out.setdefault(source, {})[name] = {
                     "decode_tps": statistics.median(r["decode_tps"] for r in runs[source]),
-                    "tokens": runs[source][0]["tokens"],
+                    "tokens": runs[source][0]["tokens"], "turns": len(runs[source]),
+                    "ratios": [round(x, 3) for x in ratios] if source != "off" else None,
                     "drafted": drafted, "accepted": accepted,
                     "acceptance": accepted / drafted if drafted else None,
                     "speedup": statistics.median(ratios) if source != "off" and ratios
@@ -347,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-max", type=int, default=0,
                    help="speculative.draft_max (0: the default config's)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--min-seconds", type=float, default=3.0,
+                   help="turns go on (to 10 x --repeats) until each source decoded this long")
     p.add_argument("--sources", type=lambda v: tuple(v.split(",")), default=DEFAULT_SOURCES,
                    help="comma-separated: off (always measured), auto (the default "
                    "config), lookup, draft")
