@@ -99,7 +99,7 @@ def build(cfg: Config, model_path: Path) -> Parts:
                            pool=pool, n_gpu_layers=mc.n_gpu_layers,
                            verbose=cfg.log.llama_verbose, threads_of=ctx, meter=meter)
     rs_snapshots = memory.needs_partial and memory.n_rs_seq > sc.draft_max \
-        and sc.rollback != "staged"
+        and rollback == "snapshots"
     return Parts(
         cfg=cfg, model=model, params=params, ctx=ctx, memory=memory, pool=pool, draft=draft,
         lanes=LaneSet(ctx.n_lanes), meter=meter,
