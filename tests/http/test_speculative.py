@@ -205,9 +205,10 @@ async def test_restored_session_keeps_drafting(spec_target_path: Path, spec_draf
     # the first starts from a FULL checkpoint restored into a lane whose draft holds the
     # other conversation; the draft catches up by prefilling what it lacks. Against the
     # same session on a server where nothing else runs: the same answers, and about the
-    # same acceptance.
+    # same acceptance. Not adaptive: the schedule of drafts must not hang on step timings,
+    # or the two runs draft different tokens and their rates differ by chance.
     spec = {"speculative__source": "draft", "model__draft_path": str(spec_draft_path),
-            "speculative__draft_min_p": 0.0}
+            "speculative__draft_min_p": 0.0, "speculative__adaptive": False}
 
     async def session(srv: Any, interleave: bool) -> tuple[Session, float]:
         s = Session(srv.client, max_tokens=64)
