@@ -152,6 +152,11 @@ class ContextParams:
     # A persistent ggml threadpool whose workers poll this long (0-100, ggml's scale)
     # before they sleep; -1: none, llama.cpp starts threads for every decode.
     poll: int = -1
+    # flash attention: -1 auto (on where the backend has it), 0 off (V stored
+    # transposed), 1 on; KV cache types as ggml type ids (1 = f16, 8 = q8_0)
+    flash_attn: int = -1
+    type_k: int = 1
+    type_v: int = 1
 
 
 class Context:
@@ -170,6 +175,9 @@ class Context:
         p.n_threads_batch = threads
         p.no_perf = True
         p.swa_full = params.swa_full
+        p.flash_attn_type = params.flash_attn
+        p.type_k = params.type_k
+        p.type_v = params.type_v
         # one KV buffer per lane, so a lane holds n_ctx tokens whatever the others do
         p.kv_unified = False
         ptr = _ll.llama_init_from_model(model.ptr, p)

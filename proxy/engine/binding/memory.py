@@ -31,6 +31,14 @@ class MemoryInfo:
         """Whether in-lane rollback needs a saved partial state (recurrent or SWA)."""
         return not self.seq_rm_rollback
 
+    @property
+    def kv_sections(self) -> int:
+        """Attention KV caches a FULL state starts with (docs/design.md, the layout of a
+        sequence state): iSWA writes its base cache and its SWA cache, a hybrid its
+        attention cache before the recurrent part, a recurrent memory none."""
+        return {MemoryKind.ATTENTION: 1, MemoryKind.SWA: 2, MemoryKind.HYBRID: 1,
+                MemoryKind.RECURRENT: 0}[self.kind]
+
     def to_json(self) -> dict[str, object]:
         return {
             "kind": self.kind.value, "n_swa": self.n_swa, "seq_rm_rollback": self.seq_rm_rollback,

@@ -1,0 +1,217 @@
+"""Cutting a sequence state into KV pages and its rest, and putting it back: states
+written here the way llama.cpp's state writer lays them out (docs/design.md, "The
+layout of a sequence state"), with the cases a live lane seldom shows: cells out of
+position order, holes, a transposed V, the M-RoPE cell extension, two KV sections and
+a recurrent tail. tests/model/test_kvpages.py does the same on real states."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import numpy as np
+import pytest
+
+from statecache.kvpages import (
+    SEQ_MAGIC,
+    BadState,
+    assemble,
+    rest_info,
+    split,
+)
+from statecache.pages import PageChain, namespace_hash
+
+P = 4  # page size
+
+
+def kv_section(pos: list[int], *, seq: int = 1, n_stream: int = 2, layers: int = 2,
+               row: int = 6, trans: bool = False, n_embd_v: int = 3, ext: bool = False,
+               rng: random.Random) -> bytes:
+    """One llama_kv_cache::state_write of one sequence: its stream holds ``pos`` (cell
+    order), the other stream is empty."""
+    out = [struct.pack("<I", n_stream)]
+    for s in range(n_stream):
+        if s != seq % n_stream:
+            out.append(struct.pack("<I", 0))
+            continue
+        out.append(struct.pack("<I", len(pos)))
+        for p in pos:
+            out.append(struct.pack("<iI", p, 1))
+            if ext:
+                out.append(struct.pack("<iii", p % 7, p % 5, 1000 + p))
+            out.append(struct.pack("<i", seq))
+        out.append(struct.pack("<II", int(trans), layers))
+        cells = len(pos)
+        for _ in range(layers):  # K: one row per cell
+            out.append(struct.pack("<iQ", 1, row) + rng.randbytes(row * cells))
+        for _ in range(layers):
+            if trans:  # V transposed: n_embd rows of one 2-byte element per cell
+                out.append(struct.pack("<iII", 1, 2, n_embd_v)
+                           + rng.randbytes(2 * n_embd_v * cells))
+            else:
+                out.append(struct.pack("<iQ", 8, row + 2) + rng.randbytes((row + 2) * cells))
+    return b"".join(out)
+
+
+def state(*sections: bytes, tail: bytes = b"", seq: int = 1) -> bytes:
+    return struct.pack("<Ii", SEQ_MAGIC, seq) + b"".join(sections) + tail
+
+
+def chain(n: int) -> tuple:  # type: ignore[type-arg]
+    return PageChain(namespace_hash("fp", ""), P, list(range(100, 100 + n))).hashes
+
+
+def round_trip(blob: bytes, sections: int, n: int) -> tuple:  # type: ignore[type-arg]
+    sp = split(blob, sections=sections, page_size=P, chain=chain(n))
+    pages = [sp.page(i) for i in range(len(sp.keys))]
+    assert bytes(assemble(sp.rest, pages)) == blob
+    return sp, pages
+
+
+@pytest.mark.parametrize("trans", [False, True])
+@pytest.mark.parametrize("ext", [False, True])
+def test_in_order_cells_page_whole_pages_and_keep_the_rest(trans: bool, ext: bool) -> None:
+    rng = random.Random(1)
+    n = 18  # 4 whole pages and 2 tokens
+    blob = state(kv_section(list(range(n)), trans=trans, ext=ext, rng=rng),
+                 tail=rng.randbytes(100))
+    sp, pages = round_trip(blob, 1, n)
+    assert len(sp.keys) == 4 and len(set(sp.keys)) == 4
+    # what the pages hold is gone from the rest: the rest is the headers, the cells'
+    # metadata (runs, unless the extension is there), the 2 last cells and the tail
+    assert len(sp.rest) < len(blob) - sum(map(len, pages)) + 64
+    assert rest_info(sp.rest).n_keys == 4 and rest_info(sp.rest).nbytes == len(blob)
+
+
+def test_pages_are_named_by_tokens_and_content_and_shared_by_longer_states() -> None:
+    rng = random.Random(2)
+    long = kv_section(list(range(16)), rng=rng)
+    # the same first 12 cells' bytes, then other cells: cut out of the longer state
+    blob_long = state(long)
+    sp_long, _ = round_trip(blob_long, 1, 16)
+    # A state after 12 tokens whose cells hold the same bytes as the first 12 above.
+    arr = _cells(blob_long)
+    short = _rebuild(arr, keep=12)
+    sp_short, _ = round_trip(state(short), 1, 12)
+    assert sp_short.keys == sp_long.keys[:3]
+    # one byte of page 1 differs (another batch schedule): another page, the others shared
+    arr2 = _cells(blob_long)
+    arr2["k"][0][5, 0] ^= 1
+    sp_other, _ = round_trip(state(_rebuild(arr2, keep=12)), 1, 12)
+    assert sp_other.keys[0] == sp_short.keys[0] and sp_other.keys[2] == sp_short.keys[2]
+    assert sp_other.keys[1] != sp_short.keys[1]
+
+
+def test_cells_out_of_order_holes_and_repeats() -> None:
+    rng = random.Random(3)
+    n = 20
+    order = list(range(n))
+    rng.shuffle(order)  # a lane whose cells were reused out of order
+    blob = state(kv_section(order, rng=rng))
+    sp, _ = round_trip(blob, 1, n)
+    assert len(sp.keys) == 5
+    # the page content is in position order: the same keys as the cells in order
+    in_order = _sorted_by_pos(blob)
+    assert round_trip(in_order, 1, n)[0].keys == sp.keys
+    # a hole at 6 (page 1) and 9 twice (page 2): those pages stay in the rest
+    holes = [p for p in range(n) if p != 6] + [9]
+    sp, _ = round_trip(state(kv_section(holes, rng=rng)), 1, n)
+    assert len(sp.keys) == 3
+
+
+def test_two_sections_and_a_window() -> None:
+    # iSWA: the base cache holds every position, the SWA cache the last ones only
+    rng = random.Random(4)
+    n = 30
+    base = kv_section(list(range(n)), rng=rng)
+    swa = kv_section(list(range(n - 10, n)), layers=3, rng=rng)
+    sp, _ = round_trip(state(base, swa), 2, n)
+    # 7 whole pages in the base; in the SWA cache positions 20..29: pages 5 and 6
+    assert len(sp.keys) == 7 + 2
+
+
+def test_a_state_of_another_layout_is_kept_whole() -> None:
+    rng = random.Random(5)
+    for blob in (rng.randbytes(300), b"", state(b"\xff" * 40),
+                 state(kv_section(list(range(8)), rng=rng))[:-7]):
+        for sections in (0, 1, 2):
+            sp = split(blob, sections=sections, page_size=P, chain=chain(8))
+            assert sp.keys == ()
+            assert bytes(assemble(sp.rest, [])) == blob
+    # no whole page: no pages either, and the same bytes back
+    sp, _ = round_trip(state(kv_section([0, 1, 2], rng=rng)), 1, 3)
+    assert sp.keys == ()
+
+
+def test_a_wrong_page_or_rest_is_refused() -> None:
+    rng = random.Random(6)
+    blob = state(kv_section(list(range(16)), rng=rng), tail=b"recurrent")
+    sp, pages = round_trip(blob, 1, 16)
+    with pytest.raises(BadState):
+        assemble(sp.rest, [pages[1], pages[0], *pages[2:]])  # two pages swapped
+    bad = bytearray(pages[2])
+    bad[3] ^= 1
+    with pytest.raises(BadState):
+        assemble(sp.rest, [*pages[:2], bytes(bad), pages[3]])
+    with pytest.raises(BadState):
+        assemble(sp.rest, pages[:3])
+    with pytest.raises(BadState):
+        assemble(sp.rest[:-3], pages)
+    rest = bytearray(sp.rest)
+    rest[-1] ^= 1  # the tail
+    with pytest.raises(BadState):
+        assemble(bytes(rest), pages)
+    whole = split(blob, sections=0, page_size=P, chain=())
+    damaged = whole.rest[:-1] + bytes([whole.rest[-1] ^ 1])
+    with pytest.raises(BadState):
+        assemble(damaged, [])
+
+
+# -- helpers that take a written state apart and put it together differently ----------
+
+
+def _cells(blob: bytes) -> dict:  # type: ignore[type-arg]
+    """The one stream of a one-section state written by kv_section (no ext, not
+    transposed): positions, K and V rows per layer."""
+    at = 8
+    (n_stream,) = struct.unpack_from("<I", blob, at)
+    at += 4
+    for _ in range(n_stream):
+        (cells,) = struct.unpack_from("<I", blob, at)
+        at += 4
+        if cells:
+            break
+    meta = np.frombuffer(blob, dtype="<i4", count=3 * cells, offset=at).reshape(cells, 3)
+    at += 12 * cells
+    _, layers = struct.unpack_from("<II", blob, at)
+    at += 8
+    out: dict = {"pos": meta[:, 0].copy(), "k": [], "v": []}  # type: ignore[type-arg]
+    for name in ("k", "v"):
+        for _ in range(layers):
+            _, row = struct.unpack_from("<iQ", blob, at)
+            at += 12
+            out[name].append(np.frombuffer(blob, np.uint8, row * cells, at)
+                             .reshape(cells, row).copy())
+            at += row * cells
+    return out
+
+
+def _rebuild(arr: dict, keep: int) -> bytes:  # type: ignore[type-arg]
+    cells = keep
+    out = [struct.pack("<II", 2, 0), struct.pack("<I", cells)]
+    for p in arr["pos"][:keep]:
+        out.append(struct.pack("<iIi", int(p), 1, 1))
+    out.append(struct.pack("<II", 0, len(arr["k"])))
+    for rows in arr["k"]:
+        out.append(struct.pack("<iQ", 1, rows.shape[1]) + rows[:keep].tobytes())
+    for rows in arr["v"]:
+        out.append(struct.pack("<iQ", 8, rows.shape[1]) + rows[:keep].tobytes())
+    return b"".join(out)
+
+
+def _sorted_by_pos(blob: bytes) -> bytes:
+    arr = _cells(blob)
+    order = np.argsort(arr["pos"])
+    arr = {"pos": arr["pos"][order], "k": [r[order] for r in arr["k"]],
+           "v": [r[order] for r in arr["v"]]}
+    return state(_rebuild(arr, len(order)))
