@@ -81,9 +81,11 @@ def state_io(ctx: Any, model: Any, n_tokens: int, repeats: int) -> tuple[dict[st
 
 def disk_io(data: bytes, directory: Path, repeats: int) -> dict[str, Any]:
     from statecache.disk import DiskTier
+    from statecache.kvpages import assemble, split
     from statecache.records import Kind, Owner, Role, new_record
 
     n = len(data)
+    whole = split(data, sections=0, page_size=32, chain=()).rest  # a state kept whole
     tier = DiskTier(directory / "tier", 1 << 40, "micro", state_format=1, page_size=32)
     w: list[float] = []
     r: list[float] = []
@@ -91,15 +93,15 @@ def disk_io(data: bytes, directory: Path, repeats: int) -> dict[str, Any]:
         rec = new_record(kind=Kind.FULL, owner=Owner.TARGET, lane=None,
                          tokens=list(range(i, i + 2048)), fingerprint="micro", tenant="",
                          state_format=1, nbytes=n, role=Role.BRANCH, created=0.0,
-                         page_size=32)
+                         page_size=32, rest_nbytes=len(whole))
         t0 = time.perf_counter()
-        if not tier.write(rec, data):
+        if not tier.write(rec, whole):
             raise RuntimeError("disk tier refused the write")
         w.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        back = tier.read(rec.id)
+        back = tier.read(rec.id, rec)
         r.append(time.perf_counter() - t0)
-        if back is None or len(back) != n:
+        if back is None or len(assemble(back.rest, [])) != n:
             raise RuntimeError("disk tier read failed")
     pw: list[float] = []
     pr: list[float] = []

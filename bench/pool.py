@@ -14,6 +14,7 @@ import xxhash
 
 from statecache.config import CacheConfig
 from statecache.diskfmt import read_checkpoint, write_checkpoint
+from statecache.kvpages import assemble, split
 from statecache.pool import CheckpointPool
 from statecache.records import Kind, Owner, Role, new_record
 
@@ -88,6 +89,7 @@ def bench_mac(size: int = 16 << 20, rounds: int = 8) -> None:
 
 def bench_disk(size: int = 16 << 20, rounds: int = 4) -> None:
     data = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8).tobytes()
+    whole = split(data, sections=0, page_size=PAGE, chain=()).rest  # a state kept whole
     key = os.urandom(32)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
@@ -105,14 +107,15 @@ def bench_disk(size: int = 16 << 20, rounds: int = 4) -> None:
                 role=Role.BRANCH,
                 created=0.0,
                 page_size=PAGE,
+                rest_nbytes=len(whole),
             )
             t0 = time.perf_counter()
-            write_checkpoint(d, rec, data, key)
+            write_checkpoint(d, rec, whole, key)
             w += time.perf_counter() - t0
             t0 = time.perf_counter()
             _, back = read_checkpoint(d / f"{rec.id}.ckpt", key)
             r += time.perf_counter() - t0
-            assert len(back) == size
+            assert len(assemble(back, [])) == size
         mb = size * rounds / 1e6
         print(f"disk: {rounds} x {size >> 20} MiB states in {tmp}")
         print(f"  write (fsync)   {mb / w:9.0f} MB/s")

@@ -170,6 +170,7 @@ def store_vs_disk(url: str, mib: int, scratch: Path) -> dict[str, float]:
 
     from statecache.config import RemoteConfig
     from statecache.diskfmt import read_checkpoint, write_checkpoint
+    from statecache.kvpages import assemble, split
     from statecache.pages import PageChain, namespace_hash
     from statecache.records import Kind, Owner, Role, new_record
     from statecache.remote import RemoteTier
@@ -177,31 +178,33 @@ def store_vs_disk(url: str, mib: int, scratch: Path) -> dict[str, float]:
     key = os.urandom(32)
     nbytes = mib << 20
     data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    whole = split(data, sections=0, page_size=32, chain=()).rest  # a state kept whole
     tokens = np.arange(1, 4097, dtype=np.int32)
     rec = new_record(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=tokens,
                      fingerprint="bench", tenant="", state_format=1, nbytes=nbytes,
-                     role=Role.REPLAY, created=time.time(), page_size=32)
+                     role=Role.REPLAY, created=time.time(), page_size=32,
+                     rest_nbytes=len(whole))
     out: dict[str, float] = {"bytes": nbytes}
     tier = RemoteTier(RemoteConfig(url=url, timeout=30, queue_bytes=2 * nbytes), key, "bench",
                       state_format=1, page_size=32)
-    tier.put(rec, data)
+    tier.put(rec, whole)
     assert tier.flush(120)
     chain = PageChain(namespace_hash("bench", ""), 32, tokens)
     [hit] = tier.probe(chain, min_n=0, max_n=len(tokens))[:1]
     t0 = time.perf_counter()
     got = tier.fetch(hit, tokens, "")
     out["remote_tier_MBps"] = nbytes / (time.perf_counter() - t0) / 1e6
-    assert got is not None and bytes(got[1]) == data
+    assert got is not None and bytes(assemble(got[1], got[2])) == data
     tier.close()
     r = redis.Redis.from_url(url)
-    keys = [k for k in r.scan_iter(match="statecache:e:*:*:*")]
+    keys = [k for k in r.scan_iter(match="statecache:v2:e:*:*:*")]
     t0 = time.perf_counter()
     pipe = r.pipeline(transaction=False)
     for k in keys:
         pipe.get(k)
     raw = sum(len(v) for v in pipe.execute())
     out["store_raw_MBps"] = raw / (time.perf_counter() - t0) / 1e6
-    write_checkpoint(scratch, rec, data, key)
+    write_checkpoint(scratch, rec, whole, key)
     path = scratch / f"{rec.id}.ckpt"
     for name, read in (("disk_tier_MBps", lambda: read_checkpoint(path, key)),
                        ("disk_raw_MBps", path.read_bytes)):

@@ -163,6 +163,10 @@ _BYTES = _g("statecache_checkpoint_bytes", "Bytes of checkpoints held, per tier.
 _BUDGET = _g("statecache_checkpoint_budget_bytes", "Checkpoint budget, per tier.", ("tier",))
 _ENTRIES = _g("statecache_checkpoints", "Checkpoints held, per tier.", ("tier",))
 _EVICTIONS = _c("statecache_evictions_total", "Checkpoints evicted, per tier.", ("tier",))
+_PAGES = _g("statecache_kv_pages", "KV pages held once for the checkpoints that name them, "
+            "per tier.", ("tier",))
+_PAGE_BYTES = _g("statecache_kv_page_bytes", "Bytes of the KV pages held, per tier (part of "
+                 "statecache_checkpoint_bytes).", ("tier",))
 _REMOTE = _c("statecache_remote_total",
              "Shared (Redis/Valkey) tier events: probes, hits, writes, write_dupes, "
              "write_drops (queue full), write_skipped, errors, reconnects, rejected.", ("event",))
@@ -183,6 +187,10 @@ POOL_KEYS: Mapping[str, tuple[Spec, tuple[str, ...]]] = {
     "ram_budget": (_BUDGET, ("ram",)), "disk_budget": (_BUDGET, ("disk",)),
     "ram_entries": (_ENTRIES, ("ram",)), "disk_entries": (_ENTRIES, ("disk",)),
     "evictions": (_EVICTIONS, ("ram",)), "disk_evictions": (_EVICTIONS, ("disk",)),
+    "ram_pages": (_PAGES, ("ram",)), "disk_pages": (_PAGES, ("disk",)),
+    "ram_page_bytes": (_PAGE_BYTES, ("ram",)), "disk_page_bytes": (_PAGE_BYTES, ("disk",)),
+    "bad_states": (_c("statecache_checkpoint_bad_states_total",
+                      "Checkpoints whose assembled state was not the one saved (a miss)."), ()),
     "remote_read_bytes": (_REMOTE_BYTES, ("read",)),
     "remote_written_bytes": (_REMOTE_BYTES, ("written",)),
     "remote_up": (_g("statecache_remote_up",

@@ -186,10 +186,53 @@ def _disk_rows(d: Path) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
                 "fingerprint": m["fingerprint"],
                 "tenant": m["tenant"],
                 "state_format": m["state_format"],
+                "kv_pages": len(m["keys"]) // 16,
+                "rest_nbytes": m["rest"],
                 "file": str(path),
+                "_keys": m["keys"],
             }
         )
     return rows, bad
+
+
+def _page_files(d: Path) -> Iterator[tuple[Path, str]]:
+    """Every KV page file under ``d`` (any model's) and its key in hex."""
+    from statecache.disk import PAGE_SUFFIX
+
+    if not d.is_dir():
+        return
+    for top in os.scandir(d):
+        if not top.name.startswith("pages-") or not top.is_dir(follow_symlinks=False):
+            continue
+        for sub in os.scandir(top.path):
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            for e in os.scandir(sub.path):
+                if e.name.endswith(PAGE_SUFFIX):
+                    yield Path(e.path), e.name[: -len(PAGE_SUFFIX)]
+
+
+def _orphan_pages(d: Path, keep: list[dict[str, Any]]) -> list[tuple[Path, str, int]]:
+    """Page files no record of ``keep`` names, if no proxy holds the directory now (a
+    running proxy's pages may belong to a record it is writing)."""
+    from statecache.dirlock import Busy, DirLock
+
+    if not d.is_dir():
+        return []
+    try:
+        lock = DirLock(d)
+    except (Busy, OSError):
+        return []
+    try:
+        named = {r["_keys"][i:i + 16].hex() for r in keep for i in range(0, len(r["_keys"]), 16)}
+        out = []
+        for path, name in _page_files(d):
+            if name not in named:
+                out.append((path, f"{path.parent.parent.name}/{name}",
+                            path.stat(follow_symlinks=False).st_size))
+        return out
+    finally:
+        lock.release()
 
 
 # -- inspect -----------------------------------------------------------------------------
@@ -249,7 +292,8 @@ def _inspect(args: argparse.Namespace) -> int:
         for r in (*disk_rows, *proxy_rows):
             if isinstance(r, dict) and r.get("fingerprint") == fingerprint:
                 r["model"] = told.get("model")
-    merged: dict[str, dict[str, Any]] = {r["id"]: dict(r) for r in disk_rows}
+    merged: dict[str, dict[str, Any]] = {
+        r["id"]: {k: v for k, v in r.items() if not k.startswith("_")} for r in disk_rows}
     if args.remote is not None:
         from statecache.remoteadmin import public
 
@@ -420,8 +464,13 @@ def _verify(args: argparse.Namespace) -> int:
     except KeyUnavailable as e:
         print(f"statecache: error: {e}; no checkpoint can be verified", file=sys.stderr)
         return EXIT_PROBLEMS
+    from statecache.disk import page_path, pages_dir
+    from statecache.kvpages import PageKey
+    from statecache.pagefmt import BadPage, decode_page
+
     ok: list[str] = []
     bad: list[dict[str, str]] = []
+    pages: dict[bytes, str] = {}  # page key -> "" when good, else why not
     for path in _ckpt_files(d):
         stem = path.name[: -len(SUFFIX)]
         try:
@@ -430,6 +479,18 @@ def _verify(args: argparse.Namespace) -> int:
             fm, _ = read_checkpoint(path, key)
             if not valid_id(stem) or fm.id != stem:
                 raise BadFile("file name does not match its id")
+            keys = fm.meta["keys"]
+            where = pages_dir(d, fm.meta["fingerprint"])
+            for i in range(0, len(keys), 16):
+                k = PageKey(keys[i:i + 16])
+                if k not in pages:
+                    try:
+                        decode_page(key, k, page_path(where, k).read_bytes())
+                        pages[k] = ""
+                    except (BadPage, OSError) as e:
+                        pages[k] = str(e)
+                if pages[k]:
+                    raise BadFile(f"page {k.hex()}: {pages[k]}")
             ok.append(fm.id)
         except (BadFile, OSError) as e:
             bad.append({"file": path.name, "reason": str(e)})
@@ -497,6 +558,8 @@ def _purge(args: argparse.Namespace) -> int:
         and (args.tenant is None or r["tenant"] == args.tenant)
     ]
     paths = [(Path(r["file"]), r["id"], r["file_bytes"]) for r in chosen]
+    if chosen or args.all:  # the KV pages no record left names
+        paths += _orphan_pages(d, [] if args.all else [r for r in rows if r not in chosen])
     if args.all:
         paths += [(d / b["file"], b["file"], 0) for b in bad]
         paths += _leftovers(d)
@@ -536,6 +599,10 @@ def _purge_remote(args: argparse.Namespace, cutoff: float | None) -> int:
             if args.yes:
                 admin.delete_key(b["key"])
             print(f"{verb} {b['key']} ({b['reason']})")
+    if args.yes and (chosen or (args.all and bad)):
+        swept = admin.sweep_pages()
+        if swept:
+            print(f"removed {swept} KV page(s) no entry names any more")
     total = sum(int(r["nbytes"]) for r in chosen)
     print(f"{verb} {len(chosen) + (len(bad) if args.all else 0)} entr(ies) from {where}, "
           f"{format_size(total)}" + ("" if args.yes else " (dry run; pass --yes to delete)"))

@@ -1,13 +1,24 @@
-"""Disk tier: one authenticated file per FULL checkpoint, a byte budget, quarantine.
+"""Disk tier: one authenticated record file per FULL checkpoint, its KV pages in files of
+their own (each page once, whatever number of records name it), a byte budget,
+quarantine.
 
-Scan reads header + metadata of every file and checks their MAC (cheap); the MAC over
-the whole file is verified on every read, before any byte is served.
+Layout of the directory (other models' records may share it)::
+
+    <id>.ckpt                     a record: its metadata (tokens, page keys ...) and rest
+    pages-<model>/<xx>/<key>.kvp  a KV page (statecache.pagefmt), xx its key's first byte
+    quarantine/                   what was refused
+
+Scan reads header + metadata of every record and checks their MAC (cheap), lists the
+page files and drops records whose pages are missing and pages no record names; the MAC
+of a record's rest and of each page is verified on every read, before any byte is used.
 
 Two halves, so the pool can keep file I/O out of its lock: bookkeeping (``reserve``,
 ``commit``, ``pin``, ``touch``, ``remove`` ...) runs under the pool's lock; the file
 methods (``write_file``, ``read_file``, ``quarantine_file``, ``utime``) touch no shared
-state and run without it. A file being written is reserved in the budget from before
-its temporary file exists until it is committed or cancelled.
+state and run without it. A record being written is reserved in the budget, with the
+pages it adds, from before its temporary files exist until it is committed or
+cancelled. A page lives while a record (stored or being written) names it: the budget
+counts each page once.
 """
 
 from __future__ import annotations
@@ -17,28 +28,38 @@ import logging
 import os
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import xxhash
+
+from statecache import codec
 from statecache.diskfmt import (
     KEY_BYTES,
     SUFFIX,
     TMP_PREFIX,
     BadFile,
+    _open_regular,
     file_name,
     file_size,
+    fsync_dir,
     read_checkpoint,
     read_meta,
     record_from_meta,
     valid_id,
+    write_atomic,
     write_checkpoint,
 )
+from statecache.kvpages import PageKey
+from statecache.pagefmt import BadPage, decode_page, encode_page, max_size
 from statecache.records import CheckpointRecord
 from statecache.sizes import format_size
 
 log = logging.getLogger(__name__)
 
 QUARANTINE = "quarantine"
+PAGE_SUFFIX = ".kvp"
 
 Buffer = bytes | bytearray | memoryview
 
@@ -47,6 +68,16 @@ def ensure_dir(path: Path) -> None:
     if not path.is_dir():
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(path, 0o700)
+
+
+def pages_dir(directory: Path, fingerprint: str) -> Path:
+    """The directory of one model's pages (its name derived from the fingerprint)."""
+    return directory / f"pages-{xxhash.xxh3_64_hexdigest(fingerprint.encode())}"
+
+
+def page_path(pages: Path, key: PageKey) -> Path:
+    h = key.hex()
+    return pages / h[:2] / f"{h}{PAGE_SUFFIX}"
 
 
 def quarantine(directory: Path, path: Path, reason: str, *, quiet: bool = False) -> bool:
@@ -77,7 +108,33 @@ def _same_claims(meta: dict[str, object], rec: CheckpointRecord) -> bool:
         and meta["owner"] == rec.owner.value
         and meta["lane"] == rec.lane
         and meta["nbytes"] == rec.nbytes
+        and meta["keys"] == rec.keys
+        and meta["rest"] == rec.rest_nbytes
     )
+
+
+class BadPageFile(BadFile):
+    """A page file that must never be used: the records that name it are misses."""
+
+    def __init__(self, key: PageKey, reason: str) -> None:
+        super().__init__(f"page {key.hex()}: {reason}")
+        self.key = key
+
+
+@dataclass(slots=True, eq=False)
+class _Page:
+    size: int  # on disk; while not written, the most it can take
+    refs: int = 0  # records, stored or being written, that name it
+    written: bool = False
+
+
+@dataclass(slots=True)
+class Stored:
+    """A checkpoint as read from disk: its rest and its pages (None: not read, the
+    caller has it)."""
+
+    rest: Buffer
+    pages: list[Buffer | None]
 
 
 class DiskTier:
@@ -93,21 +150,27 @@ class DiskTier:
         page_size: int,
         key: bytes | None = None,
         on_evict: Callable[[str], None] | None = None,
+        level: int = codec.DEFAULT_LEVEL,
     ) -> None:
         self.path = path
+        self.pages_path = pages_dir(path, fingerprint)
         self.budget = budget
         self.fingerprint = fingerprint
         self.state_format = state_format
         self.page_size = page_size
+        self.level = level
         # No key: an ephemeral one (benchmarks), so nothing written outlives the process.
         self._key = key if key is not None else os.urandom(KEY_BYTES)
-        self.used = 0  # committed files + reserved (being written) + stray temp files
+        self.used = 0  # records + pages + reserved + stray temp files
+        self.page_bytes = 0  # of ``used``, the pages' (reserved ones at their most)
         self.stray = 0  # leftover temporary files that could not be removed
         self.quarantined = 0
         self.evictions = 0
         self._on_evict = on_evict
         self._sizes: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self._reserved: dict[str, int] = {}
+        self._keys: dict[str, tuple[PageKey, ...]] = {}  # stored or reserved record's pages
+        self._pages: dict[PageKey, _Page] = {}
         self._pins: Counter[str] = Counter()  # files being read: not evicted meanwhile
         self._warned_budget = False
         ensure_dir(path)
@@ -118,6 +181,10 @@ class DiskTier:
     def __contains__(self, entry_id: object) -> bool:
         return entry_id in self._sizes
 
+    @property
+    def pages(self) -> int:
+        return len(self._pages)
+
     def ids(self) -> Iterator[str]:
         """Ids from least to most recently used."""
         return iter(self._sizes)
@@ -126,10 +193,16 @@ class DiskTier:
         """Ids whose files are being written."""
         return iter(self._reserved)
 
+    def has_page(self, key: PageKey) -> bool:
+        page = self._pages.get(key)
+        return page is not None and page.written
+
     # -- start -------------------------------------------------------------------------
 
     def scan(self) -> list[CheckpointRecord]:
-        """Index this model's valid files (oldest first), quarantine bad ones, sweep temp files.
+        """Index this model's valid records (oldest first) and their pages, quarantine
+        bad records and records whose pages are missing, remove pages no record names,
+        sweep temp files.
 
         The caller holds the directory's lock, so every temporary file is a leftover of
         a crash; one that cannot be removed is counted in the budget.
@@ -166,6 +239,13 @@ class DiskTier:
                 log.warning("disk: skipped %s: %s", entry.name, e)
                 continue
             found.append((fm.mtime, rec, fm.file_size))
+        on_disk = self._scan_pages()
+        kept: list[tuple[float, CheckpointRecord, int]] = []
+        for mtime, rec, size in found:
+            if all(k in on_disk for k in rec.page_keys):
+                kept.append((mtime, rec, size))
+            else:
+                self._quarantine(self.path / file_name(rec.id), "a page is missing", reasons)
         if reasons:
             log.warning(
                 "disk: moved %d bad file(s) to %s (%s); `statecache purge --quarantined "
@@ -174,12 +254,48 @@ class DiskTier:
                 self.path / QUARANTINE,
                 ", ".join(f"{n} {why}" for why, n in reasons.most_common()),
             )
-        found.sort(key=lambda t: t[0])
-        for _, rec, size in found:
+        kept.sort(key=lambda t: t[0])
+        for _, rec, size in kept:
             self._sizes[rec.id] = size
             self.used += size
+            self._keys[rec.id] = rec.page_keys
+            for k in self._keys[rec.id]:
+                page = self._pages.get(k)
+                if page is None:
+                    page = self._pages[k] = _Page(on_disk[k], 0, True)
+                    self.used += page.size
+                    self.page_bytes += page.size
+                page.refs += 1
+        orphans = [k for k in on_disk if k not in self._pages]
+        for k in orphans:
+            page_path(self.pages_path, k).unlink(missing_ok=True)
+        if orphans:
+            log.info("disk: removed %d page(s) no checkpoint names", len(orphans))
         self._shrink()
-        return [rec for _, rec, _ in found if rec.id in self._sizes]
+        return [rec for _, rec, _ in kept if rec.id in self._sizes]
+
+    def _scan_pages(self) -> dict[PageKey, int]:
+        """This model's page files and their sizes (temp files swept)."""
+        out: dict[PageKey, int] = {}
+        if not self.pages_path.is_dir():
+            return out
+        for sub in os.scandir(self.pages_path):
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            for entry in os.scandir(sub.path):
+                if entry.name.startswith(TMP_PREFIX):
+                    self._sweep(Path(entry.path))
+                    continue
+                stem = entry.name[: -len(PAGE_SUFFIX)]
+                if not entry.name.endswith(PAGE_SUFFIX) or len(stem) != 32 \
+                        or not entry.is_file(follow_symlinks=False):
+                    continue
+                try:
+                    key = PageKey(bytes.fromhex(stem))
+                    out[key] = entry.stat(follow_symlinks=False).st_size
+                except (ValueError, OSError):
+                    continue
+        return out
 
     def _sweep(self, p: Path) -> None:
         try:
@@ -196,35 +312,62 @@ class DiskTier:
 
     # -- bookkeeping (under the pool's lock) -------------------------------------------
 
-    def reserve(self, rec: CheckpointRecord) -> int | None:
-        """Room for ``rec``'s file, evicting old files; its size, or None if refused."""
+    def reserve(self, rec: CheckpointRecord, page_sizes: Sequence[int]) -> list[int] | None:
+        """Room for ``rec``'s file and the pages the disk lacks (``page_sizes``: raw bytes
+        of each of its pages), evicting old files; the indices of the pages this write
+        must write, or None if refused."""
         if rec.id in self._sizes or rec.id in self._reserved:
             raise RuntimeError(f"disk: {rec.id} is already stored or being written")
+        keys = rec.page_keys
+        if len(page_sizes) != len(keys):
+            raise RuntimeError("disk: page sizes and keys disagree")
         size = file_size(rec)
-        if size > self.budget:
+        new = {k: max_size(n) for k, n in zip(keys, page_sizes, strict=True)
+               if k not in self._pages}
+        if size + sum(new.values()) > self.budget:
             if not self._warned_budget:
                 self._warned_budget = True
                 log.warning(
                     "disk: a %s checkpoint exceeds the disk budget of %s; such states "
                     "are not written",
-                    format_size(size),
+                    format_size(size + sum(new.values())),
                     format_size(self.budget),
                 )
             return None
+        for k, n in new.items():
+            self._pages[k] = _Page(n)
+            self.used += n
+            self.page_bytes += n
+        self._hold(keys)
         self._reserved[rec.id] = size
+        self._keys[rec.id] = keys
         self.used += size
         self._shrink()
         if self.used > self.budget:  # the rest is being read or written right now
             self.cancel(rec.id)
             return None
-        return size
+        return [i for i, k in enumerate(keys) if not self._pages[k].written]
 
-    def commit(self, entry_id: str) -> None:
-        """The reserved file is in place: index it as most recently used."""
-        self._sizes[entry_id] = self._reserved.pop(entry_id)
+    def commit(self, entry_id: str, size: int, page_sizes: dict[PageKey, int]) -> bool:
+        """The reserved files are in place (the record took ``size`` bytes, the pages it
+        wrote ``page_sizes``): index it as most recently used. False (the record is
+        removed) when a page it names was dropped meanwhile and not written again."""
+        for k, n in page_sizes.items():
+            page = self._pages[k]
+            if not page.written:
+                self.used += n - page.size
+                self.page_bytes += n - page.size
+                page.size, page.written = n, True
+        self.used += size - self._reserved.pop(entry_id)
+        self._sizes[entry_id] = size
+        if all(self._pages[k].written for k in self._keys[entry_id]):
+            return True
+        self.remove(entry_id)
+        return False
 
     def cancel(self, entry_id: str) -> None:
         self.used -= self._reserved.pop(entry_id)
+        self._let_go(self._keys.pop(entry_id))
 
     def pin(self, entry_id: str) -> None:
         if entry_id not in self._sizes:
@@ -252,6 +395,33 @@ class DiskTier:
         size = self._sizes.pop(entry_id, None)
         if size is not None:
             self.used -= size
+            self._let_go(self._keys.pop(entry_id))
+
+    def drop_page(self, key: PageKey) -> list[str]:
+        """A page was found bad or gone: forget it and remove the records that name it
+        (not ones being written: they write it anew); their ids."""
+        gone = [i for i, keys in self._keys.items() if i in self._sizes and key in keys]
+        for entry_id in gone:
+            self.remove(entry_id)
+        page = self._pages.get(key)
+        if page is not None and page.written:  # still named by a write in progress
+            page.written = False
+        return gone
+
+    def _hold(self, keys: Sequence[PageKey]) -> None:
+        for k in keys:
+            self._pages[k].refs += 1
+
+    def _let_go(self, keys: Sequence[PageKey]) -> None:
+        """Drop one reference to each page; a page no record names is deleted."""
+        for k in keys:
+            page = self._pages[k]
+            page.refs -= 1
+            if page.refs == 0:
+                del self._pages[k]
+                self.used -= page.size
+                self.page_bytes -= page.size
+                page_path(self.pages_path, k).unlink(missing_ok=True)
 
     def _shrink(self) -> None:
         while self.used > self.budget:
@@ -265,18 +435,68 @@ class DiskTier:
 
     # -- file I/O (no lock) ------------------------------------------------------------
 
-    def write_file(self, rec: CheckpointRecord, data: Buffer) -> int:
-        return write_checkpoint(self.path, rec, data, self._key)
+    def write_file(self, rec: CheckpointRecord, rest: Buffer, pages: Sequence[Buffer],
+                   which: Sequence[int]) -> tuple[int, dict[PageKey, int]]:
+        """Write the pages ``which`` of ``rec``, then its record (the pages durable
+        before the record that names them); the sizes written."""
+        keys = rec.page_keys
+        sizes: dict[PageKey, int] = {}
+        dirs: set[Path] = set()
+        for i in which:
+            path = page_path(self.pages_path, keys[i])
+            if path.parent not in dirs:
+                ensure_dir(path.parent)
+                dirs.add(path.parent)
+            parts = encode_page(self._key, keys[i], pages[i], self.level)
+            sizes[keys[i]] = write_atomic(path.parent, path.name, parts, sync_dir=False)
+        for d in dirs:
+            fsync_dir(d)
+        if dirs:
+            fsync_dir(self.pages_path)
+        return write_checkpoint(self.path, rec, rest, self._key, self.level), sizes
 
-    def read_file(self, rec: CheckpointRecord) -> bytearray:
-        """The state bytes of ``rec``, authenticated and bound to it; raises BadFile."""
-        fm, data = read_checkpoint(self.path / file_name(rec.id), self._key)
+    def read_file(self, rec: CheckpointRecord, have: Sequence[bool] = ()) -> Stored:
+        """The rest of ``rec`` and the pages it names (but those ``have`` marks: the
+        caller holds them), authenticated and bound to it; raises BadFile (BadPageFile
+        for a page)."""
+        fm, rest = read_checkpoint(self.path / file_name(rec.id), self._key)
         if not _same_claims(fm.meta, rec):
             raise BadFile("metadata does not match the indexed entry")
-        return data
+        pages: list[Buffer | None] = []
+        for i, k in enumerate(rec.page_keys):
+            pages.append(None if i < len(have) and have[i] else self.read_page(k))
+        return Stored(rest, pages)
+
+    def read_page(self, key: PageKey) -> Buffer:
+        """One page's raw bytes, authenticated; raises BadPageFile."""
+        path = page_path(self.pages_path, key)
+        try:
+            fd, st = _open_regular(path)
+        except FileNotFoundError:
+            raise BadPageFile(key, "missing") from None
+        except BadFile as e:
+            raise BadPageFile(key, str(e)) from None
+        try:
+            blob = bytearray(st.st_size)
+            view = memoryview(blob)
+            got = 0
+            while got < st.st_size:
+                k = os.readv(fd, [view[got:]])
+                if k == 0:
+                    break
+                got += k
+        finally:
+            os.close(fd)
+        try:
+            return decode_page(self._key, key, view[:got])
+        except BadPage as e:
+            raise BadPageFile(key, str(e)) from None
 
     def quarantine_file(self, entry_id: str, reason: str) -> bool:
         return quarantine(self.path, self.path / file_name(entry_id), reason)
+
+    def quarantine_page(self, key: PageKey, reason: str) -> bool:
+        return quarantine(self.path, page_path(self.pages_path, key), reason)
 
     def utime(self, entry_id: str) -> None:
         with contextlib.suppress(OSError):  # mtime carries the LRU order across restarts
@@ -284,35 +504,33 @@ class DiskTier:
 
     # -- one thread only (benchmarks, tests) -------------------------------------------
 
-    def write(self, rec: CheckpointRecord, data: Buffer) -> bool:
+    def write(self, rec: CheckpointRecord, rest: Buffer, pages: Sequence[Buffer] = ()) -> bool:
         """Reserve, write and commit in one call; False if refused or failed."""
         if rec.id in self._sizes:
             return True
-        if self.reserve(rec) is None:
+        which = self.reserve(rec, [memoryview(p).nbytes for p in pages])
+        if which is None:
             return False
         try:
-            self.write_file(rec, data)
+            size, sizes = self.write_file(rec, rest, pages, which)
         except OSError as e:
             log.error("disk: writing %s failed: %s", rec.id, e)
             self.cancel(rec.id)
             return False
-        self.commit(rec.id)
-        return True
+        return self.commit(rec.id, size, sizes)
 
-    def read(self, entry_id: str) -> bytearray | None:
-        """The verified state bytes, or None (a bad file is quarantined and forgotten)."""
+    def read(self, entry_id: str, rec: CheckpointRecord) -> Stored | None:
+        """The verified rest and pages, or None (a bad file is quarantined and forgotten)."""
         if entry_id not in self._sizes:
             return None
-        path = self.path / file_name(entry_id)
         try:
-            fm, data = read_checkpoint(path, self._key)
-            meta = fm.meta
-            if (meta["id"], meta["fingerprint"], meta["state_format"]) != (
-                entry_id, self.fingerprint, self.state_format
-            ):
-                raise BadFile("metadata does not match the indexed entry")
+            got = self.read_file(rec)
+        except BadPageFile as e:
+            self._quarantine(page_path(self.pages_path, e.key), str(e))
+            self.drop_page(e.key)
+            return None
         except BadFile as e:
-            self._quarantine(path, str(e))
+            self._quarantine(self.path / file_name(entry_id), str(e))
             self.forget(entry_id)
             return None
         except OSError as e:
@@ -321,7 +539,7 @@ class DiskTier:
             return None
         self.touch(entry_id)
         self.utime(entry_id)
-        return data
+        return got
 
     def _quarantine(self, path: Path, reason: str, batch: Counter[str] | None = None) -> None:
         if quarantine(self.path, path, reason, quiet=batch is not None):
@@ -330,11 +548,28 @@ class DiskTier:
                 batch[reason] += 1
 
     def sanity_check(self) -> None:
-        total = sum(self._sizes.values()) + sum(self._reserved.values()) + self.stray
+        pages = sum(p.size for p in self._pages.values())
+        if pages != self.page_bytes:
+            raise RuntimeError(f"disk: {self.page_bytes} page bytes accounted, {pages} held")
+        total = sum(self._sizes.values()) + sum(self._reserved.values()) + self.stray + pages
         if total != self.used:
             raise RuntimeError(f"disk: {self.used} bytes accounted, files hold {total}")
         if self.used > self.budget:
             raise RuntimeError(f"disk: {self.used} bytes over a budget of {self.budget}")
         if set(self._reserved) & set(self._sizes):
             raise RuntimeError("disk: a file is both stored and being written")
+        if set(self._keys) != set(self._sizes) | set(self._reserved):
+            raise RuntimeError("disk: page lists differ from the records held")
+        refs: Counter[PageKey] = Counter()
+        for keys in self._keys.values():
+            refs.update(keys)
+        if set(refs) != set(self._pages):
+            raise RuntimeError("disk: a page no record names, or a record names no page held")
+        for k, page in self._pages.items():
+            if page.refs != refs[k]:
+                raise RuntimeError(f"disk: page {k.hex()} counts {page.refs} records, "
+                                   f"{refs[k]} name it")
+        for entry_id in self._sizes:
+            if any(not self._pages[k].written for k in self._keys[entry_id]):
+                raise RuntimeError(f"disk: record {entry_id} names a page not written")
         # A pinned id may be gone already: removed while its reader held the file.

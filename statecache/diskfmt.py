@@ -1,13 +1,17 @@
 """The checkpoint file format, as free functions (no model, no pool needed).
 
-Layout: header | msgpack metadata | meta tag | raw state bytes | tag.
-Header: magic b"SCKP", format version u16, flags u16, header/meta/data lengths, key id.
+Layout: header | msgpack metadata | meta tag | stored rest | tag.
+Header: magic b"SCKP", format version u16, codec u16 (``statecache.codec``: how the rest
+is stored), header/meta/data lengths, key id. The data is the state's rest
+(``statecache.kvpages``); its KV pages are files of their own (``statecache.pagefmt``),
+named by the page keys the metadata lists.
 Both tags are HMAC-SHA256 under the pool's secret key: the meta tag covers header and
 metadata (checked at scan, without reading the state), the tag covers everything before
 it. The metadata names the tokens, fingerprint, tenant and state format, so a file
 proves which conversation its state belongs to; an unkeyed digest proved nothing, as
 anyone who can write the directory can recompute it. Version 1 files (xxh3 digest, no
-key) are never served.
+key) are never served, nor are version 2 files (a whole state per file: read as a miss
+and quarantined like any file this version cannot trust).
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from statecache import codec
+from statecache.pages import HASH_BYTES
 from statecache.records import CheckpointRecord, Kind, Owner, Role, new_record
 
 MAGIC = b"SCKP"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 SUFFIX = ".ckpt"
 TMP_PREFIX = ".tmp-"
 # magic, version, flags, header_len, meta_len, data_len, key id
@@ -40,6 +46,7 @@ MAX_META_BYTES = 16 << 20  # 4M tokens of context at most
 MAX_DATA_BYTES = 1 << 40
 _ID_RE = re.compile(r"^[0-9a-f]{32}$")
 _CHUNK = 8 << 20
+Buffer = bytes | bytearray | memoryview
 _META_TYPES: dict[str, tuple[type, ...]] = {
     "id": (str,),
     "kind": (str,),
@@ -54,6 +61,8 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "created": (float, int),
     "role": (str,),
     "preview": (str,),
+    "keys": (bytes,),
+    "rest": (int,),
 }
 
 
@@ -68,9 +77,10 @@ class FileMeta:
     path: Path
     meta: dict[str, Any]
     file_size: int
-    data_len: int
+    data_len: int  # the rest as stored
     mtime: float
     key_id: bytes
+    codec: int = codec.RAW
 
     @property
     def id(self) -> str:
@@ -102,6 +112,8 @@ def encode_meta(rec: CheckpointRecord) -> bytes:
         "created": float(rec.created),
         "role": rec.role.value,
         "preview": rec.preview,
+        "keys": rec.keys,
+        "rest": rec.rest_nbytes,
     }
     return bytes(msgpack.packb(meta, use_bin_type=True))
 
@@ -128,6 +140,8 @@ def decode_meta(raw: bytes) -> dict[str, Any]:
             raise BadFile(f"metadata {key}: wrong type {type(value).__name__}")
     if len(meta["tokens"]) != 4 * meta["n"]:
         raise BadFile("metadata n disagrees with its tokens")
+    if len(meta["keys"]) % HASH_BYTES or not 0 < meta["rest"] <= MAX_DATA_BYTES:
+        raise BadFile("metadata page keys or rest length out of range")
     return meta
 
 
@@ -147,6 +161,8 @@ def record_from_meta(meta: dict[str, Any], page_size: int) -> CheckpointRecord:
             created=float(meta["created"]),
             page_size=page_size,
             preview=meta["preview"],
+            keys=meta["keys"],
+            rest_nbytes=meta["rest"],
         )
     except ValueError as e:
         raise BadFile(f"metadata does not describe a checkpoint: {e}") from None
@@ -167,8 +183,9 @@ def _mac(key: bytes) -> hmac.HMAC:
 
 
 def file_size(rec: CheckpointRecord) -> int:
-    """Bytes the file of ``rec`` takes on disk (what the disk tier reserves)."""
-    return HEADER.size + len(encode_meta(rec)) + TAG_BYTES + rec.nbytes + TAG_BYTES
+    """The most bytes the file of ``rec`` takes on disk (what the disk tier reserves; a
+    compressed rest takes less)."""
+    return HEADER.size + len(encode_meta(rec)) + TAG_BYTES + rec.rest_nbytes + TAG_BYTES
 
 
 def _read_exact(fd: int, n: int) -> bytes:
@@ -212,7 +229,9 @@ def _read_head(
     if st.st_size < HEADER.size + 2 * TAG_BYTES:
         raise BadFile("truncated")
     head += _read_exact(fd, HEADER.size - _V1_HEADER_BYTES)
-    _, _, _flags, header_len, meta_len, data_len, kid = HEADER.unpack(head)
+    _, _, kind, header_len, meta_len, data_len, kid = HEADER.unpack(head)
+    if kind not in codec.CODECS:
+        raise BadFile(f"unknown codec {kind}")
     if header_len != HEADER.size or meta_len > MAX_META_BYTES or data_len > MAX_DATA_BYTES:
         raise BadFile("length field out of range")
     if header_len + meta_len + data_len + 2 * TAG_BYTES != st.st_size:
@@ -230,9 +249,9 @@ def _read_head(
             raise BadFile("metadata MAC mismatch (forged or edited)")
         mac.update(meta_tag)
     meta = decode_meta(raw_meta)
-    if meta["nbytes"] != data_len:
-        raise BadFile("metadata nbytes disagrees with the data length")
-    return FileMeta(path, meta, st.st_size, data_len, st.st_mtime, kid), mac
+    if data_len > meta["rest"] or (kind == codec.RAW and data_len != meta["rest"]):
+        raise BadFile("metadata rest length disagrees with the data length")
+    return FileMeta(path, meta, st.st_size, data_len, st.st_mtime, kid, kind), mac
 
 
 def read_meta(path: Path, key: bytes | None = None) -> FileMeta:
@@ -248,8 +267,9 @@ def read_meta(path: Path, key: bytes | None = None) -> FileMeta:
         os.close(fd)
 
 
-def read_checkpoint(path: Path, key: bytes) -> tuple[FileMeta, bytearray]:
-    """Header, metadata and state bytes, every byte authenticated; raises BadFile."""
+def read_checkpoint(path: Path, key: bytes) -> tuple[FileMeta, Buffer]:
+    """Header, metadata and the rest (decoded), every byte authenticated before it is
+    decoded; raises BadFile."""
     fd, st = _open_regular(path)
     try:
         fm, mac = _read_head(fd, st, path, key)
@@ -265,9 +285,12 @@ def read_checkpoint(path: Path, key: bytes) -> tuple[FileMeta, bytearray]:
             got += k
         if not hmac.compare_digest(_read_exact(fd, TAG_BYTES), mac.digest()):
             raise BadFile("MAC mismatch (forged or corrupt)")
-        return fm, data
     finally:
         os.close(fd)
+    try:
+        return fm, codec.decode(fm.codec, data, fm.meta["rest"])
+    except codec.BadCodec as e:
+        raise BadFile(f"the rest does not decode: {e}") from None
 
 
 def _write_all(fd: int, buf: bytes | bytearray | memoryview) -> None:
@@ -285,36 +308,49 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_checkpoint(
-    directory: Path, rec: CheckpointRecord, data: bytes | bytearray | memoryview, key: bytes
-) -> int:
-    """Write atomically (temp file, fsync, rename, fsync dir); returns the file size."""
-    data = memoryview(data).cast("B")
-    if data.nbytes != rec.nbytes:
-        raise ValueError(f"{rec.id}: {data.nbytes} state bytes, record says {rec.nbytes}")
-    raw_meta = encode_meta(rec)
-    head = HEADER.pack(
-        MAGIC, FORMAT_VERSION, 0, HEADER.size, len(raw_meta), data.nbytes, key_id(key)
-    )
-    mac = _mac(key)
-    mac.update(head)
-    mac.update(raw_meta)
-    meta_tag = mac.copy().digest()
-    mac.update(meta_tag)
-    mac.update(data)
-    final = directory / file_name(rec.id)
-    tmp = directory / f"{TMP_PREFIX}{rec.id}-{os.getpid()}-{os.urandom(4).hex()}"
+def write_atomic(directory: Path, name: str, parts: list[Buffer], *,
+                 sync_dir: bool = True) -> int:
+    """Write ``parts`` as ``directory/name`` atomically (temp file, fdatasync, rename,
+    fsync of the directory unless the caller does it once for many); returns the size."""
+    final = directory / name
+    tmp = directory / f"{TMP_PREFIX}{name}-{os.getpid()}-{os.urandom(4).hex()}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(tmp, flags, 0o600)
+    size = 0
     try:
-        for part in (head, raw_meta, meta_tag, data, mac.digest()):
+        for part in parts:
             _write_all(fd, part)
-        os.fsync(fd)
+            size += memoryview(part).nbytes
+        (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
     os.replace(tmp, final)
-    fsync_dir(directory)
-    return len(head) + len(raw_meta) + 2 * TAG_BYTES + data.nbytes
+    if sync_dir:
+        fsync_dir(directory)
+    return size
+
+
+def write_checkpoint(directory: Path, rec: CheckpointRecord, rest: Buffer, key: bytes,
+                     level: int = codec.DEFAULT_LEVEL) -> int:
+    """Write the record and its rest atomically; returns the file size."""
+    rest = memoryview(rest).cast("B")
+    if rest.nbytes != rec.rest_nbytes:
+        raise ValueError(f"{rec.id}: a rest of {rest.nbytes} bytes, record says "
+                         f"{rec.rest_nbytes}")
+    kind, stored = codec.encode(rest, level)
+    stored_len = memoryview(stored).nbytes
+    raw_meta = encode_meta(rec)
+    head = HEADER.pack(
+        MAGIC, FORMAT_VERSION, kind, HEADER.size, len(raw_meta), stored_len, key_id(key)
+    )
+    mac = _mac(key)
+    mac.update(head)
+    mac.update(raw_meta)
+    meta_tag = mac.copy().digest()
+    mac.update(meta_tag)
+    mac.update(stored)
+    return write_atomic(directory, file_name(rec.id),
+                        [head, raw_meta, meta_tag, stored, mac.digest()])

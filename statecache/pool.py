@@ -1,11 +1,17 @@
 """CheckpointPool: the index, the RAM tier and the disk tier behind one lock.
 
+A FULL state is stored as its rest and its KV pages (``statecache.kvpages``): each tier
+holds a page once for all the checkpoints that name it, and a lookup assembles the
+state llama.cpp reads back, checked against the digest of the state that was saved.
+
 Invariants (checked by ``sanity_check``): every entry is in the index and in at least
 one of: the RAM tier, the disk tier, the spill set (FULL states evicted from RAM
 before they reached the disk, kept in RAM's byte count until written); every tier id
-is an entry; PARTIAL entries are never on disk; the bytes each tier accounts equal
-what it holds and stay within its budget; a file being written is reserved on disk;
-the remote tier's write queue holds at most ``queue_bytes``, counted exactly.
+is an entry; PARTIAL entries are never on disk; every page an entry names is held by
+each tier that holds the entry, and each page's count of references equals the
+entries that name it; the bytes each tier accounts equal what it holds (each page
+once) and stay within its budget; a file being written is reserved on disk; the
+remote tier's write queue holds at most ``queue_bytes``, counted exactly.
 
 Nothing slow runs under the lock that ``describe``/``get``/``stats`` take from the
 event loop: disk reads, MAC checks, writes and fsyncs happen with the entry pinned and
@@ -22,6 +28,7 @@ store joins the RAM tier as an entry of this pool, never sent back.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -35,9 +42,10 @@ from typing import Any
 from statecache.config import CacheConfig
 from statecache.costs import Costs
 from statecache.dirlock import DirLock
-from statecache.disk import DiskTier
+from statecache.disk import BadPageFile, DiskTier
 from statecache.diskfmt import BadFile, file_name, valid_id
 from statecache.index import Index
+from statecache.kvpages import BadState, PageKey, Split, assemble, key_bytes, split
 from statecache.lease import Buffer, Lease
 from statecache.opendisk import open_disk
 from statecache.pages import PageChain, PageHash, Tokens, as_tokens, namespace_hash
@@ -105,11 +113,15 @@ class CheckpointPool:
         fingerprint: str,
         *,
         state_format: int = 1,
+        kv_sections: int = 0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.cfg = cfg
         self.fingerprint = fingerprint
         self.state_format = state_format
+        # KV caches a FULL state of this model starts with (MemoryInfo.kv_sections):
+        # 0 keeps every state whole
+        self.kv_sections = kv_sections
         self.page_size = cfg.page_size
         self._clock = clock
         self._lock = threading.RLock()
@@ -210,6 +222,7 @@ class CheckpointPool:
             raise ValueError(f"max_n must be >= 0, got {max_n}")
         tried: set[str] = set()
         while True:  # each turn tries one candidate; a bad file is never a candidate again
+            pin: Pin | None = None
             with self._lock:
                 rec = self._pick(chain, kind, owner, lane, limit, tried)
                 if rec is None:
@@ -217,13 +230,39 @@ class CheckpointPool:
                     return None
                 disk = self._disk
                 if self._in_memory(rec.id):
-                    return self._lease_memory(rec)
-                assert disk is not None and rec.id in disk
-                disk.pin(rec.id)
+                    pin, rest, pages = self._pin_memory(rec)
+                else:
+                    assert disk is not None and rec.id in disk
+                    disk.pin(rec.id)
+                    local = self._ram_pages(rec.page_keys)
             tried.add(rec.id)
-            lease = self._lease_disk(rec, disk)
+            if pin is not None:
+                data = self._assemble(rec, rest, pages)
+                if data is not None:
+                    return Lease(self, rec, "ram", data, pin)
+                self._release(pin)
+                self.remove(rec.id)
+                continue
+            assert disk is not None
+            lease = self._lease_disk(rec, disk, local)
             if lease is not None:
                 return lease
+
+    def _assemble(self, rec: CheckpointRecord, rest: Buffer, pages: list[Buffer]
+                  ) -> memoryview | None:
+        """The state llama.cpp reads back, or None (logged, counted) if it is not the
+        one that was saved."""
+        try:
+            return assemble(rest, pages)
+        except BadState as e:
+            log.error("pool: checkpoint %s does not assemble (%s): a miss", rec.id, e)
+            with self._lock:
+                self._counts["bad_states"] += 1
+            return None
+
+    def _ram_pages(self, keys: tuple[PageKey, ...]) -> dict[int, bytes]:
+        """The pages of ``keys`` the RAM tier holds, by index (lock held)."""
+        return {i: self._ram.page(k) for i, k in enumerate(keys) if self._ram.has_page(k)}
 
     def _pick(
         self,
@@ -251,24 +290,35 @@ class CheckpointPool:
             on_disk = on_disk or rec
         return on_disk
 
-    def _lease_memory(self, rec: CheckpointRecord) -> Lease:
+    def _pin_memory(self, rec: CheckpointRecord) -> tuple[Pin, Buffer, list[Buffer]]:
+        """Pin a state held in memory: its rest and its pages (lock held)."""
         if rec.id in self._ram:
             pin = self._ram.pin(rec.id)
         else:
             pin = self._spilling[rec.id]
             self._ram.pin_slot(pin)
         self._hit(self._entries[rec.id], "ram")
-        return Lease(self, rec, "ram", pin.data, pin)
+        return pin, pin.data, [self._ram.page(k) for k in pin.keys]
 
-    def _lease_disk(self, rec: CheckpointRecord, disk: DiskTier) -> Lease | None:
-        """Read and verify without the lock (the file is pinned), then publish under it."""
+    def _lease_disk(self, rec: CheckpointRecord, disk: DiskTier,
+                    local: dict[int, bytes]) -> Lease | None:
+        """Read and verify without the lock (the file is pinned), then publish under it.
+        Pages the RAM tier holds (``local``) are not read."""
         bad: str | None = None
         moved = False
+        bad_page: PageKey | None = None
+        data: memoryview | None = None
         t0 = time.perf_counter()
         try:
-            data = disk.read_file(rec)
+            stored = disk.read_file(rec, [i in local for i in range(rec.n_keys)])
+            pages: list[Buffer] = [local[i] if p is None else p
+                                   for i, p in enumerate(stored.pages)]
+            data = assemble(stored.rest, pages)
             self.costs.note_read("disk", rec.nbytes, time.perf_counter() - t0)
-        except BadFile as e:
+        except BadPageFile as e:
+            bad, bad_page = str(e), e.key
+            moved = disk.quarantine_page(e.key, bad)
+        except (BadFile, BadState) as e:
             bad = str(e)
             moved = disk.quarantine_file(rec.id, bad)
         except OSError as e:  # e.g. purged by hand while we ran
@@ -278,17 +328,19 @@ class CheckpointPool:
             disk.utime(rec.id)
         with self._lock:
             disk.unpin(rec.id)
-            if bad is not None:
+            if bad is not None or data is None:
                 disk.quarantined += moved
-                disk.forget(rec.id)
-                self._forget_if_homeless(rec.id)
+                gone = [] if bad_page is None else disk.drop_page(bad_page)
+                if rec.id not in gone:
+                    disk.forget(rec.id)
+                    gone.append(rec.id)
+                for entry_id in gone:
+                    self._forget_if_homeless(entry_id)
                 return None
             pin: Pin | None = None
             entry = self._entries.get(rec.id)
-            cost = rec.nbytes + rec.token_bytes
             promote = entry is not None and not self._in_memory(rec.id)
-            if promote and entry is not None and self._ram.put(rec.id, data, cost,
-                                                               self._cls(entry)):
+            if promote and entry is not None and self._put_ram(entry, stored.rest, pages):
                 self._counts["promotions"] += 1
                 pin = self._ram.pin(rec.id)
             if entry is not None:
@@ -296,6 +348,15 @@ class CheckpointPool:
             else:  # removed while we read: the bytes are still exactly this record's state
                 self._counts["hits_disk"] += 1
             return Lease(self, rec, "disk", data, pin)
+
+    def _put_ram(self, entry: _Entry, rest: Buffer, pages: list[Buffer],
+                 cls: EvictionClass | None = None) -> bool:
+        """Store a state read from disk or the store in the RAM tier (lock held)."""
+        rec = entry.record
+        return self._ram.put(rec.id, bytes(rest), rec.rest_nbytes + rec.token_bytes,
+                             self._cls(entry) if cls is None else cls, rec.page_keys,
+                             [memoryview(p).nbytes for p in pages],
+                             lambda i: bytes(pages[i]))
 
     def _hit(self, entry: _Entry, tier: str) -> None:
         rec = entry.record
@@ -352,25 +413,40 @@ class CheckpointPool:
         if remote is None:
             return None
         t0 = time.perf_counter()
-        got = remote.fetch(offer.hit, as_tokens(tokens), tenant or self.cfg.tenant)
-        if got is None:
+        got = remote.fetch(offer.hit, as_tokens(tokens), tenant or self.cfg.tenant,
+                           self._local_pages)
+        data = None if got is None else self._assemble(got[0], got[1], got[2])
+        if got is None or data is None:
             with self._lock:
                 self._counts["remote_misses"] += 1
             return None
-        rec, data = got
+        rec, rest, pages = got
         self.costs.note_read("remote", rec.nbytes, time.perf_counter() - t0)
-        blob = bytes(data)
         with self._lock:
             self._counts["hits_remote"] += 1
             entry = self._entries.get(rec.id)
             if entry is None:  # joins RAM as this pool's own entry (never sent back)
                 entry = _Entry(rec, EntryStats(last_used=self._clock(), hits=1))
-                if self._ram.put(rec.id, blob, rec.nbytes + rec.token_bytes,
-                                 self._cls(entry)):
+                if self._put_ram(entry, rest, pages):
                     self._add(entry)
                     self._queue_write(entry)
-                    return Lease(self, rec, "remote", blob, self._ram.pin(rec.id))
-        return Lease(self, rec, "remote", blob, None)
+                    return Lease(self, rec, "remote", data, self._ram.pin(rec.id))
+        return Lease(self, rec, "remote", data, None)
+
+    def _local_pages(self, keys: tuple[PageKey, ...]) -> dict[int, Buffer]:
+        """The pages of ``keys`` the local tiers hold (RAM, else read from disk), by index:
+        the shared tier fetches only the others."""
+        with self._lock:
+            out: dict[int, Buffer] = dict(self._ram_pages(keys))
+            disk = self._disk
+            on_disk = [] if disk is None else [
+                i for i, k in enumerate(keys) if i not in out and disk.has_page(k)]
+        for i in on_disk:
+            assert disk is not None
+            # gone or bad: the store's copy is fetched instead
+            with contextlib.suppress(BadFile, OSError):
+                out[i] = disk.read_page(keys[i])
+        return out
 
     # -- changes -----------------------------------------------------------------------
 
@@ -409,8 +485,26 @@ class CheckpointPool:
             page_size=self.page_size,
             preview=preview,
         )
-        blob = bytes(data)  # copied before taking the lock: 16 MiB take milliseconds
-        cost = rec.nbytes + rec.token_bytes
+        with self._lock:
+            entry = self._entries.get(rec.id)
+            if entry is not None:  # the same state again: nothing to cut or copy
+                self._expire_kept(now)
+                self._keep(entry, now + keep_s)
+                return self._refresh(entry, rec, now)
+        # Cut, hashed and copied before taking the lock: 16 MiB take milliseconds. Only
+        # the pages RAM lacks are copied.
+        sp = self._split(rec, data)
+        rec = dataclasses.replace(rec, keys=key_bytes(sp.keys), rest_nbytes=len(sp.rest))
+        with self._lock:
+            missing = self._ram.missing(sp.keys)
+        copies = {i: sp.page(i) for i in missing}
+
+        def source(i: int) -> bytes:
+            page = copies.get(i)
+            return page if page is not None else sp.page(i)
+
+        sizes = [sp.page_size(i) for i in range(len(sp.keys))]
+        cost = rec.rest_nbytes + rec.token_bytes
         deadline = time.monotonic() + _SPILL_WAIT_S
         with self._cond:
             self._expire_kept(now)
@@ -420,20 +514,22 @@ class CheckpointPool:
                     self._keep(entry, now + keep_s)
                     return self._refresh(entry, rec, now)
                 entry = _Entry(rec, EntryStats(last_used=now))
-                if self._ram.put(rec.id, blob, cost, self._keep(entry, now + keep_s)):
+                if self._ram.put(rec.id, sp.rest, cost, self._keep(entry, now + keep_s),
+                                 sp.keys, sizes, source):
                     self._add(entry)
                     self._counts["inserts"] += 1
                     self._queue_write(entry)
-                    self._share(rec, blob)
+                    self._share(rec, sp.rest, [self._ram.page(k) for k in sp.keys])
                     return rec
                 left = deadline - time.monotonic()
                 if not (self._spilling and self._writer.running and left > 0):
                     break
                 self._cond.wait(left)  # the writer frees RAM as spilled states land
-            job = self._claim_direct(entry, blob)
+            pages = [source(i) for i in range(len(sp.keys))]
+            job = self._claim_direct(entry, sp.rest, pages)
             if job is None:
                 self._counts["refused"] += 1
-                if cost > self._ram.budget:
+                if cost + sum(sizes) > self._ram.budget:
                     self._warn_once(
                         "too-big",
                         "pool: refused a %s %s state: it exceeds the RAM budget of %s%s",
@@ -443,18 +539,26 @@ class CheckpointPool:
                         "" if self._disk is None else " and the disk took none",
                     )
                 return None
-        self._share(rec, blob)
+        self._share(rec, sp.rest, pages)
         return rec if self._run_write(job) else None
 
-    def _share(self, rec: CheckpointRecord, blob: bytes) -> None:
-        if self._remote is not None and rec.kind is Kind.FULL and rec.owner is Owner.TARGET:
-            self._remote.put(rec, blob)
+    def _split(self, rec: CheckpointRecord, data: Buffer) -> Split:
+        """A FULL state of the target cut into its rest and KV pages; any other state
+        kept whole (a rest without pages)."""
+        paged = rec.kind is Kind.FULL and rec.owner is Owner.TARGET
+        return split(data, sections=self.kv_sections if paged else 0,
+                     page_size=self.page_size, chain=rec.page_hashes)
 
-    def _claim_direct(self, entry: _Entry, blob: bytes) -> WriteJob | None:
+    def _share(self, rec: CheckpointRecord, rest: bytes, pages: list[bytes]) -> None:
+        if self._remote is not None and rec.kind is Kind.FULL and rec.owner is Owner.TARGET:
+            self._remote.put(rec, rest, pages)
+
+    def _claim_direct(self, entry: _Entry, rest: bytes, pages: list[bytes]
+                      ) -> WriteJob | None:
         rec = entry.record
         if rec.kind is not Kind.FULL or self._disk is None or rec.id in self._writing:
             return None
-        if rec.nbytes + rec.token_bytes > self._ram.budget:
+        if rec.rest_nbytes + rec.token_bytes > self._ram.budget:
             self._warn_once(
                 "ram-small",
                 "pool: the RAM budget of %s is smaller than a %s state: such states go "
@@ -462,7 +566,7 @@ class CheckpointPool:
                 format_size(self._ram.budget),
                 format_size(rec.nbytes),
             )
-        job = self._claim(entry, blob, None)
+        job = self._claim(entry, rest, pages, None)
         if job is not None:
             job.direct = True
             self._counts["direct_writes"] += 1
@@ -634,7 +738,7 @@ class CheckpointPool:
             self._writer.enqueue(entry.record.id)
 
     def _claim_queued(self, entry_id: str) -> WriteJob | None:
-        """A write of a state in memory: pin its bytes and reserve its file (lock held)."""
+        """A write of a state in memory: pin its bytes and reserve its files (lock held)."""
         entry = self._entries.get(entry_id)
         if entry is None or not self._dirty(entry) or entry_id in self._writing:
             return None
@@ -643,35 +747,36 @@ class CheckpointPool:
         else:
             pin = self._spilling[entry_id]
             self._ram.pin_slot(pin)
-        job = self._claim(entry, pin.data, pin)
+        job = self._claim(entry, pin.data, [self._ram.page(k) for k in pin.keys], pin)
         if job is None:
             self._ram.unpin(pin)
             self._end_spill(entry_id)  # the disk cannot take it: a spilled state is lost
         return job
 
-    def _claim(self, entry: _Entry, data: Buffer, pin: Pin | None) -> WriteJob | None:
+    def _claim(self, entry: _Entry, rest: Buffer, pages: list[bytes], pin: Pin | None
+               ) -> WriteJob | None:
         disk = self._disk
         if disk is None:
             return None
-        if disk.reserve(entry.record) is None:
+        which = disk.reserve(entry.record, [len(p) for p in pages])
+        if which is None:
             entry.no_disk = True
             return None
-        job = WriteJob(entry.record, data, pin, disk)
+        job = WriteJob(entry.record, rest, pages, which, pin, disk)
         self._writing[entry.record.id] = job
         return job
 
     def _run_write(self, job: WriteJob) -> bool:
-        """Write the file without the lock, then publish it under the lock."""
+        """Write the files without the lock, then publish them under the lock."""
         error: OSError | None = None
-        ok = False
+        written: tuple[int, dict[PageKey, int]] | None = None
         try:
-            job.disk.write_file(job.record, job.data)
-            ok = True
+            written = job.disk.write_file(job.record, job.data, job.pages, job.which)
         except OSError as e:
             error = e
         finally:
             with self._cond:
-                self._finish_write(job, ok)
+                ok = self._finish_write(job, written)
                 self._cond.notify_all()
         if error is not None:
             self._warn_once(
@@ -682,18 +787,23 @@ class CheckpointPool:
             )
         return ok
 
-    def _finish_write(self, job: WriteJob, ok: bool) -> None:
+    def _finish_write(self, job: WriteJob, written: tuple[int, dict[PageKey, int]] | None
+                      ) -> bool:
         entry_id = job.record.id
         del self._writing[entry_id]
         entry = self._entries.get(entry_id)
-        if ok and (entry is not None or job.direct):
-            job.disk.commit(entry_id)
-            self._counts["disk_writes"] += 1
-            if entry is None:
-                self._add(_Entry(job.record, EntryStats(last_used=job.record.created)))
+        ok = False
+        if written is not None and (entry is not None or job.direct):
+            ok = job.disk.commit(entry_id, *written)
+            if ok:
+                self._counts["disk_writes"] += 1
+                if entry is None:
+                    self._add(_Entry(job.record, EntryStats(last_used=job.record.created)))
+            elif entry is not None:
+                entry.no_disk = True
         else:
             job.disk.cancel(entry_id)
-            if ok:  # removed while being written: the file is not wanted
+            if written is not None:  # removed while being written: the file is not wanted
                 (job.disk.path / file_name(entry_id)).unlink(missing_ok=True)
             else:
                 self._counts["disk_write_errors"] += 1
@@ -702,6 +812,7 @@ class CheckpointPool:
         if job.pin is not None:
             self._ram.unpin(job.pin)
         self._end_spill(entry_id)
+        return ok
 
     def _end_spill(self, entry_id: str) -> None:
         """Release a spilled state's RAM bytes (it is on disk now, or lost)."""
@@ -826,6 +937,10 @@ class CheckpointPool:
                 "ram_bytes": self._ram.used,
                 "ram_budget": self._ram.budget,
                 "ram_pinned_bytes": self._ram.pinned,
+                "ram_pages": self._ram.pages,
+                "ram_page_bytes": self._ram.page_bytes,
+                "disk_pages": disk.pages if disk is not None else 0,
+                "disk_page_bytes": disk.page_bytes if disk is not None else 0,
                 "disk_entries": len(disk) if disk is not None else 0,
                 "disk_bytes": disk.used if disk is not None else 0,
                 "disk_budget": disk.budget if disk is not None else 0,
@@ -835,6 +950,7 @@ class CheckpointPool:
             }
             for key in _COUNTERS:
                 out[key] = self._counts[key]
+            out["bad_states"] = self._counts["bad_states"]
             out["hits_remote"] = self._counts["hits_remote"]
             out["remote_misses"] = self._counts["remote_misses"]
             remote = self._remote
@@ -883,6 +999,10 @@ class CheckpointPool:
                     raise RuntimeError(f"pool: entry {entry_id} is in no tier")
                 if rec.kind is Kind.PARTIAL and (entry_id in disk_ids or entry_id in spill_ids):
                     raise RuntimeError(f"pool: partial entry {entry_id} is on disk")
+                slot = self._spilling.get(entry_id) or (
+                    self._ram.slot(entry_id) if entry_id in ram_ids else None)
+                if slot is not None and slot.keys != rec.page_keys:
+                    raise RuntimeError(f"pool: entry {entry_id} names other pages in RAM")
                 if rec.lane is not None:
                     lanes.setdefault(rec.lane, set()).add(entry_id)
             if lanes != self._by_lane:

@@ -1,9 +1,22 @@
-"""RAM tier: state bytes under a hard byte budget, evicted by class then LRU.
+"""RAM tier: checkpoints and the KV pages they share, under a hard byte budget, evicted
+by class then LRU.
+
+An entry is its rest (``statecache.kvpages``: everything of a state but its KV pages)
+and the keys of its pages; each page is held once, with a count of the entries that
+refer to it, and its bytes go with the last of them. Eviction chooses entries, never
+pages.
 
 Each unpinned entry sits in exactly one OrderedDict (its eviction class, oldest
 first); pinned entries sit in none, so eviction never scans and never touches them.
 An entry removed while pinned, or evicted into the hands of the disk writer, is
-"doomed": it keeps its bytes, counted in the budget, until its last pin goes.
+"doomed": it keeps its bytes and its pages, counted in the budget, until its last pin
+goes.
+
+Byte counts, kept in step by ``_hold``/``_let_go`` and recounted by ``sanity_check``:
+``used`` is every entry's own bytes (live or doomed) plus every page's; ``pinned``
+the own bytes of pinned entries plus the pages any of them refers to; ``leaving`` the
+own bytes of doomed entries plus the pages only doomed entries refer to (freed when
+their last pins go).
 """
 
 from __future__ import annotations
@@ -11,9 +24,10 @@ from __future__ import annotations
 import enum
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from statecache.kvpages import PageKey
 from statecache.records import Role
 from statecache.sizes import format_size
 
@@ -44,16 +58,31 @@ class Pin:
     """One entry's bytes; a lease holds it so a removed entry stays valid until released."""
 
     entry_id: str
-    data: bytes | bytearray
-    cost: int  # state bytes + token bytes
+    data: bytes | bytearray  # the rest (or a whole state that has no pages)
+    cost: int  # the entry's own bytes: rest + token bytes
     cls: EvictionClass
+    keys: tuple[PageKey, ...] = ()  # the pages it refers to
     pins: int = 0
     doomed: bool = False  # removed while pinned: freed on the last unpin
+
+
+@dataclass(slots=True, eq=False)
+class _Page:
+    data: bytes
+    refs: int = 0  # entries (live or doomed) that refer to it
+    live: int = 0  # of those, not doomed
+    pinned: int = 0  # of those, pinned (every doomed one is)
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
 
 
 # Told of each eviction; returns True to keep the bytes (the slot stays, doomed and
 # pinned once for the caller, who unpins it when done: the disk writer does so).
 EvictCallback = Callable[[Pin], bool]
+# The bytes of the page a new entry refers to, by its index in the entry's keys.
+PageSource = Callable[[int], bytes]
 
 
 class RamTier:
@@ -62,12 +91,14 @@ class RamTier:
             raise ValueError(f"ram budget must be >= 0, got {budget}")
         self.budget = budget
         self.used = 0  # every byte held, including removed-but-leased entries
-        self.pinned = 0  # bytes of entries that cannot be evicted now
-        self.leaving = 0  # bytes of doomed entries: freed as their last pin goes
+        self.pinned = 0  # bytes that cannot be evicted now
+        self.leaving = 0  # bytes freed as the last pins of doomed entries go
+        self.page_bytes = 0  # of ``used``, the pages'
         self.evictions = 0
         self._on_evict = on_evict
         self._slots: dict[str, Pin] = {}
         self._doomed: set[Pin] = set()
+        self._pages: dict[PageKey, _Page] = {}
         self._lru: dict[EvictionClass, OrderedDict[str, None]] = {
             c: OrderedDict() for c in EvictionClass
         }
@@ -78,12 +109,34 @@ class RamTier:
     def __contains__(self, entry_id: object) -> bool:
         return entry_id in self._slots
 
+    @property
+    def pages(self) -> int:
+        return len(self._pages)
+
     def get(self, entry_id: str) -> bytes | bytearray | None:
         slot = self._slots.get(entry_id)
         return None if slot is None else slot.data
 
-    def put(self, entry_id: str, data: bytes | bytearray, cost: int, cls: EvictionClass) -> bool:
-        """Store ``data``, evicting others first; False if it does not fit.
+    def slot(self, entry_id: str) -> Pin:
+        return self._slots[entry_id]
+
+    def has_page(self, key: PageKey) -> bool:
+        return key in self._pages
+
+    def page(self, key: PageKey) -> bytes:
+        """A page's bytes (immutable: valid after the page is freed)."""
+        return self._pages[key].data
+
+    def missing(self, keys: Sequence[PageKey]) -> list[int]:
+        """Indices of ``keys`` whose pages this tier does not hold."""
+        return [i for i, k in enumerate(keys) if k not in self._pages]
+
+    def put(self, entry_id: str, data: bytes | bytearray, cost: int, cls: EvictionClass,
+            keys: Sequence[PageKey] = (), sizes: Sequence[int] = (),
+            source: PageSource | None = None) -> bool:
+        """Store an entry: ``data`` and the pages ``keys`` (of ``sizes`` bytes; those
+        not held yet come from ``source``), evicting others first; False if it does
+        not fit.
 
         Over the whole budget or blocked by live pins: False with nothing changed. Else
         it evicts exactly what makes room once doomed bytes are freed, and returns
@@ -91,23 +144,50 @@ class RamTier:
         """
         if entry_id in self._slots:
             raise RuntimeError(f"ram: {entry_id} is already stored")
-        if cost > self.budget:
+        if len(keys) != len(sizes) or len(set(keys)) != len(keys):
+            raise RuntimeError("ram: page keys and sizes disagree, or a key repeats")
+        new = cost
+        pins = cost  # what the entry pins while it is being stored
+        back = 0  # bytes of shared pages that leave no more once it refers to them
+        for key, size in zip(keys, sizes, strict=True):
+            page = self._pages.get(key)
+            if page is None:
+                new += size
+                pins += size
+            else:
+                pins += 0 if page.pinned else page.size
+                back += 0 if page.live else page.size
+        if new > self.budget:
             return False
-        if self.budget - (self.pinned - self.leaving) < cost:
-            log.info(
-                "ram: refused %s (%s): the rest of the budget is pinned",
-                entry_id,
-                format_size(cost),
-            )
+        if self.budget - (self.pinned - self.leaving) < pins - back:
+            log.info("ram: refused %s (%s): the rest of the budget is pinned", entry_id,
+                     format_size(new))
             return False
-        while self.used - self.leaving + cost > self.budget:
+        # In, pinned, so that eviction keeps its pages; out again if room never comes.
+        slot = Pin(entry_id, data, cost, cls, tuple(keys))
+        for i, key in enumerate(keys):
+            if key not in self._pages:
+                if source is None:
+                    raise RuntimeError(f"ram: page {key.hex()} is neither held nor given")
+                blob = source(i)
+                if len(blob) != sizes[i]:
+                    raise RuntimeError(f"ram: page {key.hex()} has {len(blob)} bytes, "
+                                       f"not {sizes[i]}")
+                self._pages[key] = _Page(blob)
+                self.used += len(blob)
+                self.page_bytes += len(blob)
+        self._slots[entry_id] = slot
+        self.used += cost
+        self._hold(slot)
+        self._pin(slot)
+        while self.used - self.leaving > self.budget:
             if not self._evict_one():
                 raise RuntimeError("ram: evictable bytes ran out before the budget was met")
-        if self.used + cost > self.budget:
+        if self.used > self.budget:
+            self._unpin(slot)
+            self.remove(entry_id)
             return False
-        self._slots[entry_id] = Pin(entry_id, data, cost, cls)
-        self._lru[cls][entry_id] = None
-        self.used += cost
+        self._unpin(slot)
         return True
 
     def touch(self, entry_id: str, cls: EvictionClass) -> None:
@@ -121,9 +201,9 @@ class RamTier:
     def pin(self, entry_id: str) -> Pin:
         slot = self._slots[entry_id]
         if slot.pins == 0:
-            del self._lru[slot.cls][entry_id]
-            self.pinned += slot.cost
-        slot.pins += 1
+            self._pin(slot)
+        else:
+            slot.pins += 1
         return slot
 
     def pin_slot(self, slot: Pin) -> None:
@@ -135,16 +215,15 @@ class RamTier:
     def unpin(self, slot: Pin) -> None:
         if slot.pins <= 0:
             raise RuntimeError(f"ram: unpinning {slot.entry_id} which is not pinned")
-        slot.pins -= 1
-        if slot.pins:
+        if slot.pins > 1:
+            slot.pins -= 1
             return
-        self.pinned -= slot.cost
+        self._unpin(slot)
         if slot.doomed:
             self._doomed.remove(slot)
             self.used -= slot.cost
             self.leaving -= slot.cost
-        else:
-            self._lru[slot.cls][slot.entry_id] = None  # released = most recently used
+            self._let_go(slot, was_live=False)
 
     def remove(self, entry_id: str) -> bool:
         """Drop an entry; a pinned one keeps its bytes until its last lease closes."""
@@ -156,12 +235,8 @@ class RamTier:
         else:
             del self._lru[slot.cls][entry_id]
             self.used -= slot.cost
+            self._let_go(slot, was_live=True)
         return True
-
-    def _doom(self, slot: Pin) -> None:
-        slot.doomed = True
-        self._doomed.add(slot)
-        self.leaving += slot.cost
 
     def ids(self) -> Iterator[str]:
         return iter(self._slots)
@@ -171,6 +246,68 @@ class RamTier:
         for cls in EvictionClass:
             yield from self._lru[cls]
 
+    # -- the one place counts change --------------------------------------------------
+
+    def _hold(self, slot: Pin) -> None:
+        """A new live, unpinned entry refers to its pages."""
+        for key in slot.keys:
+            page = self._pages[key]
+            if page.live == 0 and page.refs:
+                self.leaving -= page.size  # only doomed entries held it: it stays now
+            page.refs += 1
+            page.live += 1
+
+    def _let_go(self, slot: Pin, *, was_live: bool) -> None:
+        """An entry's references go (it was removed unpinned, or its last pin went)."""
+        for key in slot.keys:
+            page = self._pages[key]
+            page.refs -= 1
+            if was_live:
+                page.live -= 1
+            if page.refs == 0:
+                del self._pages[key]
+                self.used -= page.size
+                self.page_bytes -= page.size
+                if not was_live:
+                    self.leaving -= page.size
+            elif was_live and page.live == 0:
+                self.leaving += page.size  # only doomed entries hold it now
+
+    def _pin(self, slot: Pin) -> None:
+        """First pin: out of the eviction lists, its bytes and pages pinned."""
+        if slot.entry_id in self._slots and self._slots[slot.entry_id] is slot \
+                and slot.entry_id in self._lru[slot.cls]:
+            del self._lru[slot.cls][slot.entry_id]
+        slot.pins = 1
+        self.pinned += slot.cost
+        for key in slot.keys:
+            page = self._pages[key]
+            if page.pinned == 0:
+                self.pinned += page.size
+            page.pinned += 1
+
+    def _unpin(self, slot: Pin) -> None:
+        """Last pin: back in its eviction list unless doomed."""
+        slot.pins = 0
+        self.pinned -= slot.cost
+        for key in slot.keys:
+            page = self._pages[key]
+            page.pinned -= 1
+            if page.pinned == 0:
+                self.pinned -= page.size
+        if not slot.doomed:
+            self._lru[slot.cls][slot.entry_id] = None  # released = most recently used
+
+    def _doom(self, slot: Pin) -> None:
+        slot.doomed = True
+        self._doomed.add(slot)
+        self.leaving += slot.cost
+        for key in slot.keys:
+            page = self._pages[key]
+            page.live -= 1
+            if page.live == 0:
+                self.leaving += page.size
+
     def _evict_one(self) -> bool:
         for cls in EvictionClass:
             lru = self._lru[cls]
@@ -179,24 +316,46 @@ class RamTier:
                 slot = self._slots.pop(entry_id)
                 self.evictions += 1
                 if self._on_evict is not None and self._on_evict(slot):
-                    slot.pins = 1
-                    self.pinned += slot.cost
+                    self._pin(slot)
                     self._doom(slot)
                 else:
                     self.used -= slot.cost
+                    self._let_go(slot, was_live=True)
                 return True
         return False
 
     def sanity_check(self) -> None:
         live = list(self._slots.values())
-        total = sum(s.cost for s in live) + sum(s.cost for s in self._doomed)
+        every = live + list(self._doomed)
+        refs: dict[PageKey, list[int]] = {}  # key -> [refs, live, pinned]
+        for s in every:
+            for key in s.keys:
+                r = refs.setdefault(key, [0, 0, 0])
+                r[0] += 1
+                r[1] += 0 if s.doomed else 1
+                r[2] += 1 if s.pins else 0
+        if set(refs) != set(self._pages):
+            raise RuntimeError("ram: pages held differ from the pages entries refer to")
+        for key, page in self._pages.items():
+            if [page.refs, page.live, page.pinned] != refs[key]:
+                raise RuntimeError(f"ram: page {key.hex()} counts {page.refs}/{page.live}/"
+                                   f"{page.pinned}, entries say {refs[key]}")
+        pages = sum(p.size for p in self._pages.values())
+        if pages != self.page_bytes:
+            raise RuntimeError(f"ram: {self.page_bytes} page bytes accounted, {pages} held")
+        total = sum(s.cost for s in every) + pages
         if total != self.used:
             raise RuntimeError(f"ram: {self.used} bytes accounted, entries hold {total}")
         if self.used > self.budget:
             raise RuntimeError(f"ram: {self.used} bytes used over a budget of {self.budget}")
-        pinned = sum(s.cost for s in live if s.pins) + sum(s.cost for s in self._doomed)
+        pinned = sum(s.cost for s in every if s.pins) + sum(
+            p.size for p in self._pages.values() if p.pinned)
         if pinned != self.pinned:
             raise RuntimeError(f"ram: {self.pinned} pinned bytes accounted, {pinned} held")
+        leaving = sum(s.cost for s in self._doomed) + sum(
+            p.size for p in self._pages.values() if not p.live)
+        if leaving != self.leaving:
+            raise RuntimeError(f"ram: {self.leaving} doomed bytes accounted, {leaving} held")
         listed = 0
         for cls, lru in self._lru.items():
             for entry_id in lru:
@@ -208,5 +367,3 @@ class RamTier:
             raise RuntimeError("ram: an unpinned entry is missing from the eviction lists")
         if any(not s.pins or not s.doomed for s in self._doomed):
             raise RuntimeError("ram: a removed entry still holds bytes with no lease")
-        if sum(s.cost for s in self._doomed) != self.leaving:
-            raise RuntimeError(f"ram: {self.leaving} doomed bytes accounted, wrong sum")

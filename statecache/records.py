@@ -10,7 +10,16 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from statecache.pages import PageChain, PageHash, TokenArray, Tokens, as_tokens, namespace_hash
+from statecache.kvpages import PageKey, unpack_keys
+from statecache.pages import (
+    HASH_BYTES,
+    PageChain,
+    PageHash,
+    TokenArray,
+    Tokens,
+    as_tokens,
+    namespace_hash,
+)
 
 
 class Kind(enum.Enum):
@@ -84,10 +93,22 @@ class CheckpointRecord:
     fingerprint: str
     tenant: str
     state_format: int
-    nbytes: int  # size of the state bytes
+    nbytes: int  # size of the whole state (what llama.cpp reads back)
     created: float
     role: Role
     preview: str = ""
+    # The state as stored (statecache.kvpages): its rest, of ``rest_nbytes`` bytes, and
+    # the keys of its KV pages, packed end to end (16 bytes each; none: no pages).
+    keys: bytes = b""
+    rest_nbytes: int = 0
+
+    @property
+    def page_keys(self) -> tuple[PageKey, ...]:
+        return unpack_keys(self.keys)
+
+    @property
+    def n_keys(self) -> int:
+        return len(self.keys) // HASH_BYTES
 
     def token_array(self) -> TokenArray:
         """Read-only int32 view of tokens[0:n] (no copy)."""
@@ -113,6 +134,8 @@ class CheckpointRecord:
             "tenant": self.tenant,
             "state_format": self.state_format,
             "nbytes": self.nbytes,
+            "kv_pages": self.n_keys,
+            "rest_nbytes": self.rest_nbytes,
             "created": self.created,
             "role": self.role.value,
             "preview": self.preview,
@@ -133,6 +156,8 @@ def new_record(
     created: float,
     page_size: int,
     preview: str = "",
+    keys: bytes = b"",
+    rest_nbytes: int = 0,
 ) -> CheckpointRecord:
     """Build a record, checking the caller's arguments."""
     if kind is Kind.PARTIAL and (lane is None or lane < 0):
@@ -145,6 +170,8 @@ def new_record(
         raise ValueError("a checkpoint needs at least one consumed token")
     if nbytes < 1:
         raise ValueError("a checkpoint needs state bytes")
+    if len(keys) % HASH_BYTES or rest_nbytes < 0:
+        raise ValueError("page keys must be 16 bytes each and the rest not negative")
     raw = arr.tobytes()
     whole = n // page_size
     ns = namespace_hash(fingerprint, tenant)
@@ -164,6 +191,8 @@ def new_record(
         created=created,
         role=role,
         preview=preview[-PREVIEW_MAX:],
+        keys=keys,
+        rest_nbytes=rest_nbytes,
     )
 
 

@@ -7,7 +7,8 @@ Never in the way of the engine:
 - a lookup is one pipelined round trip (the prompt's page hashes against the index,
   deepest first) and reads nothing else; the state is fetched only when the planner
   picks it, and its header (key, model, state format, tenant, tokens) and MAC are
-  checked before it is used;
+  checked before it is used; of its KV pages, only those the local tiers lack are
+  fetched, and a write sends only the pages the store lacks;
 - any failure of the store (down, slow, full, a reply that makes no sense) turns the
   tier off for ``retry_s`` with one warning and a counter; it is tried again by
   itself, and says so when it is back.
@@ -21,6 +22,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,23 +30,28 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from statecache import codec
 from statecache.config import RemoteConfig
 from statecache.diskfmt import valid_id
+from statecache.kvpages import PageKey
+from statecache.pagefmt import BadPage, decode_page, encode_page
 from statecache.pages import PageChain
 from statecache.records import CheckpointRecord, Kind, Owner
 from statecache.remotefmt import (
     MAX_HEADER_BYTES,
     BadEntry,
+    Header,
     IndexValue,
-    assemble,
     chunk_key,
     chunk_views,
     decode_header,
     encode_header,
     header_key,
     index_key,
+    join_rest,
     n_chunks,
     new_nonce,
+    page_name,
 )
 from statecache.writer import run_in_background
 
@@ -55,7 +62,11 @@ _CANDIDATES = 4  # remote hits returned by one probe, deepest first
 # The store failed, not the entry: a cluster that cannot be reached raises the latter.
 _STORE_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 _COUNTERS = ("probes", "hits", "read_bytes", "rejected", "writes", "written_bytes",
-             "write_dupes", "write_drops", "write_skipped", "errors", "reconnects")
+             "write_dupes", "write_drops", "write_skipped", "errors", "reconnects",
+             "pages_written", "pages_present", "pages_fetched", "pages_local")
+Buffer = bytes | bytearray | memoryview
+# The pages of ``keys`` a caller holds already, by index: not fetched.
+LocalPages = Callable[[tuple[PageKey, ...]], dict[int, Buffer]]
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,6 +84,15 @@ class RemoteHit:
     @property
     def nbytes(self) -> int:
         return self.value.nbytes
+
+
+@dataclass(slots=True, frozen=True)
+class _Write:
+    """A write waiting for the store: the record, its rest and every page it names."""
+
+    record: CheckpointRecord
+    rest: bytes
+    pages: tuple[bytes, ...]
 
 
 def connect(url: str, *, cluster: bool = False, timeout: float = 2.0) -> Any:
@@ -96,8 +116,9 @@ def where(url: str) -> str:
 
 class RemoteTier:
     def __init__(self, cfg: RemoteConfig, key: bytes, fingerprint: str, *, state_format: int,
-                 page_size: int, client: Any = None) -> None:
+                 page_size: int, client: Any = None, level: int = codec.DEFAULT_LEVEL) -> None:
         self.cfg = cfg
+        self.level = level
         self.prefix = cfg.prefix
         self._key = key
         self.fingerprint = fingerprint
@@ -111,6 +132,7 @@ class RemoteTier:
         self.counts: collections.Counter[str] = collections.Counter()
         self._jobs: collections.deque[tuple[str, Any]] = collections.deque()
         self._queued_bytes = 0
+        self._queued_pages: collections.Counter[PageKey] = collections.Counter()
         self._stopping = False
         self._busy = False  # the writer holds a job it took from the queue
         self._thread = threading.Thread(target=self._loop, name="statecache-remote-writer",
@@ -210,9 +232,11 @@ class RemoteTier:
             return None  # a longer or shorter entry ending in this page
         return RemoteHit(entry_id, key, value)
 
-    def fetch(self, hit: RemoteHit, tokens: Any, tenant: str
-              ) -> tuple[CheckpointRecord, bytearray] | None:
-        """The verified state of ``hit``, or None (a miss, counted by its reason)."""
+    def fetch(self, hit: RemoteHit, tokens: Any, tenant: str,
+              local: LocalPages | None = None
+              ) -> tuple[CheckpointRecord, Buffer, list[Buffer]] | None:
+        """The verified rest and pages of ``hit``, or None (a miss, counted by its reason).
+        Pages ``local`` gives are not fetched."""
         if not self.usable():
             return None
         v = hit.value
@@ -230,14 +254,15 @@ class RemoteTier:
         try:
             header = decode_header(replies[0], self._key, self.page_size)
             rec = header.record
-            self._check(hit, header.nonce, rec, tokens, tenant)
+            self._check(hit, header, rec, tokens, tenant)
             parts = list(replies[1:])
             for i in range(per, len(keys), per):
                 pipe = self.client.pipeline(transaction=False)
                 for k in keys[i:i + per]:
                     pipe.getrange(k, 0, v.chunk_size)
                 parts += pipe.execute(raise_on_error=False)
-            data = assemble(header, parts, self._key)
+            rest = join_rest(header, parts, self._key)
+            pages = self._fetch_pages(rec, local)
         except BadEntry as e:
             self._reject(e.reason, str(e), hit)
             return None
@@ -249,15 +274,42 @@ class RemoteTier:
             return None
         self._ok()
         self.counts["hits"] += 1
-        self.counts["read_bytes"] += rec.nbytes
+        self.counts["read_bytes"] += header.stored
         self._enqueue(("touch", (hit, rec)), 0)
-        return rec, data
+        return rec, rest, pages
 
-    def _check(self, hit: RemoteHit, nonce: bytes, rec: CheckpointRecord, tokens: Any,
+    def _fetch_pages(self, rec: CheckpointRecord, local: LocalPages | None) -> list[Buffer]:
+        """``rec``'s pages: the local ones as given, the others from the store (in
+        batches of at most _FETCH_BATCH bytes), each checked; raises BadEntry."""
+        keys = rec.page_keys
+        have = local(keys) if local is not None and keys else {}
+        want = [i for i in range(len(keys)) if i not in have]
+        self.counts["pages_local"] += len(have)
+        out: dict[int, Buffer] = dict(have)
+        batch = max(1, _FETCH_BATCH // max(1, rec.nbytes // max(1, len(keys))))
+        for at in range(0, len(want), batch):
+            pipe = self.client.pipeline(transaction=False)
+            for i in want[at:at + batch]:
+                pipe.get(page_name(self.prefix, self.fingerprint, keys[i]))
+            for i, blob in zip(want[at:at + batch], pipe.execute(raise_on_error=False),
+                               strict=True):
+                if not isinstance(blob, bytes):
+                    raise BadEntry("missing", f"page {keys[i].hex()} is not in the store")
+                try:
+                    out[i] = decode_page(self._key, keys[i], blob)
+                except BadPage as e:
+                    raise BadEntry(e.reason, f"page {keys[i].hex()}: {e}") from None
+                self.counts["read_bytes"] += len(blob)
+        self.counts["pages_fetched"] += len(want)
+        return [out[i] for i in range(len(keys))]
+
+    def _check(self, hit: RemoteHit, header: Header, rec: CheckpointRecord, tokens: Any,
                tenant: str) -> None:
         if rec.id != hit.entry_id:
             raise BadEntry("corrupt", "header of another entry")
-        if nonce != hit.value.nonce:
+        if header.stored != hit.value.stored or header.chunks != hit.value.chunks:
+            raise BadEntry("stale", "the index names another write of this entry")
+        if header.nonce != hit.value.nonce:
             raise BadEntry("stale", "the index names another write of this entry")
         if rec.fingerprint != self.fingerprint:
             raise BadEntry("foreign-model", "written for another model")
@@ -280,27 +332,39 @@ class RemoteTier:
 
     # -- writes (background) -----------------------------------------------------------
 
-    def put(self, rec: CheckpointRecord, data: bytes) -> None:
-        """Queue ``data`` (not copied: pass immutable bytes) for the store."""
+    def put(self, rec: CheckpointRecord, rest: bytes, pages: Sequence[bytes] = ()) -> None:
+        """Queue ``rest`` and ``pages`` (not copied: pass immutable bytes) for the store."""
         if rec.kind is not Kind.FULL or rec.owner is not Owner.TARGET:
             return
         if rec.nbytes > self.cfg.max_entry or rec.nbytes > self.cfg.queue_bytes:
             self.counts["write_skipped"] += 1
             return
-        self._enqueue(("write", (rec, data)), rec.nbytes)
+        self._enqueue(("write", _Write(rec, rest, tuple(pages))), 0)
 
     def _enqueue(self, job: tuple[str, Any], nbytes: int) -> None:
         with self._lock:
             if self._stopping:
                 return
             self._jobs.append(job)
-            self._queued_bytes += nbytes
+            if job[0] == "write":
+                self._count(job[1], +1)
             while self._queued_bytes > self.cfg.queue_bytes:
                 kind, payload = self._jobs.popleft()
                 if kind == "write":
-                    self._queued_bytes -= payload[0].nbytes
+                    self._count(payload, -1)
                     self.counts["write_drops"] += 1
             self._lock.notify_all()
+
+    def _count(self, w: _Write, sign: int) -> None:
+        """Writes waiting hold their rest, and each page once however many name it."""
+        self._queued_bytes += sign * len(w.rest)
+        for k, page in zip(w.record.page_keys, w.pages, strict=True):
+            held = self._queued_pages[k]
+            if (sign > 0 and held == 0) or (sign < 0 and held == 1):
+                self._queued_bytes += sign * len(page)
+            self._queued_pages[k] = held + sign
+            if self._queued_pages[k] == 0:
+                del self._queued_pages[k]
 
     def _next(self) -> tuple[str, Any] | None:
         with self._lock:
@@ -308,7 +372,7 @@ class RemoteTier:
                 if self._jobs and (self._up or time.monotonic() >= self._retry_at):
                     job = self._jobs.popleft()
                     if job[0] == "write":
-                        self._queued_bytes -= job[1][0].nbytes
+                        self._count(job[1], -1)
                     self._busy = True
                     return job
                 if self._stopping:
@@ -325,7 +389,7 @@ class RemoteTier:
             kind, payload = job
             try:
                 if kind == "write":
-                    self._write(*payload)
+                    self._write(payload)
                 elif kind == "touch":
                     self._touch(*payload)
                 else:
@@ -334,7 +398,7 @@ class RemoteTier:
             except _STORE_ERRORS as e:
                 self._failed(e)
                 if kind == "write":  # tried again when the store is back, if still room
-                    self._enqueue(job, payload[0].nbytes)
+                    self._enqueue(job, 0)
             except Exception:
                 log.exception("remote tier: a %s failed", kind)
             finally:
@@ -345,20 +409,23 @@ class RemoteTier:
     def _ttl(self) -> int | None:
         return int(self.cfg.ttl * 1000) if self.cfg.ttl > 0 else None
 
-    def _write(self, rec: CheckpointRecord, data: bytes) -> None:
+    def _write(self, w: _Write) -> None:
+        rec = w.record
         hkey = header_key(self.prefix, rec.id)
         if self.client.exists(hkey):  # another proxy (or this one) stored it already
             self.counts["write_dupes"] += 1
             return
-        view = memoryview(data).cast("B")
-        nonce, size = new_nonce(), self.cfg.chunk_size
         ttl = self._ttl()
+        self._write_pages(rec, w.pages, ttl)
+        kind, stored = codec.encode(w.rest, self.level)
+        view = memoryview(stored).cast("B")
+        nonce, size = new_nonce(), self.cfg.chunk_size
         pipe = self.client.pipeline(transaction=False)
         chunks = [chunk_key(self.prefix, rec.id, nonce, i)
-                  for i in range(n_chunks(rec.nbytes, size))]
+                  for i in range(n_chunks(view.nbytes, size))]
         for k, part in zip(chunks, chunk_views(view, size), strict=True):
             pipe.set(k, bytes(part), px=ttl)
-        pipe.set(hkey, encode_header(rec, view, self._key, nonce, size), px=ttl, nx=True)
+        pipe.set(hkey, encode_header(rec, view, self._key, nonce, size, kind), px=ttl, nx=True)
         won = pipe.execute()[-1]
         if not won:  # lost the race to another writer: its entry stands
             self.client.delete(*chunks)
@@ -367,17 +434,48 @@ class RemoteTier:
         if not rec.page_hashes:
             return
         ikey = index_key(self.prefix, self.state_format, rec.page_hashes[-1])
-        value = IndexValue(rec.n, rec.nbytes, nonce, size, len(chunks)).pack()
+        value = IndexValue(rec.n, rec.nbytes, view.nbytes, nonce, size, len(chunks)).pack()
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(ikey, rec.id, value)
         if ttl is not None:
             pipe.pexpire(ikey, ttl)
         pipe.execute()
         self.counts["writes"] += 1
-        self.counts["written_bytes"] += rec.nbytes
+        self.counts["written_bytes"] += view.nbytes
+
+    def _write_pages(self, rec: CheckpointRecord, pages: Sequence[bytes], ttl: int | None
+                     ) -> None:
+        """Every page of ``rec`` in the store before its header: those there already
+        live another ``ttl`` (one round trip), the others are sent."""
+        keys = rec.page_keys
+        if not keys:
+            return
+        names = [page_name(self.prefix, self.fingerprint, k) for k in keys]
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            if ttl is None:
+                pipe.exists(name)
+            else:
+                pipe.pexpire(name, ttl)
+        there = pipe.execute()
+        missing = [i for i, ok in enumerate(there) if not ok]
+        self.counts["pages_present"] += len(keys) - len(missing)
+        sent = total = 0
+        pipe = self.client.pipeline(transaction=False)
+        for i in missing:
+            blob = b"".join(encode_page(self._key, keys[i], pages[i], self.level))
+            pipe.set(names[i], blob, px=ttl)
+            sent += len(blob)
+            total += len(blob)
+            if sent >= _FETCH_BATCH:
+                pipe.execute()
+                pipe, sent = self.client.pipeline(transaction=False), 0
+        pipe.execute()
+        self.counts["pages_written"] += len(missing)
+        self.counts["written_bytes"] += total
 
     def _touch(self, hit: RemoteHit, rec: CheckpointRecord) -> None:
-        """A hit keeps the entry (and its index key) alive another ``ttl``."""
+        """A hit keeps the entry (its index key and its pages) alive another ``ttl``."""
         ttl = self._ttl()
         if ttl is None:
             return
@@ -385,6 +483,8 @@ class RemoteTier:
         pipe.pexpire(header_key(self.prefix, rec.id), ttl)
         for i in range(hit.value.chunks):
             pipe.pexpire(chunk_key(self.prefix, rec.id, hit.value.nonce, i), ttl)
+        for k in rec.page_keys:
+            pipe.pexpire(page_name(self.prefix, self.fingerprint, k), ttl)
         pipe.pexpire(hit.index_key, ttl)
         pipe.execute()
 
@@ -412,6 +512,7 @@ class RemoteTier:
             self._stopping = True
             self._jobs.clear()
             self._queued_bytes = 0
+            self._queued_pages.clear()
             self._lock.notify_all()
         self._thread.join(timeout)
         try:
@@ -423,7 +524,15 @@ class RemoteTier:
     def sanity_check(self) -> None:
         """The queue's byte count is what its writes hold, within the bound."""
         with self._lock:
-            held = sum(p[0].nbytes for kind, p in self._jobs if kind == "write")
+            held, seen = 0, set()
+            for kind, w in self._jobs:
+                if kind != "write":
+                    continue
+                held += len(w.rest)
+                for k, page in zip(w.record.page_keys, w.pages, strict=True):
+                    if k not in seen:
+                        seen.add(k)
+                        held += len(page)
             if held != self._queued_bytes or held > self.cfg.queue_bytes:
                 raise RuntimeError(f"remote: queue holds {held} bytes, counts "
                                    f"{self._queued_bytes}, bound {self.cfg.queue_bytes}")

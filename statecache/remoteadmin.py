@@ -1,7 +1,8 @@
 """The shared tier for ``statecache inspect --remote`` and ``statecache purge --remote``.
 
 Reads headers without the key (like ``inspect`` on disk: a listing, never a state) and
-deletes whole entries: header, chunks and index field.
+deletes whole entries: header, chunks and index field; then the KV pages no entry left
+names (``sweep_pages``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from statecache.pages import PageChain, namespace_hash
 from statecache.remote import connect
 from statecache.remotefmt import (
     MAX_HEADER_BYTES,
+    NS,
     BadEntry,
     chunk_key,
+    header_pattern,
     id_from_header_key,
     index_key,
     read_unchecked,
@@ -31,7 +34,7 @@ class RemoteAdmin:
 
     def rows(self) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
         """One row per entry (the shape of ``inspect``'s disk rows) and the unreadable ones."""
-        keys = list(self.client.scan_iter(match=f"{self.prefix}:e:{{*}}", count=1000))
+        keys = list(self.client.scan_iter(match=header_pattern(self.prefix), count=1000))
         rows: list[dict[str, Any]] = []
         bad: list[dict[str, str]] = []
         for i in range(0, len(keys), 256):
@@ -60,7 +63,9 @@ class RemoteAdmin:
                     "fingerprint": m["fingerprint"], "tenant": m["tenant"],
                     "state_format": m["state_format"], "key": name,
                     "ttl_s": ttl / 1000 if isinstance(ttl, int) and ttl >= 0 else None,
+                    "kv_pages": len(m["keys"]) // 16, "rest_nbytes": m["rest"],
                     "_nonce": u.nonce.hex(), "_chunks": u.chunks, "_tokens": m["tokens"],
+                    "_keys": m["keys"],
                 })
         return rows, bad
 
@@ -81,6 +86,25 @@ class RemoteAdmin:
 
     def delete_key(self, key: str) -> None:
         self.client.delete(key)
+
+    def sweep_pages(self) -> int:
+        """Delete the KV pages no entry names (after entries were deleted); how many.
+
+        A page written for an entry whose header is not in yet (a write under way) goes
+        too: that entry is then a miss, never a wrong state."""
+        named: set[str] = set()
+        for r in self.rows()[0]:
+            keys = r["_keys"]
+            named.update(keys[i:i + 16].hex() for i in range(0, len(keys), 16))
+        gone = 0
+        pipe = self.client.pipeline(transaction=False)
+        for k in self.client.scan_iter(match=f"{self.prefix}:{NS}:p:*", count=1000):
+            name = k.decode(errors="replace") if isinstance(k, bytes) else str(k)
+            if name.rsplit(":", 1)[-1] not in named:
+                pipe.delete(k)
+                gone += 1
+        pipe.execute(raise_on_error=False)
+        return gone
 
 
 def public(row: dict[str, Any]) -> dict[str, Any]:

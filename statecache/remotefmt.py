@@ -1,20 +1,28 @@
 """How a checkpoint is laid out in Redis/Valkey, as free functions (no client needed).
 
 One entry ``id`` (the record id: fingerprint, tenant, kind, state format and tokens)
-is a header value and its state bytes cut into chunks::
+is a header value, its rest (``statecache.kvpages``) cut into chunks, and the KV pages
+it names, each a key of its own that every entry naming it shares::
 
-    <prefix>:e:{<id>}                  header: magic, version, key id, metadata, meta tag
-    <prefix>:e:{<id>}:<nonce>:<i>      chunk i of the state (chunk_size bytes, the last less)
-    <prefix>:i:<state_format>:<hash>   index: a hash of entry id -> (n, nbytes, nonce, chunking)
-                                       for each entry whose last whole page has this page hash
+    <prefix>:v2:e:{<id>}                header: magic, version, key id, metadata, meta tag
+    <prefix>:v2:e:{<id>}:<nonce>:<i>    chunk i of the stored rest (chunk_size bytes, the
+                                        last less)
+    <prefix>:v2:p:<model>:<page key>    a KV page (statecache.pagefmt), <model> derived
+                                        from the fingerprint
+    <prefix>:v2:i:<state_format>:<hash> index: a hash of entry id -> (n, nbytes, stored,
+                                        nonce, chunking) for each entry whose last whole
+                                        page has this page hash
 
-``{<id>}`` is a cluster hash tag: an entry's keys live on one node. The metadata holds
-the disk tier's record metadata (tokens, fingerprint, tenant, state format: checked
-like a disk file's), the chunking, the writer's nonce and ``data_tag``, an HMAC of the
-state bytes; the meta tag is an HMAC of header and metadata. Both under the shared
-secret key, so an entry another key signed, an older format, a torn write (chunks of
-another nonce) or an edit is a miss, never a state. The first writer of an id wins
-(``SET NX``); a second writer's chunks carry its own nonce and are deleted.
+``{<id>}`` is a cluster hash tag: an entry's header and chunks live on one node. The
+metadata holds the disk tier's record metadata (tokens, fingerprint, tenant, state
+format, page keys: checked like a disk file's), the codec and chunking of the rest, the
+writer's nonce and ``data_tag``, an HMAC of the stored rest; the meta tag is an HMAC of
+header and metadata; each page carries its own MAC, which names it. All under the
+shared secret key, so an entry another key signed, an older format, a torn write
+(chunks of another nonce), a missing or edited page or an edit is a miss, never a
+state. The first writer of an id wins (``SET NX``); a second writer's chunks carry its
+own nonce and are deleted. Entries of version 1 (a whole state in chunks, keys without
+``v2``) are never read.
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import xxhash
 
+from statecache import codec
 from statecache.diskfmt import (
     KEY_BYTES,
     MAX_META_BYTES,
@@ -37,18 +47,23 @@ from statecache.diskfmt import (
     key_id,
     record_from_meta,
 )
+from statecache.kvpages import PageKey
 from statecache.pages import PageHash
 from statecache.records import CheckpointRecord
 
 MAGIC = b"SCRM"
-VERSION = 1
+VERSION = 2
+NS = "v2"  # in every key: entries of another layout are never even looked at
 HEAD = struct.Struct("<4sH8sI")  # magic, version, key id, meta length
 TAG_BYTES = 32
 MAX_HEADER_BYTES = HEAD.size + MAX_META_BYTES + 4096 + TAG_BYTES
 MAX_CHUNK = 64 << 20
 NONCE_BYTES = 8
-INDEX_VALUE = struct.Struct("<QQ8sII")  # n, nbytes, nonce, chunk_size, chunks
-_DATA_TAG = b"statecache remote data v1"
+INDEX_VALUE = struct.Struct("<QQQ8sII")  # n, nbytes, stored, nonce, chunk_size, chunks
+_DATA_TAG = b"statecache remote data v2"
+Buffer = bytes | bytearray | memoryview
+_META = {"record": bytes, "nonce": bytes, "chunk_size": int, "chunks": int,
+         "data_tag": bytes, "codec": int, "stored": int}
 
 
 class BadEntry(Exception):
@@ -64,20 +79,22 @@ class IndexValue:
     """What the index says of an entry: enough to fetch it in one round trip."""
 
     n: int
-    nbytes: int
+    nbytes: int  # the whole state
+    stored: int  # its rest as stored
     nonce: bytes
     chunk_size: int
     chunks: int
 
     def pack(self) -> bytes:
-        return INDEX_VALUE.pack(self.n, self.nbytes, self.nonce, self.chunk_size, self.chunks)
+        return INDEX_VALUE.pack(self.n, self.nbytes, self.stored, self.nonce, self.chunk_size,
+                                self.chunks)
 
     @staticmethod
     def unpack(raw: object, max_entry: int) -> IndexValue:
         if not isinstance(raw, bytes) or len(raw) != INDEX_VALUE.size:
             raise BadEntry("index", "malformed index value")
         v = IndexValue(*INDEX_VALUE.unpack(raw))
-        if not (0 < v.chunk_size <= MAX_CHUNK) or v.chunks != n_chunks(v.nbytes, v.chunk_size):
+        if not (0 < v.chunk_size <= MAX_CHUNK) or v.chunks != n_chunks(v.stored, v.chunk_size):
             raise BadEntry("index", "chunking out of range")
         if not 0 < v.nbytes <= max_entry or v.n < 1:
             raise BadEntry("too-big" if v.nbytes > max_entry else "index", f"{v.nbytes} bytes")
@@ -93,20 +110,37 @@ def new_nonce() -> bytes:
 
 
 def header_key(prefix: str, entry_id: str) -> str:
-    return f"{prefix}:e:{{{entry_id}}}"
+    return f"{prefix}:{NS}:e:{{{entry_id}}}"
 
 
 def chunk_key(prefix: str, entry_id: str, nonce: bytes, i: int) -> str:
-    return f"{prefix}:e:{{{entry_id}}}:{nonce.hex()}:{i}"
+    return f"{prefix}:{NS}:e:{{{entry_id}}}:{nonce.hex()}:{i}"
 
 
 def index_key(prefix: str, state_format: int, page_hash: PageHash) -> str:
-    return f"{prefix}:i:{state_format}:{page_hash.hex()}"
+    return f"{prefix}:{NS}:i:{state_format}:{page_hash.hex()}"
+
+
+def model_tag(fingerprint: str) -> str:
+    """The short name of a model in page keys (as in the disk tier's page directory)."""
+    return xxhash.xxh3_64_hexdigest(fingerprint.encode())
+
+
+def page_prefix(prefix: str, fingerprint: str) -> str:
+    return f"{prefix}:{NS}:p:{model_tag(fingerprint)}:"
+
+
+def page_name(prefix: str, fingerprint: str, key: PageKey) -> str:
+    return page_prefix(prefix, fingerprint) + key.hex()
+
+
+def header_pattern(prefix: str) -> str:
+    return f"{prefix}:{NS}:e:{{*}}"
 
 
 def id_from_header_key(prefix: str, key: bytes | str) -> str | None:
     k = key.decode() if isinstance(key, bytes) else key
-    head = f"{prefix}:e:{{"
+    head = f"{prefix}:{NS}:e:{{"
     if k.startswith(head) and k.endswith("}") and len(k) == len(head) + 33:
         return k[len(head):-1]
     return None
@@ -120,14 +154,16 @@ def _data_mac(key: bytes, entry_id: str, nonce: bytes) -> hmac.HMAC:
     return mac
 
 
-def encode_header(rec: CheckpointRecord, data: memoryview, key: bytes, nonce: bytes,
-                  chunk_size: int) -> bytes:
-    """The header value of ``rec``: its metadata, chunking and the HMAC of ``data``."""
+def encode_header(rec: CheckpointRecord, stored: memoryview, key: bytes, nonce: bytes,
+                  chunk_size: int, kind: int) -> bytes:
+    """The header value of ``rec``: its metadata, the codec and chunking of its stored
+    rest and the HMAC of that."""
     mac = _data_mac(key, rec.id, nonce)
-    mac.update(data)
+    mac.update(stored)
     meta = msgpack.packb({
         "record": encode_meta(rec), "nonce": nonce, "chunk_size": chunk_size,
-        "chunks": n_chunks(rec.nbytes, chunk_size), "data_tag": mac.digest(),
+        "chunks": n_chunks(stored.nbytes, chunk_size), "data_tag": mac.digest(),
+        "codec": kind, "stored": stored.nbytes,
     }, use_bin_type=True)
     head = HEAD.pack(MAGIC, VERSION, key_id(key), len(meta))
     tag = hmac.new(key, head + meta, hashlib.sha256).digest()
@@ -141,20 +177,20 @@ class Header:
     chunk_size: int
     chunks: int
     data_tag: bytes
+    codec: int
+    stored: int
 
 
 def _unpack_meta(raw: bytes) -> dict[str, Any]:
     try:
         meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_META_BYTES,
-                               max_str_len=1 << 10, max_array_len=0, max_map_len=5,
+                               max_str_len=1 << 10, max_array_len=0, max_map_len=len(_META),
                                max_ext_len=0)
     except Exception as e:  # msgpack raises many types for malformed input
         raise BadEntry("corrupt", f"unparseable metadata ({type(e).__name__})") from None
-    types = {"record": bytes, "nonce": bytes, "chunk_size": int, "chunks": int,
-             "data_tag": bytes}
-    if not isinstance(meta, dict) or set(meta) != set(types):
+    if not isinstance(meta, dict) or set(meta) != set(_META):
         raise BadEntry("corrupt", "metadata has the wrong set of keys")
-    for k, t in types.items():
+    for k, t in _META.items():
         if isinstance(meta[k], bool) or not isinstance(meta[k], t):
             raise BadEntry("corrupt", f"metadata {k} has the wrong type")
     return meta
@@ -212,24 +248,29 @@ def decode_header(raw: object, key: bytes, page_size: int) -> Header:
         rec = record_from_meta(decode_meta(meta["record"]), page_size)
     except BadFile as e:
         raise BadEntry("corrupt", str(e)) from None
-    chunk_size, chunks = meta["chunk_size"], meta["chunks"]
-    if not 0 < chunk_size <= MAX_CHUNK or chunks != n_chunks(rec.nbytes, chunk_size):
+    chunk_size, chunks, stored = meta["chunk_size"], meta["chunks"], meta["stored"]
+    if not 0 < chunk_size <= MAX_CHUNK or chunks != n_chunks(stored, chunk_size):
         raise BadEntry("corrupt", "chunking out of range")
+    if meta["codec"] not in codec.CODECS or not 0 < stored <= rec.rest_nbytes or (
+            meta["codec"] == codec.RAW and stored != rec.rest_nbytes):
+        raise BadEntry("corrupt", "codec or stored length out of range")
     if len(meta["nonce"]) != NONCE_BYTES or len(meta["data_tag"]) != TAG_BYTES:
         raise BadEntry("corrupt", "nonce or tag of the wrong size")
-    return Header(rec, meta["nonce"], chunk_size, chunks, meta["data_tag"])
+    return Header(rec, meta["nonce"], chunk_size, chunks, meta["data_tag"], meta["codec"],
+                  stored)
 
 
-def assemble(header: Header, chunks: list[object], key: bytes) -> bytearray:
-    """The state bytes from ``chunks``, each checked for its length, all for the MAC."""
+def join_rest(header: Header, chunks: list[object], key: bytes) -> Buffer:
+    """The rest from ``chunks``, each checked for its length, all for the MAC, then
+    decoded."""
     rec = header.record
     if len(chunks) != header.chunks:
         raise BadEntry("corrupt", "chunk count")
-    data = bytearray(rec.nbytes)
+    data = bytearray(header.stored)
     mac = _data_mac(key, rec.id, header.nonce)
     at = 0
     for i, part in enumerate(chunks):
-        want = min(header.chunk_size, rec.nbytes - at)
+        want = min(header.chunk_size, header.stored - at)
         if not isinstance(part, bytes) or len(part) != want:
             got = len(part) if isinstance(part, bytes) else 0
             raise BadEntry("missing" if not got else "corrupt",
@@ -239,7 +280,10 @@ def assemble(header: Header, chunks: list[object], key: bytes) -> bytearray:
         at += want
     if not hmac.compare_digest(mac.digest(), header.data_tag):
         raise BadEntry("corrupt", "state MAC mismatch")
-    return data
+    try:
+        return codec.decode(header.codec, data, rec.rest_nbytes)
+    except codec.BadCodec as e:
+        raise BadEntry("corrupt", str(e)) from None
 
 
 def chunk_views(data: memoryview, chunk_size: int) -> list[memoryview]:

@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,10 +48,13 @@ def run_in_background() -> None:
 
 @dataclass(slots=True, eq=False)
 class WriteJob:
-    """One file being written: its disk bytes are reserved, its RAM bytes pinned."""
+    """One record (and the pages the disk lacks) being written: its disk bytes are
+    reserved, its RAM bytes pinned."""
 
     record: CheckpointRecord
-    data: Buffer
+    data: Buffer  # the rest
+    pages: Sequence[Buffer]  # every page the record names, in order
+    which: list[int]  # those the disk lacks: written with the record
     pin: Pin | None  # the RAM slot held while writing; None when the state never fit RAM
     disk: DiskTier
     direct: bool = False  # the entry joins the pool when its file is committed

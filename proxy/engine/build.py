@@ -91,7 +91,8 @@ def build(cfg: Config, model_path: Path) -> Parts:
     memory = ctx.describe_memory()
     pool = None
     if cfg.cache.enabled:
-        pool = CheckpointPool(cfg.cache, model.fingerprint, state_format=state_format(params))
+        pool = CheckpointPool(cfg.cache, model.fingerprint, state_format=state_format(params),
+                              kv_sections=memory.kv_sections)
     draft = None
     if drafting_model:
         draft = DraftModel(Path(mc.draft_path).expanduser(), model, sc, lanes=lanes,

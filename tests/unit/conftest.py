@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from statecache.config import CacheConfig
+from statecache.config import CacheConfig, RemoteConfig
 from statecache.pool import CheckpointPool
 from statecache.records import CheckpointRecord, Kind, Owner, Role
+from tests.store import Store
 
 FP = "test-model:0123"
 
@@ -40,6 +41,7 @@ def make_pool(tmp_path: Path) -> Iterator[PoolFactory]:
         **kw: object,
     ) -> CheckpointPool:
         kw.setdefault("secret_path", str(tmp_path / "keys" / "secret.key"))
+        kv_sections = int(kw.pop("kv_sections", 0))  # type: ignore[call-overload]
         cfg = CacheConfig(
             page_size=4,
             ram_budget=ram,
@@ -48,7 +50,7 @@ def make_pool(tmp_path: Path) -> Iterator[PoolFactory]:
             disk_enabled=disk is not None,
             **kw,  # type: ignore[arg-type]
         )
-        pool = CheckpointPool(cfg, fingerprint, clock=Clock())
+        pool = CheckpointPool(cfg, fingerprint, clock=Clock(), kv_sections=kv_sections)
         pools.append(pool)
         return pool
 
@@ -70,3 +72,35 @@ def put(
     assert rec is not None
     pool.sanity_check()
     return rec
+
+
+# -- the shared tier: a real Valkey server and pools that share it ----------------------
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store(tmp_path / "store").start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def proxy(tmp_path: Path, store: Store) -> Iterator:  # type: ignore[type-arg]
+    """A factory of pools ("proxies", each its own RAM and disk) on one store."""
+    pools: list[CheckpointPool] = []
+
+    def make(name: str, *, key: str = "shared.key", fingerprint: str = FP,
+             tenant: str = "", kv_sections: int = 0, **remote: object) -> CheckpointPool:
+        opts: dict[str, object] = {"chunk_size": 4096, "retry_s": 0.2, "timeout": 1.0, **remote}
+        rc = RemoteConfig(url=store.url, **opts)  # type: ignore[arg-type]
+        cfg = CacheConfig(page_size=4, ram_budget=1 << 20, disk_path=str(tmp_path / name),
+                          disk_budget=1 << 20, secret_path=str(tmp_path / "keys" / key),
+                          tenant=tenant, remote=rc)
+        pool = CheckpointPool(cfg, fingerprint, clock=Clock(), kv_sections=kv_sections)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.sanity_check()
+        pool.close()

@@ -17,6 +17,7 @@ from proxy.api.openai import parse_chat_request
 from proxy.api.render import ChatTemplate, load_chat_template, render_chat
 from proxy.api.responses import chat_request, parse_responses_request
 from proxy.engine.detok import TextStream
+from statecache.kvpages import REST_HEAD_BYTES
 from statecache.ram import EvictionClass
 from statecache.records import Kind, Owner, Role
 from tests.unit.conftest import PoolFactory, put
@@ -140,8 +141,9 @@ def test_only_the_first_turn_gives_share_points() -> None:
 
 
 def test_kept_checkpoints_go_last_until_their_time_is_up(make_pool: PoolFactory) -> None:
-    # each entry costs 10 state bytes + 4 x 4 token bytes = 26; the budget holds 3
-    pool = make_pool(ram=3 * 26, disk=None)
+    # each entry costs 10 state bytes + H (kept whole) + 4 x 4 token bytes = 26 + H; the
+    # budget holds 3
+    pool = make_pool(ram=3 * (26 + REST_HEAD_BYTES), disk=None)
     kept = pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=[1, 2, 3, 4],
                        role=Role.PERIODIC, data=b"k" * 10, keep_s=1000.0)
     assert kept is not None
@@ -161,7 +163,7 @@ def test_kept_checkpoints_go_last_until_their_time_is_up(make_pool: PoolFactory)
 
 def test_a_kept_checkpoint_whose_time_is_up_is_evicted_as_usual(
         make_pool: PoolFactory) -> None:
-    pool = make_pool(ram=3 * 26, disk=None)
+    pool = make_pool(ram=3 * (26 + REST_HEAD_BYTES), disk=None)
     kept = pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=[1, 2, 3, 4],
                        role=Role.PERIODIC, data=b"k" * 10, keep_s=2.0)  # 2 clock ticks
     assert kept is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from statecache.diskfmt import HEADER, file_size, read_checkpoint
+from statecache.kvpages import assemble
 from statecache.records import Kind, Owner, Role
 from tests.unit.conftest import PoolFactory, put
 
@@ -121,16 +123,16 @@ def test_renamed_file_symlink_and_bad_names(make_pool: PoolFactory, tmp_path: Pa
 def test_file_format_round_trip_and_dir_mode(make_pool: PoolFactory, tmp_path: Path) -> None:
     entry_id, path = saved(make_pool, tmp_path)
     assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o700
-    fm, data = read_checkpoint(path, (tmp_path / "keys" / "secret.key").read_bytes())
-    assert fm.id == entry_id and bytes(data) == b"S" * 64 and fm.meta["n"] == 13
+    fm, rest = read_checkpoint(path, (tmp_path / "keys" / "secret.key").read_bytes())
+    assert fm.id == entry_id and bytes(assemble(rest, [])) == b"S" * 64 and fm.meta["n"] == 13
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]
 
 
 def test_disk_budget_evicts_least_recently_used(make_pool: PoolFactory, tmp_path: Path) -> None:
-    # Each file is 371 bytes; an 800-byte disk holds two.
-    pool = make_pool(ram=10_000, disk=800)
-    recs = [put(pool, [50 + i] + T[:8], bytes([i]) * 64) for i in range(3)]
-    assert {file_size(r) for r in recs} == {371}
+    # Each file is 428 bytes (random state bytes: stored raw); a 900-byte disk holds two.
+    pool = make_pool(ram=10_000, disk=900)
+    recs = [put(pool, [50 + i] + T[:8], random.Random(i).randbytes(64)) for i in range(3)]
+    assert {file_size(r) for r in recs} == {428}
     pool.flush()
     # The oldest written file went first; its RAM copy still serves.
     assert [e["tiers"] for e in sorted(pool.describe(), key=lambda e: e["created"])] == [

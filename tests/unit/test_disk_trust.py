@@ -6,16 +6,20 @@ no key. Each forged file must be a miss, never another conversation's state.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import struct
 import threading
 from pathlib import Path
 
+import msgpack
 import pytest
 import xxhash
 
 from statecache.diskfmt import HEADER, TAG_BYTES, encode_meta, key_id, write_checkpoint
+from statecache.kvpages import REST_HEAD_BYTES, split
 from statecache.records import CheckpointRecord, Kind, Owner, Role, new_record
 from statecache.trust import Untrusted, load_key
 from tests.unit.conftest import FP, PoolFactory, put
@@ -29,7 +33,13 @@ def record(tokens: list[int], nbytes: int = 64) -> CheckpointRecord:
     return new_record(
         kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=tokens, fingerprint=FP,
         tenant="", state_format=1, nbytes=nbytes, role=Role.REPLAY, created=1.0, page_size=4,
+        rest_nbytes=nbytes + REST_HEAD_BYTES,
     )
+
+
+def whole(state: bytes) -> bytes:
+    """A state kept whole, as a record file stores it (statecache.kvpages)."""
+    return split(state, sections=0, page_size=4, chain=()).rest
 
 
 def hit(pool, tokens: list[int]) -> bytes | None:  # type: ignore[no-untyped-def]
@@ -74,7 +84,34 @@ def old_format_file(ckpt: Path, tokens: list[int], data: bytes) -> CheckpointRec
     return rec
 
 
+def version_2_file(ckpt: Path, key: bytes, tokens: list[int], data: bytes) -> CheckpointRecord:
+    """A version 2 file, signed with our own key: one whole state per file, as written
+    before KV pages (its metadata had no page keys and no rest)."""
+    rec = record(tokens, len(data))
+    meta = {k: v for k, v in msgpack.unpackb(encode_meta(rec)).items()
+            if k not in ("keys", "rest")}
+    raw_meta = msgpack.packb(meta, use_bin_type=True)
+    head = HEADER.pack(b"SCKP", 2, 0, HEADER.size, len(raw_meta), len(data), key_id(key))
+    mac = hmac.new(key, head + raw_meta, hashlib.sha256)
+    meta_tag = mac.copy().digest()
+    mac.update(meta_tag + data)
+    (ckpt / f"{rec.id}.ckpt").write_bytes(head + raw_meta + meta_tag + data + mac.digest())
+    return rec
+
+
 # -- forged files ----------------------------------------------------------------------
+
+
+def test_version_2_file_of_our_own_key_is_a_miss(
+    make_pool: PoolFactory, ckpt: Path, key: bytes
+) -> None:
+    # Written by the statecache before KV pages, under this very key: read as a miss and
+    # quarantined, never trusted as a state of the new layout.
+    rec = version_2_file(ckpt, key, A, STATE_A)
+    pool = make_pool()
+    assert hit(pool, A) is None
+    assert quarantined(ckpt) == [f"{rec.id}.ckpt"]
+    assert pool.stats()["entries"] == 0
 
 
 def test_old_format_file_with_a_valid_digest_is_never_served(
@@ -93,10 +130,10 @@ def test_file_made_with_another_key_is_never_served(
 ) -> None:
     # The attacker writes a well-formed file with a key of their own...
     rec = record(A)
-    write_checkpoint(ckpt, rec, STATE_B, os.urandom(32))
+    write_checkpoint(ckpt, rec, whole(STATE_B), os.urandom(32))
     # ...and a second one where they copied our key id into the header.
     rec2 = record(A[:13])
-    write_checkpoint(ckpt, rec2, STATE_B, os.urandom(32))
+    write_checkpoint(ckpt, rec2, whole(STATE_B), os.urandom(32))
     p2 = ckpt / f"{rec2.id}.ckpt"
     raw = bytearray(p2.read_bytes())
     raw[HEADER.size - 8 : HEADER.size] = key_id(key)
@@ -144,7 +181,7 @@ def test_a_wrong_key_is_a_miss(make_pool: PoolFactory, tmp_path: Path, ckpt: Pat
 
 def plant(ckpt: Path) -> None:
     """What an attacker puts in a world-writable directory: a file the pool would read."""
-    write_checkpoint(ckpt, record(A), STATE_B, os.urandom(32))
+    write_checkpoint(ckpt, record(A), whole(STATE_B), os.urandom(32))
 
 
 def test_world_writable_directory_turns_the_disk_tier_off_with_one_warning(

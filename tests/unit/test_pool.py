@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from statecache.kvpages import REST_HEAD_BYTES as H
 from statecache.records import Kind, Owner, Role
 from tests.unit.conftest import PoolFactory, put
 
@@ -23,7 +24,7 @@ def test_deepest_hit_and_lease_pins(make_pool: PoolFactory) -> None:
         assert lease is not None
         assert lease.record.id == r13.id and lease.tier == "ram"
         assert bytes(lease.data) == b"b" * 10
-        assert pool.stats()["ram_pinned_bytes"] == 10 + 13 * 4
+        assert pool.stats()["ram_pinned_bytes"] == 10 + H + 13 * 4
     assert pool.stats()["ram_pinned_bytes"] == 0
     # max_n stops short of n=13 (the engine keeps a token to decode).
     lease = pool.lookup(T, chain, max_n=12)
@@ -51,8 +52,9 @@ def test_refresh_keeps_one_entry_and_the_stronger_role(make_pool: PoolFactory) -
 
 
 def test_pool_eviction_order_and_write_through(make_pool: PoolFactory) -> None:
-    # Each entry costs 20 state bytes + 4*8 token bytes = 52; the budget holds 4.
-    pool = make_pool(ram=4 * 52, disk=100_000)
+    # Each entry costs 20 state bytes + H (a state kept whole, statecache.kvpages) + 4*8
+    # token bytes = 52 + H; the budget holds 4.
+    pool = make_pool(ram=4 * (52 + H), disk=100_000)
     recs = {}
     for i, role in enumerate([Role.BRANCH, Role.END_OF_REPLY, Role.PERIODIC, Role.REPLAY]):
         recs[i] = put(pool, [100 + i] + T[:7], bytes([i]) * 20, role=role)
@@ -71,7 +73,7 @@ def test_pool_eviction_order_and_write_through(make_pool: PoolFactory) -> None:
     pool.flush()
     assert ids_in(pool, "disk") == {r.id for r in recs.values()}
     s = pool.stats()
-    assert (s["evictions"], s["ram_bytes"], s["disk_writes"]) == (4, 4 * 52, 8)
+    assert (s["evictions"], s["ram_bytes"], s["disk_writes"]) == (4, 4 * (52 + H), 8)
     # A disk hit is promoted back into RAM, evicting the oldest: entry 4 (on disk already).
     toks = [100] + T[:7]
     with pool.lookup(toks, pool.chain(toks)) as lease:  # type: ignore[union-attr]
@@ -86,7 +88,7 @@ def test_pool_eviction_order_and_write_through(make_pool: PoolFactory) -> None:
 def test_partial_entries_never_reach_disk_and_drop_with_their_lane(
     make_pool: PoolFactory,
 ) -> None:
-    pool = make_pool(ram=2 * 52)
+    pool = make_pool(ram=2 * (52 + H))
     p0 = put(pool, T[:8], b"p" * 20, kind=Kind.PARTIAL, lane=0)
     put(pool, T[:8], b"q" * 20, kind=Kind.PARTIAL, lane=1)
     lease = pool.lookup(T, pool.chain(T), kind=Kind.PARTIAL, lane=0)
@@ -210,7 +212,8 @@ def test_random_workload_never_exceeds_ram_budget(make_pool: PoolFactory) -> Non
                     lease.close()
         if held and rnd.random() < 0.2:
             held.pop(0).close()
-        measured = sum(d["nbytes"] + 4 * d["n"] for d in pool.describe() if "ram" in d["tiers"])
+        measured = sum(d["rest_nbytes"] + 4 * d["n"] for d in pool.describe()
+                       if "ram" in d["tiers"])
         assert measured <= pool.stats()["ram_bytes"] <= budget
         pool.sanity_check()
     for lease in held:

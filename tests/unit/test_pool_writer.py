@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from statecache.kvpages import REST_HEAD_BYTES
 from statecache.pool import CheckpointPool
 from tests.unit.conftest import PoolFactory, put
 
@@ -207,8 +208,9 @@ def test_close_twice_racing_the_writer_loses_nothing(
 
 
 def test_an_evicted_state_waits_in_ram_for_the_writer(make_pool: PoolFactory) -> None:
-    # Each entry costs 64 state bytes + 4*21 token bytes = 148; the budget holds two.
-    budget = 2 * 148
+    # Each entry costs 64 state bytes + H (kept whole) + 4*21 token bytes = 148 + H; the
+    # budget holds two.
+    budget = 2 * (148 + REST_HEAD_BYTES)
     pool = make_pool(ram=budget)
     gate = Gate.on_writes(pool)
     a = put(pool, [0] + T, b"a" * 64)

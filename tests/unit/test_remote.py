@@ -3,50 +3,24 @@
 
 from __future__ import annotations
 
+import random
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from statecache.config import CacheConfig, RemoteConfig
 from statecache.costs import Costs
+from statecache.kvpages import REST_HEAD_BYTES
 from statecache.pool import CheckpointPool, Offer
 from statecache.remotefmt import chunk_key, header_key, index_key
 from tests.store import Store
 from tests.unit.conftest import FP, Clock, put
 
 T = list(range(1, 41))  # 10 pages of 4
-STATE = bytes(range(256)) * 40  # 10,240 bytes: three chunks of 4 KiB
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store(tmp_path / "store").start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def proxy(tmp_path: Path, store: Store) -> Iterator:  # type: ignore[type-arg]
-    pools: list[CheckpointPool] = []
-
-    def make(name: str, *, key: str = "shared.key", fingerprint: str = FP,
-             tenant: str = "", **remote: object) -> CheckpointPool:
-        opts: dict[str, object] = {"chunk_size": 4096, "retry_s": 0.2, "timeout": 1.0, **remote}
-        rc = RemoteConfig(url=store.url, **opts)  # type: ignore[arg-type]
-        cfg = CacheConfig(page_size=4, ram_budget=1 << 20, disk_path=str(tmp_path / name),
-                          disk_budget=1 << 20, secret_path=str(tmp_path / "keys" / key),
-                          tenant=tenant, remote=rc)
-        pool = CheckpointPool(cfg, fingerprint, clock=Clock())
-        pools.append(pool)
-        return pool
-
-    yield make
-    for pool in pools:
-        pool.sanity_check()
-        pool.close()
+# 10,240 random bytes (they do not compress): with the rest's header, three chunks of 4 KiB
+STATE = random.Random(7).randbytes(10_240)
 
 
 def _sync(pool: CheckpointPool) -> None:
@@ -195,12 +169,13 @@ def test_store_down_degrades_then_reuse_resumes(proxy, store: Store, caplog) -> 
 
 def test_writes_waiting_for_a_slow_store_drop_the_oldest(proxy, store: Store) -> None:  # type: ignore[no-untyped-def]
     store.stop()
-    a = proxy("a", queue_bytes=2 * len(STATE), retry_s=60)
+    a = proxy("a", queue_bytes=2 * (len(STATE) + REST_HEAD_BYTES), retry_s=60)
     a._remote.ping()  # type: ignore[union-attr]  # learn that it is down
     for i in range(4):
         put(a, [200 + i] + T[:12], STATE)
     s = a.stats()
-    assert s["remote_write_drops"] == 2 and s["remote_queue_bytes"] <= 2 * len(STATE)
+    assert s["remote_write_drops"] == 2
+    assert s["remote_queue_bytes"] <= 2 * (len(STATE) + REST_HEAD_BYTES)
 
 
 def test_costs_follow_measurements() -> None:

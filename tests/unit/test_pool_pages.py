@@ -1,0 +1,165 @@
+"""A conversation's KV held once in RAM: checkpoints name pages, pages are counted once
+and freed with their last checkpoint, eviction chooses checkpoints (page size 4,
+states written the way llama.cpp writes them: tests/unit/kvstate.py)."""
+
+from __future__ import annotations
+
+import random
+
+from statecache.kvpages import split
+from statecache.pages import PageChain, namespace_hash
+from statecache.records import Kind, Owner, Role
+from tests.unit.conftest import FP, PoolFactory, put
+from tests.unit.kvstate import conversation_state, page_bytes
+
+PAGE = page_bytes(4)
+
+
+def tokens(conv: int, n: int) -> list[int]:
+    return [1000 * (conv + 1) + i for i in range(n)]
+
+
+def rest(conv: int, n: int) -> int:
+    """The bytes of a checkpoint's rest (its own bytes beside its tokens and pages)."""
+    chain = PageChain(namespace_hash(FP, ""), 4, tokens(conv, n)).hashes
+    return len(split(conversation_state(n, conv=conv), sections=1, page_size=4,
+                     chain=chain).rest)
+
+
+def save(pool, conv: int, n: int, role: Role = Role.REPLAY):  # type: ignore[no-untyped-def]
+    return put(pool, tokens(conv, n), conversation_state(n, conv=conv), role=role)
+
+
+def state_of(pool, conv: int, n: int) -> bytes | None:  # type: ignore[no-untyped-def]
+    """The state after exactly ``n`` tokens, or None (a miss, or only a shorter one)."""
+    toks = tokens(conv, n) + [7, 7]
+    lease = pool.lookup(toks, pool.chain(toks), max_n=n)
+    if lease is None:
+        return None
+    with lease:
+        return bytes(lease.data) if lease.record.n == n else None
+
+
+def test_checkpoints_of_one_conversation_hold_its_kv_once(make_pool: PoolFactory) -> None:
+    pool = make_pool(ram=1 << 20, disk=None, kv_sections=1)
+    ns = [8, 16, 24, 32, 40]  # 2 .. 10 pages
+    recs = [save(pool, 0, n) for n in ns]
+    s = pool.stats()
+    # ten pages, each held once, whatever the number of checkpoints that name them
+    assert (s["ram_pages"], s["ram_page_bytes"]) == (10, 10 * PAGE)
+    assert [r.n_keys for r in recs] == [2, 4, 6, 8, 10]
+    own = sum(rest(0, n) + 4 * n for n in ns)
+    assert s["ram_bytes"] == own + 10 * PAGE
+    whole = sum(len(conversation_state(n)) for n in ns)
+    assert s["ram_bytes"] < whole * 0.45  # the states whole: every page 3 times on average
+    for n in ns:  # each assembles to exactly the state that was saved
+        assert state_of(pool, 0, n) == conversation_state(n)
+    pool.sanity_check()
+
+
+def test_eviction_chooses_checkpoints_and_a_page_goes_with_its_last_user(
+    make_pool: PoolFactory,
+) -> None:
+    # A at 16 and 32 tokens (A16's 4 pages are A32's first 4), B at 32: the budget holds
+    # exactly these.
+    budget = (rest(0, 16) + 64) + (rest(0, 32) + 128) + (rest(1, 32) + 128) + 16 * PAGE
+    pool = make_pool(ram=budget, disk=None, kv_sections=1)
+    a16, a32, b32 = save(pool, 0, 16), save(pool, 0, 32), save(pool, 1, 32)
+    assert pool.stats()["ram_bytes"] == budget
+    # C at 8 tokens: the oldest checkpoint, A16, goes first but frees only its own bytes
+    # (A32 names its pages); A32 goes next, and its 8 pages with it. B stays.
+    c8 = save(pool, 2, 8)
+    held = {d["id"] for d in pool.describe()}
+    assert held == {b32.id, c8.id} and pool.stats()["evictions"] == 2
+    assert pool.stats()["ram_pages"] == 8 + 2
+    assert state_of(pool, 1, 32) == conversation_state(32, conv=1)
+    assert pool.stats()["ram_bytes"] == (rest(1, 32) + 128) + (rest(2, 8) + 32) + 10 * PAGE
+    del a16, a32
+
+
+def test_a_leased_checkpoint_keeps_its_pages_while_others_go(make_pool: PoolFactory) -> None:
+    budget = (rest(0, 16) + 64) + (rest(0, 32) + 128) + (rest(1, 32) + 128) + 16 * PAGE
+    pool = make_pool(ram=budget, disk=None, kv_sections=1)
+    a16, a32, b32 = save(pool, 0, 16), save(pool, 0, 32), save(pool, 1, 32)
+    toks = tokens(0, 32) + [5]
+    lease = pool.lookup(toks, pool.chain(toks))
+    assert lease is not None and lease.record.id == a32.id
+    # pinned: A32 and every page it names (A16's too) are out of eviction's reach
+    assert pool.stats()["ram_pinned_bytes"] == rest(0, 32) + 128 + 8 * PAGE
+    c8 = save(pool, 2, 8)  # A16 goes (its own bytes only), then B32 (its 8 pages)
+    assert {d["id"] for d in pool.describe()} == {a32.id, c8.id}
+    assert pool.stats()["ram_pages"] == 8 + 2
+    assert bytes(lease.data) == conversation_state(32)
+    lease.close()
+    assert pool.stats()["ram_pinned_bytes"] == 0
+    del a16, b32
+
+
+def test_a_removed_checkpoint_under_lease_keeps_its_pages_counted(
+    make_pool: PoolFactory,
+) -> None:
+    pool = make_pool(ram=1 << 20, disk=None, kv_sections=1)
+    a16 = save(pool, 0, 16)
+    toks = tokens(0, 16) + [5]
+    lease = pool.lookup(toks, pool.chain(toks))
+    assert lease is not None
+    assert pool.remove(a16.id)
+    s = pool.stats()
+    assert (s["entries"], s["ram_pages"]) == (0, 4)  # gone, its bytes leased
+    a16b = save(pool, 0, 16)  # the same state again: its pages are those still held
+    assert a16b.id == a16.id and pool.stats()["ram_pages"] == 4
+    lease.close()
+    assert pool.stats()["ram_pages"] == 4 and state_of(pool, 0, 16) == conversation_state(16)
+    pool.remove(a16b.id)
+    assert pool.stats()["ram_pages"] == 0 and pool.stats()["ram_bytes"] == 0
+
+
+def test_partial_and_unpaged_states_are_kept_whole(make_pool: PoolFactory) -> None:
+    pool = make_pool(ram=1 << 20, disk=None, kv_sections=1)
+    part = pool.insert(kind=Kind.PARTIAL, owner=Owner.TARGET, lane=0, tokens=tokens(0, 16),
+                       role=Role.REPLAY, data=conversation_state(16))
+    assert part is not None and part.n_keys == 0
+    assert pool.stats()["ram_pages"] == 0
+
+
+def test_random_conversations_keep_every_invariant(make_pool: PoolFactory) -> None:
+    # Growing checkpoints of a few conversations, leases held across inserts, removals,
+    # a RAM budget that forces eviction and a small disk: every lookup gives the state
+    # that was saved, and the invariants (every page named is held, counts equal the
+    # references, budgets equal the bytes held) hold after every step.
+    rnd = random.Random(2024)
+    pool = make_pool(ram=14_000, disk=40_000, kv_sections=1)
+    held = []
+    for step in range(300):
+        conv = rnd.randrange(4)
+        n = rnd.randrange(1, 11) * 4 + rnd.choice([0, 0, 1, 3])
+        r = rnd.random()
+        if r < 0.45:
+            pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=tokens(conv, n),
+                        role=rnd.choice(list(Role)), data=conversation_state(n, conv=conv))
+        elif r < 0.9:
+            toks = tokens(conv, n) + [3]
+            lease = pool.lookup(toks, pool.chain(toks), max_n=n)
+            if lease is not None:
+                m = lease.record.n
+                assert bytes(lease.data) == conversation_state(m, conv=conv)
+                if rnd.random() < 0.3 and len(held) < 3:
+                    held.append(lease)
+                else:
+                    lease.close()
+        else:
+            ids = [d["id"] for d in pool.describe()]
+            if ids:
+                pool.remove(rnd.choice(ids))
+        if held and rnd.random() < 0.25:
+            held.pop(0).close()
+        if step % 50 == 49:
+            pool.flush()
+        pool.sanity_check()
+        s = pool.stats()
+        assert s["ram_bytes"] <= 14_000 and s["disk_bytes"] <= 40_000
+    for lease in held:
+        lease.close()
+    s = pool.stats()
+    assert s["evictions"] > 0 and s["hits_ram"] > 0 and s["disk_writes"] > 0
+    assert s["hits_disk"] > 0
