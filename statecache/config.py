@@ -146,6 +146,9 @@ class CacheConfig:
     share_points: int = 4
     splice_generated: bool = False
     tenant: str = ""
+    # zstd level for what goes to disk and to the shared tier (statecache/codec.py: a
+    # piece is kept compressed only where that saves a quarter of it); 0: none
+    compress_level: int = 1
     remote: RemoteConfig = field(default_factory=RemoteConfig)  # [cache.remote]
 
 
@@ -249,6 +252,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("model.threads", 0, None),
     ("speculative.draft_max", 1, 32),
     ("speculative.draft_min_p", 0, 1),
+    ("cache.compress_level", 0, 22),
     ("speculative.lookup_max", 1, 64),
     ("speculative.lookup_min", 1, 64),
     ("speculative.lookup_draft_max", 1, 64),

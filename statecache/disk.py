@@ -26,9 +26,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +42,10 @@ from statecache.diskfmt import (
     SUFFIX,
     TMP_PREFIX,
     BadFile,
-    _open_regular,
     file_name,
     file_size,
     fsync_dir,
+    open_regular,
     read_checkpoint,
     read_meta,
     record_from_meta,
@@ -55,11 +57,36 @@ from statecache.kvpages import PageKey
 from statecache.pagefmt import BadPage, decode_page, encode_page, max_size
 from statecache.records import CheckpointRecord
 from statecache.sizes import format_size
+from statecache.writer import run_in_background
 
 log = logging.getLogger(__name__)
 
 QUARANTINE = "quarantine"
 PAGE_SUFFIX = ".kvp"
+# Page files are read and written by a few threads at once: a state of 2,400 pages is
+# 2,400 small reads and fdatasyncs, and one at a time each waits for the device.
+_IO_THREADS = 4
+_BATCH = 32  # pages a task
+_io_lock = threading.Lock()
+_readers: ThreadPoolExecutor | None = None
+_writers: ThreadPoolExecutor | None = None
+
+
+def _pool_of(kind: str) -> ThreadPoolExecutor:
+    global _readers, _writers
+    with _io_lock:
+        if kind == "read":
+            if _readers is None:
+                _readers = ThreadPoolExecutor(_IO_THREADS, "statecache-page-read")
+            return _readers
+        if _writers is None:  # as low a priority as the disk writer that uses them
+            _writers = ThreadPoolExecutor(_IO_THREADS, "statecache-page-write",
+                                          initializer=run_in_background)
+        return _writers
+
+
+def _batches(items: list[int]) -> list[list[int]]:
+    return [items[i:i + _BATCH] for i in range(0, len(items), _BATCH)]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -152,13 +179,15 @@ class DiskTier:
         on_evict: Callable[[str], None] | None = None,
         level: int = codec.DEFAULT_LEVEL,
     ) -> None:
+        # f16 KV as 2-byte planes, a recurrent state (f32) as 4-byte ones
+        self.page_packer = codec.Packer(level, 2)
+        self.rest_packer = codec.Packer(level, 4)
         self.path = path
         self.pages_path = pages_dir(path, fingerprint)
         self.budget = budget
         self.fingerprint = fingerprint
         self.state_format = state_format
         self.page_size = page_size
-        self.level = level
         # No key: an ephemeral one (benchmarks), so nothing written outlives the process.
         self._key = key if key is not None else os.urandom(KEY_BYTES)
         self.used = 0  # records + pages + reserved + stray temp files
@@ -440,20 +469,28 @@ class DiskTier:
         """Write the pages ``which`` of ``rec``, then its record (the pages durable
         before the record that names them); the sizes written."""
         keys = rec.page_keys
+        dirs = {page_path(self.pages_path, keys[i]).parent for i in which}
+        for d in dirs:
+            ensure_dir(d)
+
+        def write(batch: list[int]) -> list[tuple[PageKey, int]]:
+            out = []
+            for i in batch:
+                path = page_path(self.pages_path, keys[i])
+                parts = encode_page(self._key, keys[i], pages[i], self.page_packer.encode)
+                out.append((keys[i], write_atomic(path.parent, path.name, parts,
+                                                  sync_dir=False)))
+            return out
+
         sizes: dict[PageKey, int] = {}
-        dirs: set[Path] = set()
-        for i in which:
-            path = page_path(self.pages_path, keys[i])
-            if path.parent not in dirs:
-                ensure_dir(path.parent)
-                dirs.add(path.parent)
-            parts = encode_page(self._key, keys[i], pages[i], self.level)
-            sizes[keys[i]] = write_atomic(path.parent, path.name, parts, sync_dir=False)
+        for done in _pool_of("write").map(write, _batches(list(which))):
+            sizes.update(done)
         for d in dirs:
             fsync_dir(d)
         if dirs:
             fsync_dir(self.pages_path)
-        return write_checkpoint(self.path, rec, rest, self._key, self.level), sizes
+        return write_checkpoint(self.path, rec, rest, self._key,
+                                self.rest_packer.encode), sizes
 
     def read_file(self, rec: CheckpointRecord, have: Sequence[bool] = ()) -> Stored:
         """The rest of ``rec`` and the pages it names (but those ``have`` marks: the
@@ -462,16 +499,23 @@ class DiskTier:
         fm, rest = read_checkpoint(self.path / file_name(rec.id), self._key)
         if not _same_claims(fm.meta, rec):
             raise BadFile("metadata does not match the indexed entry")
-        pages: list[Buffer | None] = []
-        for i, k in enumerate(rec.page_keys):
-            pages.append(None if i < len(have) and have[i] else self.read_page(k))
+        keys = rec.page_keys
+        pages: list[Buffer | None] = [None] * len(keys)
+        want = [i for i in range(len(keys)) if not (i < len(have) and have[i])]
+
+        def read(batch: list[int]) -> list[tuple[int, Buffer]]:
+            return [(i, self.read_page(keys[i])) for i in batch]
+
+        for done in _pool_of("read").map(read, _batches(want)):
+            for i, page in done:
+                pages[i] = page
         return Stored(rest, pages)
 
     def read_page(self, key: PageKey) -> Buffer:
         """One page's raw bytes, authenticated; raises BadPageFile."""
         path = page_path(self.pages_path, key)
         try:
-            fd, st = _open_regular(path)
+            fd, st = open_regular(path)
         except FileNotFoundError:
             raise BadPageFile(key, "missing") from None
         except BadFile as e:

@@ -22,6 +22,7 @@ import os
 import re
 import stat
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ MAX_DATA_BYTES = 1 << 40
 _ID_RE = re.compile(r"^[0-9a-f]{32}$")
 _CHUNK = 8 << 20
 Buffer = bytes | bytearray | memoryview
+Encoder = Callable[[Buffer], tuple[int, Buffer]]  # (codec, stored bytes): codec.Packer.encode
 _META_TYPES: dict[str, tuple[type, ...]] = {
     "id": (str,),
     "kind": (str,),
@@ -198,7 +200,7 @@ def _read_exact(fd: int, n: int) -> bytes:
     return bytes(out)
 
 
-def _open_regular(path: Path) -> tuple[int, os.stat_result]:
+def open_regular(path: Path) -> tuple[int, os.stat_result]:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
@@ -260,7 +262,7 @@ def read_meta(path: Path, key: bytes | None = None) -> FileMeta:
     Without a key (``statecache inspect``) nothing is authenticated: never serve from it.
     Raises BadFile.
     """
-    fd, st = _open_regular(path)
+    fd, st = open_regular(path)
     try:
         return _read_head(fd, st, path, key)[0]
     finally:
@@ -270,7 +272,7 @@ def read_meta(path: Path, key: bytes | None = None) -> FileMeta:
 def read_checkpoint(path: Path, key: bytes) -> tuple[FileMeta, Buffer]:
     """Header, metadata and the rest (decoded), every byte authenticated before it is
     decoded; raises BadFile."""
-    fd, st = _open_regular(path)
+    fd, st = open_regular(path)
     try:
         fm, mac = _read_head(fd, st, path, key)
         assert mac is not None
@@ -334,13 +336,14 @@ def write_atomic(directory: Path, name: str, parts: list[Buffer], *,
 
 
 def write_checkpoint(directory: Path, rec: CheckpointRecord, rest: Buffer, key: bytes,
-                     level: int = codec.DEFAULT_LEVEL) -> int:
-    """Write the record and its rest atomically; returns the file size."""
+                     encode: Encoder | None = None) -> int:
+    """Write the record and its rest atomically (``encode``: how the rest is stored;
+    by default zstd over 4-byte planes where it pays); returns the file size."""
     rest = memoryview(rest).cast("B")
     if rest.nbytes != rec.rest_nbytes:
         raise ValueError(f"{rec.id}: a rest of {rest.nbytes} bytes, record says "
                          f"{rec.rest_nbytes}")
-    kind, stored = codec.encode(rest, level)
+    kind, stored = encode(rest) if encode is not None else codec.compress(rest, width=4)
     stored_len = memoryview(stored).nbytes
     raw_meta = encode_meta(rec)
     head = HEADER.pack(

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from statecache.pages import HASH_BYTES, PageHash
+from statecache.pages import HASH_BYTES, PageHash, TokenArray
 
 PageKey = NewType("PageKey", bytes)
 Buffer = bytes | bytearray | memoryview
@@ -36,7 +36,7 @@ SEQ_MAGIC = 0xAF143CD8  # llama_context::state_seq_get_data's io_magic, then the
 _REST_HEAD = struct.Struct("<4sIIIIQ16s")
 REST_HEAD_BYTES = _REST_HEAD.size  # what a state kept whole costs beyond its bytes
 _BLOCK_HEAD = 12  # i32 type + u64 row size, or i32 type + u32 element size + u32 rows
-_META_RAW, _META_RUNS = 0, 1
+_META_RAW, _META_RUNS, _META_RUNS_MROPE = 0, 1, 2
 _RUN = np.dtype([("pos", "<i4"), ("len", "<u4"), ("seq", "<i4")])
 _MAX_STREAMS = 1 << 16
 _MAX_LAYERS = 1 << 12
@@ -220,15 +220,16 @@ def _run_of(order: IntArray) -> int | None:
 
 
 def split(state: Buffer, *, sections: int, page_size: int,
-          chain: Sequence[PageHash]) -> Split:
+          chain: Sequence[PageHash], tokens: TokenArray | None = None) -> Split:
     """Cut ``state`` (a FULL sequence state whose memory writes ``sections`` KV caches
     first) into its rest and one page per whole page of ``chain`` each section holds.
-    A state of another layout is kept whole (no pages)."""
+    ``tokens`` (those the state consumed) let an M-RoPE model's cell metadata, which
+    repeats them, be kept as runs. A state of another layout is kept whole (no pages)."""
     view = memoryview(state).cast("B")
     digest = xxhash.xxh3_128_digest(view)
     if sections > 0 and chain:
         try:
-            return _split(view, sections, page_size, chain, digest)
+            return _split(view, sections, page_size, chain, digest, tokens)
         except _Unparsed:
             pass
     head = _REST_HEAD.pack(REST_MAGIC, 0, page_size, len(chain), 0, view.nbytes, digest)
@@ -236,7 +237,7 @@ def split(state: Buffer, *, sections: int, page_size: int,
 
 
 def _split(view: memoryview, sections: int, page_size: int, chain: Sequence[PageHash],
-           digest: bytes) -> Split:
+           digest: bytes, tokens: TokenArray | None) -> Split:
     r = _Reader(view)
     if r.peek_u32() != SEQ_MAGIC:
         raise _Unparsed("not a sequence state")
@@ -251,7 +252,7 @@ def _split(view: memoryview, sections: int, page_size: int, chain: Sequence[Page
                 out.append(struct.pack("<I", 0))
                 continue
             whole, order, rest = _covered(st.pos, page_size, len(chain))
-            out += [struct.pack("<I", st.cells), _encode_meta(st), st.dims]
+            out += [struct.pack("<I", st.cells), _encode_meta(st, tokens), st.dims]
             per_block = [_cut(b, order, rest, whole.size, page_size, out) for b in st.blocks]
             for i, p in enumerate(whole):
                 page = tuple(pb[i] for pb in per_block)
@@ -263,18 +264,33 @@ def _split(view: memoryview, sections: int, page_size: int, chain: Sequence[Page
     return Split(b"".join([head, *out]), tuple(keys), tuple(parts), view.nbytes)
 
 
-def _encode_meta(st: _Stream) -> bytes:
+def _runs(st: _Stream) -> npt.NDArray[np.void]:
+    """Runs of cells at consecutive positions of one sequence."""
+    pos, seq = st.pos.astype(np.int64), st.seq
+    breaks = np.flatnonzero((np.diff(pos) != 1) | (np.diff(seq) != 0)) + 1
+    starts = np.concatenate([[0], breaks]).astype(np.int64)
+    runs = np.empty(len(starts), dtype=_RUN)
+    runs["pos"] = st.pos[starts]
+    runs["len"] = np.diff(np.concatenate([starts, [st.cells]]))
+    runs["seq"] = seq[starts]
+    return runs
+
+
+def _encode_meta(st: _Stream, tokens: TokenArray | None) -> bytes:
     """The cells' metadata: as runs of consecutive positions of one sequence where it
-    is plain (12 bytes a run, not a cell), else as written."""
+    is plain (12 bytes a run, not a cell); with the M-RoPE extension, the same where a
+    cell's x and y are its position and its token is the prompt's there (text, not an
+    image); else as written."""
     if st.stride == 12:
-        pos, seq = st.pos.astype(np.int64), st.seq
-        breaks = np.flatnonzero((np.diff(pos) != 1) | (np.diff(seq) != 0)) + 1
-        starts = np.concatenate([[0], breaks])
-        runs = np.empty(len(starts), dtype=_RUN)
-        runs["pos"] = st.pos[starts]
-        runs["len"] = np.diff(np.concatenate([starts, [st.cells]]))
-        runs["seq"] = seq[starts]
+        runs = _runs(st)
         return struct.pack("<BI", _META_RUNS, len(runs)) + runs.tobytes()
+    arr = np.frombuffer(st.meta, dtype="<i4").reshape(st.cells, 6)
+    pos = st.pos.astype(np.int64)
+    if tokens is not None and int(pos.max()) < len(tokens) and \
+            (arr[:, 2] == pos).all() and (arr[:, 3] == pos).all() and \
+            (arr[:, 4] == tokens[pos]).all():
+        runs = _runs(st)
+        return struct.pack("<BI", _META_RUNS_MROPE, len(runs)) + runs.tobytes()
     return struct.pack("<BI", _META_RAW, st.stride) + bytes(st.meta)
 
 
@@ -336,11 +352,12 @@ def rest_info(rest: Buffer) -> RestInfo:
     return RestInfo(sections, page_size, chain_pages, n_keys, nbytes, digest)
 
 
-def assemble(rest: Buffer, pages: Sequence[Buffer], out: bytearray | None = None
-             ) -> memoryview:
+def assemble(rest: Buffer, pages: Sequence[Buffer], out: bytearray | None = None,
+             tokens: TokenArray | None = None) -> memoryview:
     """The whole state from its rest and its pages (in the order of the split's keys),
-    written into ``out`` (grown as needed) or a new buffer; raises BadState unless it
-    is exactly the state that was cut (its digest)."""
+    written into ``out`` if it is large enough, else into a new buffer (``tokens``: as
+    given to ``split``); raises BadState unless it is exactly the state that was cut
+    (its digest)."""
     info = rest_info(rest)
     if len(pages) != info.n_keys:
         raise BadState(f"{len(pages)} pages for a rest that names {info.n_keys}")
@@ -349,15 +366,13 @@ def assemble(rest: Buffer, pages: Sequence[Buffer], out: bytearray | None = None
         if whole.nbytes != info.nbytes or xxhash.xxh3_128_digest(whole) != info.digest:
             raise BadState("the state is not the one saved (length or digest)")
         return whole
-    if out is None:
+    if out is None or len(out) < info.nbytes:
         out = bytearray(info.nbytes)
-    elif len(out) < info.nbytes:
-        out.extend(bytes(info.nbytes - len(out)))
     dst = memoryview(out)[:info.nbytes]
     r = _Reader(memoryview(rest).cast("B"))
     r.take(_REST_HEAD.size)
     try:
-        at = _assemble(r, info, [memoryview(p).cast("B") for p in pages], dst)
+        at = _assemble(r, info, [memoryview(p).cast("B") for p in pages], dst, tokens)
     except (_Unparsed, ValueError, IndexError) as e:
         raise BadState(f"rest does not parse: {e}") from None
     if at != info.nbytes:
@@ -389,7 +404,8 @@ class _Writer:
         return out
 
 
-def _assemble(r: _Reader, info: RestInfo, pages: list[memoryview], dst: memoryview) -> int:
+def _assemble(r: _Reader, info: RestInfo, pages: list[memoryview], dst: memoryview,
+              tokens: TokenArray | None) -> int:
     w = _Writer(dst)
     w.put(r.take(8))
     used = 0
@@ -403,7 +419,7 @@ def _assemble(r: _Reader, info: RestInfo, pages: list[memoryview], dst: memoryvi
             w.put(struct.pack("<I", cells))
             if cells == 0:
                 continue
-            pos = _decode_meta(r, cells, w)
+            pos = _decode_meta(r, cells, w, tokens)
             whole, order, rest = _covered(pos, info.page_size, info.chain_pages)
             mine = pages[used:used + whole.size]
             if len(mine) != whole.size:
@@ -426,7 +442,8 @@ def _assemble(r: _Reader, info: RestInfo, pages: list[memoryview], dst: memoryvi
     return w.at
 
 
-def _decode_meta(r: _Reader, cells: int, w: _Writer) -> npt.NDArray[np.int32]:
+def _decode_meta(r: _Reader, cells: int, w: _Writer, tokens: TokenArray | None
+                 ) -> npt.NDArray[np.int32]:
     mode, n = struct.unpack("<BI", r.take(5))
     if mode == _META_RAW:
         if n not in (12, 24):
@@ -434,18 +451,26 @@ def _decode_meta(r: _Reader, cells: int, w: _Writer) -> npt.NDArray[np.int32]:
         raw = r.take(n * cells)
         w.put(raw)
         return np.frombuffer(raw, dtype="<i4").reshape(cells, n // 4)[:, 0]
-    if mode != _META_RUNS or n > cells:
+    if mode not in (_META_RUNS, _META_RUNS_MROPE) or n > cells:
         raise _Unparsed("meta mode")
     runs = np.frombuffer(r.take(n * _RUN.itemsize), dtype=_RUN)
     lens = runs["len"].astype(np.int64)
     if int(lens.sum()) != cells or (lens < 1).any():
         raise _Unparsed("meta runs")
     starts = np.repeat(np.cumsum(lens) - lens, lens)
-    meta = np.frombuffer(w.region(12 * cells), dtype="<i4").reshape(cells, 3)
+    pos = np.repeat(runs["pos"].astype(np.int64), lens) + (np.arange(cells) - starts)
+    width = 3 if mode == _META_RUNS else 6
+    meta = np.frombuffer(w.region(4 * width * cells), dtype="<i4").reshape(cells, width)
     meta.flags.writeable = True  # a view of the caller's buffer
-    meta[:, 0] = np.repeat(runs["pos"].astype(np.int64), lens) + (np.arange(cells) - starts)
+    meta[:, 0] = pos
     meta[:, 1] = 1
-    meta[:, 2] = np.repeat(runs["seq"], lens)
+    meta[:, -1] = np.repeat(runs["seq"], lens)
+    if mode == _META_RUNS_MROPE:
+        if tokens is None or int(pos.max()) >= len(tokens) or int(pos.min()) < 0:
+            raise _Unparsed("the prompt's tokens are needed, or do not reach")
+        meta[:, 2] = pos
+        meta[:, 3] = pos
+        meta[:, 4] = tokens[pos]
     return meta[:, 0].copy()
 
 

@@ -12,13 +12,13 @@ Buffer = bytes | bytearray | memoryview
 
 
 class _Releaser(Protocol):
-    def _release(self, pin: Pin | None) -> None: ...
+    def _release(self, pin: Pin | None, spare: bytearray | None = None) -> None: ...
 
 
 class Lease:
     """A looked-up checkpoint, pinned in RAM until closed (use as a context manager)."""
 
-    __slots__ = ("record", "tier", "_data", "_pool", "_pin", "_closed")
+    __slots__ = ("record", "tier", "_data", "_pool", "_pin", "_closed", "_spare")
 
     def __init__(
         self,
@@ -27,8 +27,10 @@ class Lease:
         tier: str,
         data: Buffer,
         pin: Pin | None,
+        spare: bytearray | None = None,
     ) -> None:
         self.record = record
+        self._spare = spare  # the buffer ``data`` was assembled in: reused once closed
         self.tier = tier  # "ram", "disk" or "remote": where the hit came from
         self._data = memoryview(data).toreadonly()
         self._pool = pool
@@ -45,7 +47,8 @@ class Lease:
         if not self._closed:
             self._closed = True
             self._data.release()
-            self._pool._release(self._pin)
+            self._pool._release(self._pin, self._spare)
+            self._spare = None
 
     def __enter__(self) -> Lease:
         return self

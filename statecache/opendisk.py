@@ -52,5 +52,6 @@ def open_disk(
         page_size=cfg.page_size,
         key=key,
         on_evict=on_evict,
+        level=cfg.compress_level,
     )
     return tier, lock

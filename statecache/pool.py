@@ -136,6 +136,8 @@ class CheckpointPool:
         self._warned: set[str] = set()
         self._ram = RamTier(cfg.ram_budget, on_evict=self._on_ram_evict)
         self._spilling: dict[str, Pin] = {}  # evicted FULL states waiting for the disk
+        # a buffer a closed lease's state was assembled in, for the next RAM hit
+        self._spare: bytearray | None = None
         self._writing: dict[str, WriteJob] = {}
         self._writer = Writer(self._cond, self._claim_queued, self._run_write)
         self._disk: DiskTier | None = None
@@ -159,7 +161,7 @@ class CheckpointPool:
             log.warning("pool: the remote tier is off: %s", self.remote_status)
             return
         self._remote = RemoteTier(rc, key, self.fingerprint, state_format=self.state_format,
-                                  page_size=self.page_size)
+                                  page_size=self.page_size, level=self.cfg.compress_level)
         self._remote.ping()
         self.remote_status = self._remote.status
 
@@ -237,10 +239,14 @@ class CheckpointPool:
                     local = self._ram_pages(rec.page_keys)
             tried.add(rec.id)
             if pin is not None:
-                data = self._assemble(rec, rest, pages)
+                spare = self._take_spare()
+                data = self._assemble(rec, rest, pages, spare)
                 if data is not None:
-                    return Lease(self, rec, "ram", data, pin)
-                self._release(pin)
+                    used = spare is not None and data.obj is spare
+                    if not used:
+                        self._release(None, spare)  # a state kept whole: not copied
+                    return Lease(self, rec, "ram", data, pin, spare if used else None)
+                self._release(pin, spare)
                 self.remove(rec.id)
                 continue
             assert disk is not None
@@ -248,12 +254,12 @@ class CheckpointPool:
             if lease is not None:
                 return lease
 
-    def _assemble(self, rec: CheckpointRecord, rest: Buffer, pages: list[Buffer]
-                  ) -> memoryview | None:
-        """The state llama.cpp reads back, or None (logged, counted) if it is not the
-        one that was saved."""
+    def _assemble(self, rec: CheckpointRecord, rest: Buffer, pages: list[Buffer],
+                  out: bytearray | None = None) -> memoryview | None:
+        """The state llama.cpp reads back (in ``out`` if it is large enough), or None
+        (logged, counted) if it is not the one that was saved."""
         try:
-            return assemble(rest, pages)
+            return assemble(rest, pages, out, rec.token_array())
         except BadState as e:
             log.error("pool: checkpoint %s does not assemble (%s): a miss", rec.id, e)
             with self._lock:
@@ -313,7 +319,7 @@ class CheckpointPool:
             stored = disk.read_file(rec, [i in local for i in range(rec.n_keys)])
             pages: list[Buffer] = [local[i] if p is None else p
                                    for i, p in enumerate(stored.pages)]
-            data = assemble(stored.rest, pages)
+            data = assemble(stored.rest, pages, tokens=rec.token_array())
             self.costs.note_read("disk", rec.nbytes, time.perf_counter() - t0)
         except BadPageFile as e:
             bad, bad_page = str(e), e.key
@@ -369,11 +375,20 @@ class CheckpointPool:
         self._counts[f"hits_{tier}"] += 1
         self._counts["hits_role_" + rec.role.value.replace("-", "_")] += 1
 
-    def _release(self, pin: Pin | None) -> None:
+    def _release(self, pin: Pin | None, spare: bytearray | None = None) -> None:
+        if spare is not None:  # one buffer kept, the largest: no page faults next time
+            with self._lock:
+                if self._spare is None or len(spare) > len(self._spare):
+                    self._spare = spare
         if pin is not None:
             with self._cond:
                 self._ram.unpin(pin)
                 self._cond.notify_all()
+
+    def _take_spare(self) -> bytearray | None:
+        with self._lock:
+            spare, self._spare = self._spare, None
+            return spare
 
     def full_offers(
         self, tokens: Tokens, chain: PageChain, *, max_n: int, tenant: str = ""
@@ -547,7 +562,8 @@ class CheckpointPool:
         kept whole (a rest without pages)."""
         paged = rec.kind is Kind.FULL and rec.owner is Owner.TARGET
         return split(data, sections=self.kv_sections if paged else 0,
-                     page_size=self.page_size, chain=rec.page_hashes)
+                     page_size=self.page_size, chain=rec.page_hashes,
+                     tokens=rec.token_array())
 
     def _share(self, rec: CheckpointRecord, rest: bytes, pages: list[bytes]) -> None:
         if self._remote is not None and rec.kind is Kind.FULL and rec.owner is Owner.TARGET:

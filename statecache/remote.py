@@ -118,7 +118,8 @@ class RemoteTier:
     def __init__(self, cfg: RemoteConfig, key: bytes, fingerprint: str, *, state_format: int,
                  page_size: int, client: Any = None, level: int = codec.DEFAULT_LEVEL) -> None:
         self.cfg = cfg
-        self.level = level
+        self.page_packer = codec.Packer(level, 2)  # as the disk tier's
+        self.rest_packer = codec.Packer(level, 4)
         self.prefix = cfg.prefix
         self._key = key
         self.fingerprint = fingerprint
@@ -417,7 +418,7 @@ class RemoteTier:
             return
         ttl = self._ttl()
         self._write_pages(rec, w.pages, ttl)
-        kind, stored = codec.encode(w.rest, self.level)
+        kind, stored = self.rest_packer.encode(w.rest)
         view = memoryview(stored).cast("B")
         nonce, size = new_nonce(), self.cfg.chunk_size
         pipe = self.client.pipeline(transaction=False)
@@ -463,7 +464,7 @@ class RemoteTier:
         sent = total = 0
         pipe = self.client.pipeline(transaction=False)
         for i in missing:
-            blob = b"".join(encode_page(self._key, keys[i], pages[i], self.level))
+            blob = b"".join(encode_page(self._key, keys[i], pages[i], self.page_packer.encode))
             pipe.set(names[i], blob, px=ttl)
             sent += len(blob)
             total += len(blob)

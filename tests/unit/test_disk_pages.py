@@ -4,6 +4,7 @@ authenticated one by one; a missing or bad page makes the records that need it m
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from statecache.disk import PAGE_SUFFIX, pages_dir
@@ -108,6 +109,8 @@ def test_orphan_pages_are_removed_and_the_budget_counts_each_page_once(
     # a disk that holds one record and its pages at most: the oldest record goes, and
     # the pages only it named with it
     pool.close()
+    for age, rec in enumerate(recs[:2]):  # the LRU order across restarts: mtime
+        os.utime(record_file(tmp_path, rec.id), (1000 + age, 1000 + age))
     files = page_files(tmp_path)
     one = record_file(tmp_path, recs[1].id).stat().st_size + sum(p.stat().st_size for p in files)
     small = make_pool(kv_sections=1, disk=one)

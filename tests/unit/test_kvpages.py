@@ -26,7 +26,7 @@ P = 4  # page size
 
 def kv_section(pos: list[int], *, seq: int = 1, n_stream: int = 2, layers: int = 2,
                row: int = 6, trans: bool = False, n_embd_v: int = 3, ext: bool = False,
-               rng: random.Random) -> bytes:
+               text: list[int] | None = None, rng: random.Random) -> bytes:
     """One llama_kv_cache::state_write of one sequence: its stream holds ``pos`` (cell
     order), the other stream is empty."""
     out = [struct.pack("<I", n_stream)]
@@ -37,7 +37,9 @@ def kv_section(pos: list[int], *, seq: int = 1, n_stream: int = 2, layers: int =
         out.append(struct.pack("<I", len(pos)))
         for p in pos:
             out.append(struct.pack("<iI", p, 1))
-            if ext:
+            if ext and text is not None:  # a text token of an M-RoPE model
+                out.append(struct.pack("<iii", p, p, text[p]))
+            elif ext:  # an image's cell, say
                 out.append(struct.pack("<iii", p % 7, p % 5, 1000 + p))
             out.append(struct.pack("<i", seq))
         out.append(struct.pack("<II", int(trans), layers))
@@ -81,6 +83,29 @@ def test_in_order_cells_page_whole_pages_and_keep_the_rest(trans: bool, ext: boo
     # metadata (runs, unless the extension is there), the 2 last cells and the tail
     assert len(sp.rest) < len(blob) - sum(map(len, pages)) + 64
     assert rest_info(sp.rest).n_keys == 4 and rest_info(sp.rest).nbytes == len(blob)
+
+
+def test_m_rope_cells_of_text_are_runs_given_the_tokens() -> None:
+    # An M-RoPE model (qwen35) writes x, y and the token of every cell: for text, its
+    # position twice and the prompt's token there. With the tokens, 24 bytes a cell
+    # become 12 a run; without them, or for other cells, they are kept as written.
+    rng = random.Random(9)
+    n = 40
+    text = [rng.randrange(1000) for _ in range(n)]
+    blob = state(kv_section(list(range(n)), ext=True, text=text, rng=rng))
+    toks = np.array(text, dtype="<i4")
+    sp = split(blob, sections=1, page_size=P, chain=chain(n), tokens=toks)
+    pages = [sp.page(i) for i in range(len(sp.keys))]
+    assert bytes(assemble(sp.rest, pages, tokens=toks)) == blob
+    with pytest.raises(BadState):
+        assemble(sp.rest, pages)  # the tokens are part of the state
+    other = toks.copy()
+    other[5] += 1
+    with pytest.raises(BadState):
+        assemble(sp.rest, pages, tokens=other)
+    plain = split(blob, sections=1, page_size=P, chain=chain(n))
+    assert len(plain.rest) - len(sp.rest) == 24 * n - 12
+    assert plain.keys == sp.keys
 
 
 def test_pages_are_named_by_tokens_and_content_and_shared_by_longer_states() -> None:

@@ -1,0 +1,139 @@
+"""Bytes a long cold prompt's checkpoints take, whole states against KV pages:
+``python -m bench.pages --model models/hybrid-tiny.gguf --tokens 77774``.
+
+One prefill of ``--tokens`` tokens, a FULL checkpoint every ``--every`` tokens (the
+periodic points of a long first turn), each state inserted into two pools with the
+same bytes: **whole** (every state kept whole, on disk uncompressed: the layout before
+KV pages) and **pages** (this version: KV pages held once, zstd where it pays). For each:
+bytes held in RAM and on disk against the ideal (the KV of the longest prompt plus the
+length-independent part of every checkpoint), insert time, the deepest checkpoint's
+restore time (lookup + assemble + ``set_data``) from RAM and from disk (page cache
+dropped), and how many such conversations a RAM budget holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from proxy.engine.binding import FLAGS_FULL, Context, ContextParams, Model
+from statecache.config import CacheConfig
+from statecache.pool import CheckpointPool
+from statecache.records import Kind, Owner, Role
+from statecache.sizes import format_size, parse_size
+
+TEXT = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _drop_cache(d: Path) -> None:
+    for root, _, files in os.walk(d):
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def _restore_s(pool: CheckpointPool, ctx: Context, tokens: list[int], n: int,
+               repeats: int, drop: Path | None = None) -> tuple[float, str]:
+    """Median seconds of lookup + assemble + restore of the state after ``n`` tokens."""
+    times = []
+    tier = ""
+    for _ in range(repeats):
+        if drop is not None:
+            _drop_cache(drop)
+        t0 = time.perf_counter()
+        chain = pool.chain(tokens)
+        lease = pool.lookup(tokens, chain, max_n=n)
+        assert lease is not None and lease.record.n == n
+        with lease:
+            assert ctx.restore(1, lease.data, FLAGS_FULL)
+            tier = lease.tier
+        times.append(time.perf_counter() - t0)
+        ctx.clear_lane(1)
+    return statistics.median(times), tier
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", type=Path, default=Path("models/hybrid-tiny.gguf"))
+    ap.add_argument("--tokens", type=int, default=77_774)
+    ap.add_argument("--every", type=int, default=2048, help="tokens between checkpoints")
+    ap.add_argument("--budget", default="2GiB", help="RAM budget for 'conversations held'")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    budget = parse_size(args.budget)
+    with Model(args.model) as m, tempfile.TemporaryDirectory() as tmp, \
+            Context(m, ContextParams(n_ctx=2 * (args.tokens + 512), n_seq_max=2,
+                                     n_batch=512, n_ubatch=512)) as ctx:
+        mem = ctx.describe_memory()
+        text = TEXT.read_text()
+        toks: list[int] = []
+        while len(toks) < args.tokens + 1:
+            toks += m.tokenize(text)
+        toks = toks[:args.tokens]
+        kinds = {"whole": (0, 0), "pages": (mem.kv_sections, 1)}
+        pools: dict[str, CheckpointPool] = {}
+        for name, (sections, level) in kinds.items():
+            cfg = CacheConfig(ram_budget=64 << 30, disk_budget=1 << 40, disk_path=f"{tmp}/{name}",
+                              secret_path=f"{tmp}/key", compress_level=level)
+            pools[name] = CheckpointPool(cfg, m.fingerprint, kv_sections=sections)
+        insert_s = {k: 0.0 for k in kinds}
+        ends = list(range(args.every, args.tokens, args.every)) + [args.tokens]
+        pos = 0
+        t_prefill = 0.0
+        for end in ends:
+            t0 = time.perf_counter()
+            ctx.prefill(0, toks[pos:end], pos, logits_last=False)
+            t_prefill += time.perf_counter() - t0
+            pos = end
+            data = ctx.save(0, FLAGS_FULL)
+            for name, pool in pools.items():
+                t0 = time.perf_counter()
+                rec = pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None,
+                                  tokens=toks[:end], role=Role.PERIODIC, data=data)
+                insert_s[name] += time.perf_counter() - t0
+                assert rec is not None
+        last = len(data)
+        n = len(ends)
+        ideal = mem.bytes_per_token * args.tokens + n * mem.bytes_per_lane
+        print(f"{args.model.name} ({mem.kind.value}): {args.tokens:,} tokens prefilled in "
+              f"{t_prefill:.1f} s, {n} FULL checkpoints, every {args.every:,} tokens; the "
+              f"last state {format_size(last)}; ideal {format_size(ideal)} "
+              f"({format_size(mem.bytes_per_token)} a token x {args.tokens:,} + "
+              f"{n} x {format_size(mem.bytes_per_lane)})")
+        rows = []
+        for name, pool in pools.items():
+            t0 = time.perf_counter()
+            pool.flush()
+            flush_s = time.perf_counter() - t0
+            s = pool.stats()
+            pool.sanity_check()
+            ram_s, _ = _restore_s(pool, ctx, toks + [1], args.tokens, args.repeats)
+            pool.close()
+            cfg = CacheConfig(ram_budget=1 << 20, disk_budget=1 << 40,
+                              disk_path=f"{tmp}/{name}", secret_path=f"{tmp}/key",
+                              compress_level=kinds[name][1])
+            cold = CheckpointPool(cfg, m.fingerprint, kv_sections=kinds[name][0])
+            disk_s, tier = _restore_s(cold, ctx, toks + [1], args.tokens, args.repeats,
+                                      drop=Path(tmp) / name)
+            assert tier == "disk", tier
+            cold.close()
+            rows.append((name, s, flush_s, ram_s, disk_s))
+        print("| layout | RAM held | x ideal | disk written | x ideal | insert ms/ckpt "
+              "| flush s | restore RAM ms | restore disk ms | conversations in "
+              f"{format_size(budget)} |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for name, s, flush_s, ram_s, disk_s in rows:
+            print(f"| {name} | {format_size(s['ram_bytes'])} | {s['ram_bytes'] / ideal:.2f} "
+                  f"| {format_size(s['disk_bytes'])} | {s['disk_bytes'] / ideal:.2f} "
+                  f"| {insert_s[name] / n * 1e3:.1f} | {flush_s:.1f} | {ram_s * 1e3:.1f} "
+                  f"| {disk_s * 1e3:.1f} | {budget // max(s['ram_bytes'], 1)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
