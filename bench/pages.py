@@ -5,8 +5,10 @@ One prefill of ``--tokens`` tokens, a FULL checkpoint every ``--every`` tokens (
 periodic points of a long first turn), each state inserted into two pools with the
 same bytes: **whole** (every state kept whole, on disk uncompressed: the layout before
 KV pages) and **pages** (this version: KV pages held once, zstd where it pays). For each:
-bytes held in RAM and on disk against the ideal (the KV of the longest prompt plus the
-length-independent part of every checkpoint), insert time, the deepest checkpoint's
+bytes held in RAM and on disk against the ideal (the longest prompt's state plus, for
+every other checkpoint, what does not grow with its length: a hybrid's recurrent state,
+an SWA model's window; the bytes a token adds measured between the last two states),
+insert time, the deepest checkpoint's
 restore time (lookup + assemble + ``set_data``) from RAM and from disk (page cache
 dropped), and how many such conversations a RAM budget holds.
 """
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             pools[name] = CheckpointPool(cfg, m.fingerprint, kv_sections=sections)
         insert_s = {k: 0.0 for k in kinds}
         ends = list(range(args.every, args.tokens, args.every)) + [args.tokens]
+        sizes: list[int] = []
         pos = 0
         t_prefill = 0.0
         for end in ends:
@@ -91,20 +94,23 @@ def main(argv: list[str] | None = None) -> int:
             t_prefill += time.perf_counter() - t0
             pos = end
             data = ctx.save(0, FLAGS_FULL)
+            sizes.append(len(data))
             for name, pool in pools.items():
                 t0 = time.perf_counter()
                 rec = pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None,
                                   tokens=toks[:end], role=Role.PERIODIC, data=data)
                 insert_s[name] += time.perf_counter() - t0
                 assert rec is not None
-        last = len(data)
+        last = sizes[-1]
         n = len(ends)
-        ideal = mem.bytes_per_token * args.tokens + n * mem.bytes_per_lane
+        per_token = (sizes[-1] - sizes[-2]) / (ends[-1] - ends[-2])
+        fixed = [max(0.0, s - per_token * e) for s, e in zip(sizes[:-1], ends[:-1], strict=True)]
+        ideal = int(last + sum(fixed))
         print(f"{args.model.name} ({mem.kind.value}): {args.tokens:,} tokens prefilled in "
               f"{t_prefill:.1f} s, {n} FULL checkpoints, every {args.every:,} tokens; the "
-              f"last state {format_size(last)}; ideal {format_size(ideal)} "
-              f"({format_size(mem.bytes_per_token)} a token x {args.tokens:,} + "
-              f"{n} x {format_size(mem.bytes_per_lane)})")
+              f"last state {format_size(last)}; ideal {format_size(ideal)} (the last state "
+              f"+ {n - 1} x {format_size(int(sum(fixed) / max(n - 1, 1)))}, at "
+              f"{per_token:,.0f} B a token)")
         rows = []
         for name, pool in pools.items():
             t0 = time.perf_counter()

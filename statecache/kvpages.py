@@ -192,6 +192,15 @@ def _covered(pos: npt.NDArray[np.int32], page_size: int, chain_pages: int
     """The pages whose every position one cell holds (ascending), those cells in
     position order, and the other cells in their own order."""
     p = pos.astype(np.int64)
+    if len(p) and int(p[-1]) - int(p[0]) == len(p) - 1 and (np.diff(p) == 1).all():
+        # one run of positions in order (a live lane's cells): no sort, no unique
+        first = -(-int(p[0]) // page_size)  # the first page that starts within the run
+        end = min(chain_pages, (int(p[-1]) + 1) // page_size)
+        whole = np.arange(first, max(first, end), dtype=np.int64)
+        lo = whole.size and first * page_size - int(p[0])
+        order = np.arange(lo, lo + whole.size * page_size, dtype=np.int64)
+        cells = np.arange(len(p), dtype=np.int64)
+        return whole, order, np.concatenate([cells[:lo], cells[lo + order.size:]])
     inside = p < chain_pages * page_size
     pages = p[inside] // page_size
     count = np.bincount(pages, minlength=chain_pages)

@@ -240,3 +240,26 @@ def _sorted_by_pos(blob: bytes) -> bytes:
     arr = {"pos": arr["pos"][order], "k": [r[order] for r in arr["k"]],
            "v": [r[order] for r in arr["v"]]}
     return state(_rebuild(arr, len(order)))
+
+
+def test_which_cells_are_paged_for_runs_and_for_any_order() -> None:
+    # A run of positions in order (a live lane, an SWA window) takes a shortcut; it must
+    # page exactly what the general rule pages: the pages the chain has whose every
+    # position one cell holds.
+    from statecache.kvpages import _covered
+
+    rnd = random.Random(11)
+    for _ in range(300):
+        start, length = rnd.randrange(0, 40), rnd.randrange(1, 60)
+        chain_pages = rnd.randrange(0, 25)
+        pos = np.arange(start, start + length, dtype=np.int32)
+        if rnd.random() < 0.5:
+            pos = pos[rnd.sample(range(length), length)]  # the same cells, shuffled
+        whole, order, rest = _covered(pos, P, chain_pages)
+        held = set(pos.tolist())
+        want = [p for p in range(chain_pages) if all(q in held for q in range(p * P, p * P + P))]
+        assert whole.tolist() == want
+        assert sorted(pos[order].tolist()) == pos[order].tolist()  # position order
+        assert sorted(pos[order].tolist()) == [q for p in want for q in range(p * P, p * P + P)]
+        assert sorted(order.tolist() + rest.tolist()) == list(range(length))
+        assert rest.tolist() == sorted(rest.tolist())  # the others in cell order
