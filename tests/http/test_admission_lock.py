@@ -49,9 +49,9 @@ async def test_metrics_answer_while_admission_would_read_from_disk(
                                                  temperature=0)
         real = DiskTier.read_file
 
-        def slow_read(self: DiskTier, rec: object) -> bytes:
+        def slow_read(self: DiskTier, rec: object, *have: object) -> object:
             time.sleep(1.0)
-            return real(self, rec)  # type: ignore[arg-type]
+            return real(self, rec, *have)  # type: ignore[arg-type]
 
         monkeypatch.setattr(DiskTier, "read_file", slow_read)
         stop = asyncio.Event()
