@@ -8,9 +8,13 @@ Layout of the directory (other models' records may share it)::
     pages-<model>/<xx>/<key>.kvp  a KV page (statecache.pagefmt), xx its key's first byte
     quarantine/                   what was refused
 
-Scan reads header + metadata of every record and checks their MAC (cheap), lists the
-page files and drops records whose pages are missing and pages no record names; the MAC
+Scan lists the page files, reads header + metadata of every record and checks their MAC
+(cheap), and drops records whose pages are missing and pages no record names; the MAC
 of a record's rest and of each page is verified on every read, before any byte is used.
+
+In memory the tier keeps, per record, its size and its page keys packed (16 bytes a
+page, for the pages' reference counts), and per page its size and count: not the
+records' tokens (``read_file`` gives back the whole record from its file).
 
 Two halves, so the pool can keep file I/O out of its lock: bookkeeping (``reserve``,
 ``commit``, ``pin``, ``touch``, ``remove`` ...) runs under the pool's lock; the file
@@ -53,9 +57,9 @@ from statecache.diskfmt import (
     write_atomic,
     write_checkpoint,
 )
-from statecache.kvpages import PageKey
+from statecache.kvpages import PageKey, unpack_keys
 from statecache.pagefmt import BadPage, decode_page, encode_page, max_size
-from statecache.records import CheckpointRecord
+from statecache.records import CheckpointRecord, Record
 from statecache.sizes import format_size
 from statecache.writer import run_in_background
 
@@ -123,20 +127,22 @@ def quarantine(directory: Path, path: Path, reason: str, *, quiet: bool = False)
     return True
 
 
-def _same_claims(meta: dict[str, object], rec: CheckpointRecord) -> bool:
-    """The authenticated metadata says exactly what the indexed record says."""
+def _same_claims(found: CheckpointRecord, rec: Record, keys: bytes) -> bool:
+    """The record rebuilt from a file's authenticated metadata (its id recomputed from its
+    content) says exactly what the indexed one says, and names the pages ``keys``."""
     return (
-        meta["id"] == rec.id
-        and meta["tokens"] == rec.tokens
-        and meta["fingerprint"] == rec.fingerprint
-        and meta["tenant"] == rec.tenant
-        and meta["state_format"] == rec.state_format
-        and meta["kind"] == rec.kind.value
-        and meta["owner"] == rec.owner.value
-        and meta["lane"] == rec.lane
-        and meta["nbytes"] == rec.nbytes
-        and meta["keys"] == rec.keys
-        and meta["rest"] == rec.rest_nbytes
+        found.id == rec.id
+        and found.n == rec.n
+        and (not isinstance(rec, CheckpointRecord) or found.tokens == rec.tokens)
+        and found.fingerprint == rec.fingerprint
+        and found.tenant == rec.tenant
+        and found.state_format == rec.state_format
+        and found.kind is rec.kind
+        and found.owner is rec.owner
+        and found.lane == rec.lane
+        and found.nbytes == rec.nbytes
+        and found.keys == keys
+        and found.rest_nbytes == rec.rest_nbytes
     )
 
 
@@ -157,9 +163,10 @@ class _Page:
 
 @dataclass(slots=True)
 class Stored:
-    """A checkpoint as read from disk: its rest and its pages (None: not read, the
-    caller has it)."""
+    """A checkpoint as read from disk: its whole record, its rest and its pages (None:
+    not read, the caller has it)."""
 
+    record: CheckpointRecord
     rest: Buffer
     pages: list[Buffer | None]
 
@@ -198,7 +205,7 @@ class DiskTier:
         self._on_evict = on_evict
         self._sizes: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self._reserved: dict[str, int] = {}
-        self._keys: dict[str, tuple[PageKey, ...]] = {}  # stored or reserved record's pages
+        self._keys: dict[str, bytes] = {}  # stored or reserved record's page keys, packed
         self._pages: dict[PageKey, _Page] = {}
         self._pins: Counter[str] = Counter()  # files being read: not evicted meanwhile
         self._warned_budget = False
@@ -222,21 +229,29 @@ class DiskTier:
         """Ids whose files are being written."""
         return iter(self._reserved)
 
+    def keys(self, entry_id: str) -> bytes:
+        """The page keys of a record stored or being written, packed."""
+        return self._keys[entry_id]
+
     def has_page(self, key: PageKey) -> bool:
         page = self._pages.get(key)
         return page is not None and page.written
 
     # -- start -------------------------------------------------------------------------
 
-    def scan(self) -> list[CheckpointRecord]:
-        """Index this model's valid records (oldest first) and their pages, quarantine
-        bad records and records whose pages are missing, remove pages no record names,
-        sweep temp files.
+    def scan(self, found: Callable[[CheckpointRecord], None]) -> int:
+        """Index this model's valid records and their pages, quarantine bad records and
+        records whose pages are missing, remove pages no record names, sweep temp files;
+        the number of records kept.
 
+        Each valid record is given to ``found`` as it is read (in no order), before the
+        tier holds it: only its size and page keys stay here, and a record the budget
+        has no room for is evicted (``on_evict``) once all are read, oldest first.
         The caller holds the directory's lock, so every temporary file is a leftover of
         a crash; one that cannot be removed is counted in the budget.
         """
-        found: list[tuple[float, CheckpointRecord, int]] = []
+        on_disk = self._scan_pages()
+        kept: list[tuple[float, str, int, bytes]] = []
         reasons: Counter[str] = Counter()  # one warning for the whole scan, not one per file
         for entry in os.scandir(self.path):
             p = Path(entry.path)
@@ -267,14 +282,11 @@ class DiskTier:
             except OSError as e:
                 log.warning("disk: skipped %s: %s", entry.name, e)
                 continue
-            found.append((fm.mtime, rec, fm.file_size))
-        on_disk = self._scan_pages()
-        kept: list[tuple[float, CheckpointRecord, int]] = []
-        for mtime, rec, size in found:
-            if all(k in on_disk for k in rec.page_keys):
-                kept.append((mtime, rec, size))
-            else:
-                self._quarantine(self.path / file_name(rec.id), "a page is missing", reasons)
+            if not all(k in on_disk for k in rec.page_keys):
+                self._quarantine(p, "a page is missing", reasons)
+                continue
+            found(rec)
+            kept.append((fm.mtime, rec.id, fm.file_size, rec.keys))
         if reasons:
             log.warning(
                 "disk: moved %d bad file(s) to %s (%s); `statecache purge --quarantined "
@@ -284,11 +296,11 @@ class DiskTier:
                 ", ".join(f"{n} {why}" for why, n in reasons.most_common()),
             )
         kept.sort(key=lambda t: t[0])
-        for _, rec, size in kept:
-            self._sizes[rec.id] = size
+        for _, entry_id, size, keys in kept:
+            self._sizes[entry_id] = size
             self.used += size
-            self._keys[rec.id] = rec.page_keys
-            for k in self._keys[rec.id]:
+            self._keys[entry_id] = keys
+            for k in unpack_keys(keys):
                 page = self._pages.get(k)
                 if page is None:
                     page = self._pages[k] = _Page(on_disk[k], 0, True)
@@ -301,7 +313,7 @@ class DiskTier:
         if orphans:
             log.info("disk: removed %d page(s) no checkpoint names", len(orphans))
         self._shrink()
-        return [rec for _, rec, _ in kept if rec.id in self._sizes]
+        return len(self._sizes)
 
     def _scan_pages(self) -> dict[PageKey, int]:
         """This model's page files and their sizes (temp files swept)."""
@@ -369,7 +381,7 @@ class DiskTier:
             self.page_bytes += n
         self._hold(keys)
         self._reserved[rec.id] = size
-        self._keys[rec.id] = keys
+        self._keys[rec.id] = rec.keys
         self.used += size
         self._shrink()
         if self.used > self.budget:  # the rest is being read or written right now
@@ -389,14 +401,14 @@ class DiskTier:
                 page.size, page.written = n, True
         self.used += size - self._reserved.pop(entry_id)
         self._sizes[entry_id] = size
-        if all(self._pages[k].written for k in self._keys[entry_id]):
+        if all(self._pages[k].written for k in unpack_keys(self._keys[entry_id])):
             return True
         self.remove(entry_id)
         return False
 
     def cancel(self, entry_id: str) -> None:
         self.used -= self._reserved.pop(entry_id)
-        self._let_go(self._keys.pop(entry_id))
+        self._let_go(unpack_keys(self._keys.pop(entry_id)))
 
     def pin(self, entry_id: str) -> None:
         if entry_id not in self._sizes:
@@ -424,12 +436,13 @@ class DiskTier:
         size = self._sizes.pop(entry_id, None)
         if size is not None:
             self.used -= size
-            self._let_go(self._keys.pop(entry_id))
+            self._let_go(unpack_keys(self._keys.pop(entry_id)))
 
     def drop_page(self, key: PageKey) -> list[str]:
         """A page was found bad or gone: forget it and remove the records that name it
         (not ones being written: they write it anew); their ids."""
-        gone = [i for i, keys in self._keys.items() if i in self._sizes and key in keys]
+        gone = [i for i, keys in self._keys.items()
+                if i in self._sizes and key in unpack_keys(keys)]
         for entry_id in gone:
             self.remove(entry_id)
         page = self._pages.get(key)
@@ -492,24 +505,26 @@ class DiskTier:
         return write_checkpoint(self.path, rec, rest, self._key,
                                 self.rest_packer.encode), sizes
 
-    def read_file(self, rec: CheckpointRecord, have: Sequence[bool] = ()) -> Stored:
-        """The rest of ``rec`` and the pages it names (but those ``have`` marks: the
-        caller holds them), authenticated and bound to it; raises BadFile (BadPageFile
-        for a page)."""
+    def read_file(self, rec: Record, keys: bytes, have: Sequence[bool] = ()) -> Stored:
+        """The whole record of ``rec`` (a head or a whole one), its rest and the pages
+        it names (but those ``have`` marks: the caller holds them), authenticated and
+        bound to it (``keys``: its page keys as this tier counts them, read under the
+        pool's lock); raises BadFile (BadPageFile for a page)."""
         fm, rest = read_checkpoint(self.path / file_name(rec.id), self._key)
-        if not _same_claims(fm.meta, rec):
+        whole = record_from_meta(fm.meta, self.page_size)
+        if not _same_claims(whole, rec, keys):
             raise BadFile("metadata does not match the indexed entry")
-        keys = rec.page_keys
-        pages: list[Buffer | None] = [None] * len(keys)
-        want = [i for i in range(len(keys)) if not (i < len(have) and have[i])]
+        pkeys = whole.page_keys
+        pages: list[Buffer | None] = [None] * len(pkeys)
+        want = [i for i in range(len(pkeys)) if not (i < len(have) and have[i])]
 
         def read(batch: list[int]) -> list[tuple[int, Buffer]]:
-            return [(i, self.read_page(keys[i])) for i in batch]
+            return [(i, self.read_page(pkeys[i])) for i in batch]
 
         for done in _pool_of("read").map(read, _batches(want)):
             for i, page in done:
                 pages[i] = page
-        return Stored(rest, pages)
+        return Stored(whole, rest, pages)
 
     def read_page(self, key: PageKey) -> Buffer:
         """One page's raw bytes, authenticated; raises BadPageFile."""
@@ -563,12 +578,13 @@ class DiskTier:
             return False
         return self.commit(rec.id, size, sizes)
 
-    def read(self, entry_id: str, rec: CheckpointRecord) -> Stored | None:
-        """The verified rest and pages, or None (a bad file is quarantined and forgotten)."""
+    def read(self, entry_id: str, rec: Record) -> Stored | None:
+        """The verified record, rest and pages, or None (a bad file is quarantined and
+        forgotten)."""
         if entry_id not in self._sizes:
             return None
         try:
-            got = self.read_file(rec)
+            got = self.read_file(rec, self._keys[entry_id])
         except BadPageFile as e:
             self._quarantine(page_path(self.pages_path, e.key), str(e))
             self.drop_page(e.key)
@@ -606,7 +622,7 @@ class DiskTier:
             raise RuntimeError("disk: page lists differ from the records held")
         refs: Counter[PageKey] = Counter()
         for keys in self._keys.values():
-            refs.update(keys)
+            refs.update(unpack_keys(keys))
         if set(refs) != set(self._pages):
             raise RuntimeError("disk: a page no record names, or a record names no page held")
         for k, page in self._pages.items():
@@ -614,6 +630,6 @@ class DiskTier:
                 raise RuntimeError(f"disk: page {k.hex()} counts {page.refs} records, "
                                    f"{refs[k]} name it")
         for entry_id in self._sizes:
-            if any(not self._pages[k].written for k in self._keys[entry_id]):
+            if any(not self._pages[k].written for k in unpack_keys(self._keys[entry_id])):
                 raise RuntimeError(f"disk: record {entry_id} names a page not written")
         # A pinned id may be gone already: removed while its reader held the file.

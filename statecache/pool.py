@@ -4,10 +4,17 @@ A FULL state is stored as its rest and its KV pages (``statecache.kvpages``): ea
 holds a page once for all the checkpoints that name it, and a lookup assembles the
 state llama.cpp reads back, checked against the digest of the state that was saved.
 
+An entry whose state is in memory keeps its whole record; one held on disk alone keeps
+only the record's head (``RecordHead``: no tokens, page hashes or page keys, which its
+record file holds), so what the pool keeps per checkpoint on disk does not grow with its
+length. A hit on disk reads the whole record back from the file, authenticated, and
+compares its tokens with the request's before the state is used.
+
 Invariants (checked by ``sanity_check``): every entry is in the index and in at least
 one of: the RAM tier, the disk tier, the spill set (FULL states evicted from RAM
 before they reached the disk, kept in RAM's byte count until written); every tier id
-is an entry; PARTIAL entries are never on disk; every page an entry names is held by
+is an entry; an entry in memory has its whole record, one on disk alone its head;
+PARTIAL entries are never on disk; every page an entry names is held by
 each tier that holds the entry, and each page's count of references equals the
 entries that name it; the bytes each tier accounts equal what it holds (each page
 once) and stay within its budget; a file being written is reserved on disk; the
@@ -34,7 +41,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,10 +52,10 @@ from statecache.dirlock import DirLock
 from statecache.disk import BadPageFile, DiskTier
 from statecache.diskfmt import BadFile, file_name, valid_id
 from statecache.index import Index
-from statecache.kvpages import BadState, PageKey, Split, assemble, key_bytes, split
+from statecache.kvpages import BadState, PageKey, Split, assemble, key_bytes, split, unpack_keys
 from statecache.lease import Buffer, Lease
 from statecache.opendisk import open_disk
-from statecache.pages import PageChain, PageHash, Tokens, as_tokens, namespace_hash
+from statecache.pages import PageChain, PageHash, TokenArray, Tokens, as_tokens, namespace_hash
 from statecache.ram import EvictionClass, Pin, RamTier, eviction_class
 from statecache.records import (
     ROLE_STRENGTH,
@@ -56,6 +63,7 @@ from statecache.records import (
     EntryStats,
     Kind,
     Owner,
+    Record,
     Role,
     new_record,
 )
@@ -98,7 +106,7 @@ class Offer:
 
 @dataclass(slots=True, eq=False)
 class _Entry:
-    record: CheckpointRecord
+    record: Record  # whole while its state is in memory, its head on disk alone
     stats: EntryStats
     no_disk: bool = False  # the disk refused or evicted it: never written again
 
@@ -175,10 +183,14 @@ class CheckpointPool:
             log.warning("pool: the disk tier is off: %s", opened)
             return
         self._disk, self._dir_lock = opened
-        for rec in self._disk.scan():
-            self._add(_Entry(rec, EntryStats(last_used=rec.created)))
+        self._disk.scan(self._found_on_disk)
         self.disk_status = "ok"
         log.info("pool: %d checkpoints found on disk in %s", len(self._disk), self._disk.path)
+
+    def _found_on_disk(self, rec: CheckpointRecord) -> None:
+        """A record the disk tier found at start: indexed by its head (its tokens and
+        pages stay in its file)."""
+        self._add(_Entry(rec.head(), EntryStats(last_used=rec.created)), rec.page_hashes)
 
     # -- lookups -----------------------------------------------------------------------
 
@@ -232,25 +244,27 @@ class CheckpointPool:
                     return None
                 disk = self._disk
                 if self._in_memory(rec.id):
-                    pin, rest, pages = self._pin_memory(rec)
+                    whole = _whole(rec)
+                    pin, rest, pages = self._pin_memory(whole)
                 else:
                     assert disk is not None and rec.id in disk
                     disk.pin(rec.id)
-                    local = self._ram_pages(rec.page_keys)
+                    keys = disk.keys(rec.id)
+                    local = self._ram_pages(unpack_keys(keys))
             tried.add(rec.id)
             if pin is not None:
                 spare = self._take_spare()
-                data = self._assemble(rec, rest, pages, spare)
+                data = self._assemble(whole, rest, pages, spare)
                 if data is not None:
                     used = spare is not None and data.obj is spare
                     if not used:
                         self._release(None, spare)  # a state kept whole: not copied
-                    return Lease(self, rec, "ram", data, pin, spare if used else None)
+                    return Lease(self, whole, "ram", data, pin, spare if used else None)
                 self._release(pin, spare)
                 self.remove(rec.id)
                 continue
             assert disk is not None
-            lease = self._lease_disk(rec, disk, local)
+            lease = self._lease_disk(rec, disk, keys, local, chain.tokens)
             if lease is not None:
                 return lease
 
@@ -278,9 +292,9 @@ class CheckpointPool:
         lane: int | None,
         limit: int,
         tried: set[str],
-    ) -> CheckpointRecord | None:
+    ) -> Record | None:
         """The deepest candidate not yet tried; at equal depth, a copy in memory first."""
-        on_disk: CheckpointRecord | None = None
+        on_disk: Record | None = None
         for rec in self._index.candidates(chain, kind=kind, owner=owner, lane=lane, max_n=limit):
             if rec.id in tried:
                 continue
@@ -306,21 +320,28 @@ class CheckpointPool:
         self._hit(self._entries[rec.id], "ram")
         return pin, pin.data, [self._ram.page(k) for k in pin.keys]
 
-    def _lease_disk(self, rec: CheckpointRecord, disk: DiskTier,
-                    local: dict[int, bytes]) -> Lease | None:
+    def _lease_disk(self, rec: Record, disk: DiskTier, keys: bytes, local: dict[int, bytes],
+                    tokens: TokenArray) -> Lease | None:
         """Read and verify without the lock (the file is pinned), then publish under it.
-        Pages the RAM tier holds (``local``) are not read."""
+        Pages the RAM tier holds (``local``) are not read; ``keys``: the pages the disk
+        tier counts for it. The file's own tokens must begin ``tokens`` (the request's):
+        a head matched them by its id alone."""
         bad: str | None = None
         moved = False
         bad_page: PageKey | None = None
         data: memoryview | None = None
+        other = False
         t0 = time.perf_counter()
         try:
-            stored = disk.read_file(rec, [i in local for i in range(rec.n_keys)])
-            pages: list[Buffer] = [local[i] if p is None else p
-                                   for i, p in enumerate(stored.pages)]
-            data = assemble(stored.rest, pages, tokens=rec.token_array())
-            self.costs.note_read("disk", rec.nbytes, time.perf_counter() - t0)
+            stored = disk.read_file(rec, keys, [i in local for i in range(rec.n_keys)])
+            whole = stored.record
+            if whole.matches(tokens):
+                pages: list[Buffer] = [local[i] if p is None else p
+                                       for i, p in enumerate(stored.pages)]
+                data = assemble(stored.rest, pages, tokens=whole.token_array())
+                self.costs.note_read("disk", rec.nbytes, time.perf_counter() - t0)
+            else:  # another prompt with the same 128-bit id: not a bad file, not a hit
+                other = True
         except BadPageFile as e:
             bad, bad_page = str(e), e.key
             moved = disk.quarantine_page(e.key, bad)
@@ -334,6 +355,10 @@ class CheckpointPool:
             disk.utime(rec.id)
         with self._lock:
             disk.unpin(rec.id)
+            if other:
+                log.warning("pool: checkpoint %s holds other tokens than the request whose "
+                            "hash found it: a miss", rec.id)
+                return None
             if bad is not None or data is None:
                 disk.quarantined += moved
                 gone = [] if bad_page is None else disk.drop_page(bad_page)
@@ -341,24 +366,30 @@ class CheckpointPool:
                     disk.forget(rec.id)
                     gone.append(rec.id)
                 for entry_id in gone:
-                    self._forget_if_homeless(entry_id)
+                    self._settle(entry_id)
                 return None
             pin: Pin | None = None
             entry = self._entries.get(rec.id)
+            now = rec if entry is None else entry.record  # its role may be newer than the file's
+            if (whole.role, whole.preview) != (now.role, now.preview):
+                whole = dataclasses.replace(whole, role=now.role, preview=now.preview)
             promote = entry is not None and not self._in_memory(rec.id)
-            if promote and entry is not None and self._put_ram(entry, stored.rest, pages):
+            if promote and entry is not None and self._put_ram(entry, whole, stored.rest,
+                                                               pages):
+                entry.record = whole  # in memory again: whole again
+                self._index.replace(whole)
                 self._counts["promotions"] += 1
                 pin = self._ram.pin(rec.id)
             if entry is not None:
                 self._hit(entry, "disk")
             else:  # removed while we read: the bytes are still exactly this record's state
                 self._counts["hits_disk"] += 1
-            return Lease(self, rec, "disk", data, pin)
+            return Lease(self, whole, "disk", data, pin)
 
-    def _put_ram(self, entry: _Entry, rest: Buffer, pages: list[Buffer],
-                 cls: EvictionClass | None = None) -> bool:
-        """Store a state read from disk or the store in the RAM tier (lock held)."""
-        rec = entry.record
+    def _put_ram(self, entry: _Entry, rec: CheckpointRecord, rest: Buffer,
+                 pages: list[Buffer], cls: EvictionClass | None = None) -> bool:
+        """Store a state read from disk or the store (``rec``: its whole record) in the
+        RAM tier (lock held)."""
         return self._ram.put(rec.id, bytes(rest), rec.rest_nbytes + rec.token_bytes,
                              self._cls(entry) if cls is None else cls, rec.page_keys,
                              [memoryview(p).nbytes for p in pages],
@@ -442,7 +473,7 @@ class CheckpointPool:
             entry = self._entries.get(rec.id)
             if entry is None:  # joins RAM as this pool's own entry (never sent back)
                 entry = _Entry(rec, EntryStats(last_used=self._clock(), hits=1))
-                if self._put_ram(entry, rest, pages):
+                if self._put_ram(entry, rec, rest, pages):
                     self._add(entry)
                     self._queue_write(entry)
                     return Lease(self, rec, "remote", data, self._ram.pin(rec.id))
@@ -477,8 +508,9 @@ class CheckpointPool:
         tenant: str = "",
         preview: str = "",
         keep_s: float = 0.0,
-    ) -> CheckpointRecord | None:
-        """Store a copy of ``data`` as the state after ``tokens``; None if refused.
+    ) -> Record | None:
+        """Store a copy of ``data`` as the state after ``tokens``; its record (the head
+        of one held on disk alone, if that state was there already), None if refused.
 
         A FULL state that RAM cannot take (a RAM budget smaller than the state) is
         written straight to disk, in this thread, without the lock. ``keep_s``: a client
@@ -571,7 +603,7 @@ class CheckpointPool:
 
     def _claim_direct(self, entry: _Entry, rest: bytes, pages: list[bytes]
                       ) -> WriteJob | None:
-        rec = entry.record
+        rec = _whole(entry.record)
         if rec.kind is not Kind.FULL or self._disk is None or rec.id in self._writing:
             return None
         if rec.rest_nbytes + rec.token_bytes > self._ram.budget:
@@ -588,7 +620,7 @@ class CheckpointPool:
             self._counts["direct_writes"] += 1
         return job
 
-    def _refresh(self, entry: _Entry, rec: CheckpointRecord, now: float) -> CheckpointRecord:
+    def _refresh(self, entry: _Entry, rec: CheckpointRecord, now: float) -> Record:
         old = entry.record
         if ROLE_STRENGTH[rec.role] > ROLE_STRENGTH[old.role]:
             entry.record = dataclasses.replace(old, role=rec.role, preview=rec.preview)
@@ -774,11 +806,12 @@ class CheckpointPool:
         disk = self._disk
         if disk is None:
             return None
-        which = disk.reserve(entry.record, [len(p) for p in pages])
+        rec = _whole(entry.record)
+        which = disk.reserve(rec, [len(p) for p in pages])
         if which is None:
             entry.no_disk = True
             return None
-        job = WriteJob(entry.record, rest, pages, which, pin, disk)
+        job = WriteJob(rec, rest, pages, which, pin, disk)
         self._writing[entry.record.id] = job
         return job
 
@@ -813,8 +846,9 @@ class CheckpointPool:
             ok = job.disk.commit(entry_id, *written)
             if ok:
                 self._counts["disk_writes"] += 1
-                if entry is None:
+                if entry is None:  # written straight to disk: held there alone
                     self._add(_Entry(job.record, EntryStats(last_used=job.record.created)))
+                    self._settle(entry_id)
             elif entry is not None:
                 entry.no_disk = True
         else:
@@ -835,7 +869,7 @@ class CheckpointPool:
         pin = self._spilling.pop(entry_id, None)
         if pin is not None:
             self._ram.unpin(pin)
-            self._forget_if_homeless(entry_id)
+            self._settle(entry_id)
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -846,10 +880,11 @@ class CheckpointPool:
             self._warned.add(key)
             log.warning(msg, *args)
 
-    def _add(self, entry: _Entry) -> None:
+    def _add(self, entry: _Entry, path: tuple[PageHash, ...] | None = None) -> None:
+        """Index an entry (``path``: its page hashes, for a head)."""
         rec = entry.record
         self._entries[rec.id] = entry
-        self._index.add(rec, self._exact_namespace(rec.tenant))
+        self._index.add(rec, self._exact_namespace(rec.tenant), path)
         if rec.lane is not None:
             self._by_lane.setdefault(rec.lane, set()).add(rec.id)
 
@@ -871,11 +906,17 @@ class CheckpointPool:
     def _on_disk(self, entry_id: str) -> bool:
         return self._disk is not None and entry_id in self._disk
 
-    def _forget_if_homeless(self, entry_id: str) -> None:
-        if entry_id in self._entries and not self._in_memory(entry_id) and not self._on_disk(
-            entry_id
-        ):
+    def _settle(self, entry_id: str) -> None:
+        """After an entry's state left memory or the disk: forget an entry no tier holds
+        any more; keep only the head of one held on disk alone."""
+        entry = self._entries.get(entry_id)
+        if entry is None or self._in_memory(entry_id):
+            return
+        if not self._on_disk(entry_id):
             self._forget(entry_id)
+        elif isinstance(entry.record, CheckpointRecord):
+            entry.record = entry.record.head()
+            self._index.replace(entry.record)
 
     def _remove(self, entry_id: str) -> None:
         self._ram.remove(entry_id)
@@ -896,7 +937,7 @@ class CheckpointPool:
             self._counts["spills"] += 1
             self._writer.enqueue(entry_id)
             return True
-        self._forget_if_homeless(entry_id)
+        self._settle(entry_id)
         return False
 
     def _dirty_evicted(self, entry: _Entry) -> bool:
@@ -908,7 +949,7 @@ class CheckpointPool:
         entry = self._entries.get(entry_id)
         if entry is not None:
             entry.no_disk = True  # least valuable by the disk's LRU: no rewrite, no churn
-        self._forget_if_homeless(entry_id)
+        self._settle(entry_id)
 
     # -- reports -----------------------------------------------------------------------
 
@@ -931,11 +972,11 @@ class CheckpointPool:
         out.sort(key=lambda d: d["last_used"], reverse=True)
         return out
 
-    def page_hashes(self) -> dict[str, tuple[PageHash, ...]]:
-        """Each entry's page hashes (its record's own tuple, not a copy): entries that
-        share a hash share the tokens up to that page."""
+    def page_hashes(self) -> Mapping[str, tuple[PageHash, ...]]:
+        """Each entry's page hashes, read from the index when asked: entries that share a
+        hash share the tokens up to that page."""
         with self._lock:
-            return {entry_id: e.record.page_hashes for entry_id, e in self._entries.items()}
+            return self._index.paths()
 
     def get(self, entry_id: str) -> dict[str, Any] | None:
         if not isinstance(entry_id, str) or not valid_id(entry_id):
@@ -1017,8 +1058,19 @@ class CheckpointPool:
                     raise RuntimeError(f"pool: partial entry {entry_id} is on disk")
                 slot = self._spilling.get(entry_id) or (
                     self._ram.slot(entry_id) if entry_id in ram_ids else None)
-                if slot is not None and slot.keys != rec.page_keys:
+                whole = isinstance(rec, CheckpointRecord)
+                if whole != (slot is not None):
+                    raise RuntimeError(f"pool: entry {entry_id} is {'' if whole else 'not '}"
+                                       f"whole, its state {'not ' if slot is None else ''}"
+                                       f"in memory")
+                if isinstance(rec, CheckpointRecord) and slot is not None \
+                        and slot.keys != rec.page_keys:
                     raise RuntimeError(f"pool: entry {entry_id} names other pages in RAM")
+                if entry_id in disk_ids and self._disk is not None and (
+                        len(self._disk.keys(entry_id)) != 16 * rec.n_keys
+                        or isinstance(rec, CheckpointRecord)
+                        and self._disk.keys(entry_id) != rec.keys):
+                    raise RuntimeError(f"pool: entry {entry_id} names other pages on disk")
                 if rec.lane is not None:
                     lanes.setdefault(rec.lane, set()).add(entry_id)
             if lanes != self._by_lane:
@@ -1030,6 +1082,13 @@ class CheckpointPool:
             remote = self._remote
         if remote is not None:
             remote.sanity_check()
+
+
+def _whole(rec: Record) -> CheckpointRecord:
+    """The whole record of an entry whose state is in memory (never a head)."""
+    if not isinstance(rec, CheckpointRecord):
+        raise RuntimeError(f"pool: entry {rec.id} is in memory with its head alone")
+    return rec
 
 
 def _same(arr: Any, chain: PageChain) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,28 +119,91 @@ class CheckpointRecord:
     def token_bytes(self) -> int:
         return len(self.tokens)
 
+    @property
+    def n_pages(self) -> int:
+        return len(self.page_hashes)
+
     def matches(self, tokens: TokenArray) -> bool:
         """True when ``tokens`` starts with exactly this record's tokens."""
         return len(tokens) >= self.n and bool(np.array_equal(tokens[: self.n], self.token_array()))
 
+    def head(self) -> RecordHead:
+        """This record without its tokens, page hashes and page keys."""
+        return RecordHead(
+            id=self.id, kind=self.kind, owner=self.owner, lane=self.lane, n=self.n,
+            fingerprint=sys.intern(self.fingerprint), tenant=sys.intern(self.tenant),
+            state_format=self.state_format, nbytes=self.nbytes, created=self.created,
+            role=self.role, preview=self.preview, n_pages=self.n_pages, n_keys=self.n_keys,
+            rest_nbytes=self.rest_nbytes,
+        )
+
     def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "kind": self.kind.value,
-            "owner": self.owner.value,
-            "lane": self.lane,
-            "n": self.n,
-            "pages": len(self.page_hashes),
-            "fingerprint": self.fingerprint,
-            "tenant": self.tenant,
-            "state_format": self.state_format,
-            "nbytes": self.nbytes,
-            "kv_pages": self.n_keys,
-            "rest_nbytes": self.rest_nbytes,
-            "created": self.created,
-            "role": self.role.value,
-            "preview": self.preview,
-        }
+        return _json(self)
+
+
+@dataclass(slots=True, frozen=True)
+class RecordHead:
+    """What the pool keeps in memory of a checkpoint held on disk alone: its record less
+    the parts that grow with its length (tokens, page hashes, page keys), which its
+    record file holds (``statecache.disk`` reads them back, authenticated, on a hit).
+
+    Its tokens are still known exactly enough to find it: the id hashes them with
+    everything else that makes two checkpoints interchangeable (``record_id``, the
+    identity the pool already merges equal inserts by), so a candidate is checked by
+    hashing the request's tokens; the record file's own tokens are then compared with
+    the request's before its state is used."""
+
+    id: str
+    kind: Kind
+    owner: Owner
+    lane: int | None
+    n: int
+    fingerprint: str
+    tenant: str
+    state_format: int
+    nbytes: int
+    created: float
+    role: Role
+    preview: str
+    n_pages: int
+    n_keys: int
+    rest_nbytes: int
+
+    def matches(self, tokens: TokenArray) -> bool:
+        """True when ``tokens`` starts with tokens whose record id is this one's."""
+        if len(tokens) < self.n:
+            return False
+        raw = as_tokens(tokens[: self.n]).tobytes()
+        return record_id(self.fingerprint, self.tenant, self.kind, self.owner, self.lane,
+                         self.state_format, raw) == self.id
+
+    def to_json(self) -> dict[str, Any]:
+        return _json(self)
+
+
+# A record as the pool's index holds it: whole while its state is in memory, its head
+# while the state is on disk alone.
+Record = CheckpointRecord | RecordHead
+
+
+def _json(rec: Record) -> dict[str, Any]:
+    return {
+        "id": rec.id,
+        "kind": rec.kind.value,
+        "owner": rec.owner.value,
+        "lane": rec.lane,
+        "n": rec.n,
+        "pages": rec.n_pages,
+        "fingerprint": rec.fingerprint,
+        "tenant": rec.tenant,
+        "state_format": rec.state_format,
+        "nbytes": rec.nbytes,
+        "kv_pages": rec.n_keys,
+        "rest_nbytes": rec.rest_nbytes,
+        "created": rec.created,
+        "role": rec.role.value,
+        "preview": rec.preview,
+    }
 
 
 def new_record(
