@@ -91,9 +91,11 @@ def write(d: Path, convs: int, k: int, n_max: int) -> float:
     return time.perf_counter() - t0
 
 
-def measure(d: Path, convs: int, k: int, n_max: int, reads: int) -> dict[str, float]:
+def measure(d: Path, convs: int, k: int, n_max: int, reads: int, trace: bool
+            ) -> dict[str, float]:
     gc.collect()
-    tracemalloc.start()
+    if trace:  # its own bookkeeping counts in the RSS
+        tracemalloc.start()
     rss0, (t0_bytes, _) = _rss(), tracemalloc.get_traced_memory()
     t0 = time.perf_counter()
     pool = CheckpointPool(_cfg(d, 1 << 20), FP, kv_sections=1)
@@ -138,12 +140,14 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=20_000, help="the deepest checkpoint's n")
     p.add_argument("--reads", type=int, default=10, help="conversations read back from disk")
     p.add_argument("--dir", type=Path, help="default: a temporary directory under /dev/shm")
+    p.add_argument("--rss-only", action="store_true",
+                   help="no tracemalloc (whose bookkeeping the RSS counts otherwise)")
     a = p.parse_args()
     base = a.dir or Path(tempfile.mkdtemp(prefix="statecache-index-",
                                           dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     try:
         t_write = write(base, a.conversations, a.checkpoints, a.tokens)
-        r = measure(base, a.conversations, a.checkpoints, a.tokens, a.reads)
+        r = measure(base, a.conversations, a.checkpoints, a.tokens, a.reads, not a.rss_only)
     finally:
         if a.dir is None:
             shutil.rmtree(base, ignore_errors=True)
@@ -151,9 +155,10 @@ def main() -> int:
     print(f"{e:,} FULL checkpoints on disk ({a.conversations} conversations x "
           f"{a.checkpoints}, up to {a.tokens:,} tokens; {r['tokens']:,} tokens in all), "
           f"written in {t_write:.1f} s")
-    print(f"pool opened on them in {r['open_s']:.2f} s; it holds "
-          f"{r['held'] / 2**20:.1f} MiB (tracemalloc): {r['held'] / e:,.0f} B per entry, "
-          f"{r['held'] / r['tokens']:.2f} B per token of the entries; RSS +"
+    held = "" if a.rss_only else (
+        f"it holds {r['held'] / 2**20:.1f} MiB (tracemalloc): {r['held'] / e:,.0f} B per "
+        f"entry, {r['held'] / r['tokens']:.2f} B per token of the entries; ")
+    print(f"pool opened on them in {r['open_s']:.2f} s; {held}RSS +"
           f"{r['rss'] / 2**20:.1f} MiB, +{r['rss_after_lookups'] / 2**20:.1f} MiB after "
           f"the lookups")
     print(f"deepest checkpoint of a conversation: by the index {r['offer_ms']:.2f} ms, read "
