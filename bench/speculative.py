@@ -8,8 +8,11 @@ without the partial-only rule.
     python -m bench.speculative --quick ...                         # the tiny hybrid pair
     python -m bench.speculative --rollback-check                    # snapshots vs staged
 
-Two workloads: ``chat`` (a prose question, 128 tokens) and ``code-edit`` (a file and a
-request to re-emit it with one change, 256 tokens: prompt lookup's case). The synthetic
+Three workloads of 256 tokens: ``chat`` (a prose question), ``code-edit`` (a file and a
+request to re-emit it with one change: prompt lookup's case) and ``re-emit`` (a file the
+assistant wrote two turns earlier, asked for again with one change). The rate is the
+engine's own for each request, first token to last (``GET /admin/requests``): a
+client's moves with the stream's writes, batched every ``server.stream_interval_ms``. The synthetic
 models answer with random characters, so lookup finds little to draft there (it shows
 its overhead); their draft pairs made by tools/synth_gguf.py (a target and its first
 layers) show a draft model on each memory kind, and the real models (SmolLM2, Gemma 3)
@@ -92,10 +95,12 @@ def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str
     t0 = time.perf_counter()
     t_first = 0.0
     usage: dict[str, Any] = {}
+    rid = ""
     for line in _sse_lines(url, body, "/v1/chat/completions"):
         if not line.startswith("data:") or line[5:].strip() == "[DONE]":
             continue
         obj = json.loads(line[5:])
+        rid = obj.get("id") or rid
         usage = obj.get("usage") or usage
         for ch in obj.get("choices") or []:
             d = ch.get("delta") or {}
@@ -105,7 +110,23 @@ def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str
     n = int(usage.get("completion_tokens", 0))
     span = t_end - (t_first or t0)
     return {"tokens": n, "ttft_s": (t_first or t_end) - t0,
-            "decode_tps": (n - 1) / span if n > 1 and span > 0 else 0.0}
+            "client_tps": (n - 1) / span if n > 1 and span > 0 else 0.0,
+            "decode_tps": _engine_rate(url, rid)}
+
+
+def _engine_rate(url: str, request_id: str) -> float:
+    """The engine's decode rate for one request, first token to last, as GET
+    /admin/requests lists it. What the client sees is the stream, written at most every
+    ``server.stream_interval_ms`` (32 ms): on a tiny model's tenth of a second of decode,
+    that alone moves a client's rate by a third either way."""
+    for _ in range(200):  # the list gets the request once its handler returned
+        with urllib.request.urlopen(url + "/admin/requests", timeout=10) as r:
+            recent = json.loads(r.read())["requests"]
+        for rec in reversed(recent):
+            if rec.get("request_id") == request_id:
+                return float(rec["decode_tps"])
+        time.sleep(0.005)
+    raise RuntimeError(f"request {request_id} is not in {url}/admin/requests")
 
 
 _METRIC = re.compile(r'^statecache_speculative_tokens_total\{what="(drafted|accepted)"\}\s+'

@@ -112,6 +112,10 @@ def _record(request: web.Request, status: int) -> dict[str, Any]:
                    cached_tokens=fin.usage.cached_tokens, prefilled=fin.stats.prefilled,
                    output_tokens=fin.usage.completion_tokens,
                    ttft_s=round(fin.stats.ttft_s, 4), finish_reason=fin.reason,
+                   # the engine's own rate, first token to last (a client's is the
+                   # stream's: writes batched every server.stream_interval_ms)
+                   decode_tps=round(fin.stats.decode_tps, 2),
+                   drafted=fin.stats.drafted, accepted=fin.stats.accepted,
                    miss=fin.stats.miss or None,
                    shared=fin.stats.shared if fin.stats.shared >= 0 else None)
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from proxy.api.app import ENGINE
@@ -37,7 +38,13 @@ async def test_the_default_config_drafts(gemma_path: Path, tmp_path: Path) -> No
     async with serve(gemma_path, tmp_path / "ckpt") as srv:
         got = await ask(srv.client, messages, 96)
         drafted, accepted = _drafted(srv.app[ENGINE].meter)
+        async with aiohttp.ClientSession() as http, \
+                http.get(srv.url + "/admin/requests") as r:
+            (rec,) = (await r.json())["requests"]
     assert drafted > 0 and accepted > 0, (drafted, accepted)
+    # the request's own figures, as GET /admin/requests lists it (bench.speculative's)
+    assert (rec["drafted"], rec["accepted"]) == (drafted, accepted), rec
+    assert rec["output_tokens"] == got["completion_tokens"] and rec["decode_tps"] > 0, rec
     assert_same_or_near_tie(got["tokens"], await _plain(gemma_path, tmp_path, messages, 96),
                             NEAR_TIE["gemma"])
 
