@@ -107,8 +107,13 @@ def pages_dir(directory: Path, fingerprint: str) -> Path:
 
 
 def page_path(pages: Path, key: PageKey) -> Path:
+    return Path(page_file(str(pages), key))
+
+
+def page_file(pages: str, key: PageKey) -> str:
+    """``page_path`` as a string (a restore opens thousands: no Path objects)."""
     h = key.hex()
-    return pages / h[:2] / f"{h}{PAGE_SUFFIX}"
+    return f"{pages}/{h[:2]}/{h}{PAGE_SUFFIX}"
 
 
 def quarantine(directory: Path, path: Path, reason: str, *, quiet: bool = False) -> bool:
@@ -191,6 +196,7 @@ class DiskTier:
         self.rest_packer = codec.Packer(level, 4)
         self.path = path
         self.pages_path = pages_dir(path, fingerprint)
+        self._pages_str = str(self.pages_path)
         self.budget = budget
         self.fingerprint = fingerprint
         self.state_format = state_format
@@ -528,9 +534,8 @@ class DiskTier:
 
     def read_page(self, key: PageKey) -> Buffer:
         """One page's raw bytes, authenticated; raises BadPageFile."""
-        path = page_path(self.pages_path, key)
         try:
-            fd, st = open_regular(path)
+            fd, st = open_regular(page_file(self._pages_str, key))
         except FileNotFoundError:
             raise BadPageFile(key, "missing") from None
         except BadFile as e:

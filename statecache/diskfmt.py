@@ -16,6 +16,7 @@ and quarantined like any file this version cannot trust).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -173,8 +174,10 @@ def record_from_meta(meta: dict[str, Any], page_size: int) -> CheckpointRecord:
     return rec
 
 
+@functools.lru_cache(maxsize=8)
 def key_id(key: bytes) -> bytes:
-    """8 bytes naming ``key`` (a MAC of a constant): tells "another key" from "forged"."""
+    """8 bytes naming ``key`` (a MAC of a constant): tells "another key" from "forged".
+    Remembered for the few keys a process holds: a restore checks it for every page."""
     return hmac.new(key, b"statecache key id", hashlib.sha256).digest()[:8]
 
 
@@ -200,7 +203,7 @@ def _read_exact(fd: int, n: int) -> bytes:
     return bytes(out)
 
 
-def open_regular(path: Path) -> tuple[int, os.stat_result]:
+def open_regular(path: Path | str) -> tuple[int, os.stat_result]:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:

@@ -256,10 +256,14 @@ class CheckpointPool:
                 spare = self._take_spare()
                 data = self._assemble(whole, rest, pages, spare)
                 if data is not None:
-                    used = spare is not None and data.obj is spare
-                    if not used:
-                        self._release(None, spare)  # a state kept whole: not copied
-                    return Lease(self, whole, "ram", data, pin, spare if used else None)
+                    # the buffer it was assembled in (the spare, or a new one: the spare
+                    # from now on), or None where it is a view of a state kept whole
+                    # (RAM's own bytes: never written into)
+                    buf = None if data.obj is memoryview(rest).obj else data.obj
+                    assert buf is None or isinstance(buf, bytearray)
+                    if buf is not spare:
+                        self._release(None, spare)
+                    return Lease(self, whole, "ram", data, pin, buf)
                 self._release(pin, spare)
                 self.remove(rec.id)
                 continue
@@ -330,15 +334,22 @@ class CheckpointPool:
         moved = False
         bad_page: PageKey | None = None
         data: memoryview | None = None
+        buf: bytearray | None = None
         other = False
         t0 = time.perf_counter()
+        spare = self._take_spare()
         try:
             stored = disk.read_file(rec, keys, [i in local for i in range(rec.n_keys)])
             whole = stored.record
             if whole.matches(tokens):
                 pages: list[Buffer] = [local[i] if p is None else p
                                        for i, p in enumerate(stored.pages)]
-                data = assemble(stored.rest, pages, tokens=whole.token_array())
+                data = assemble(stored.rest, pages, spare, whole.token_array())
+                # assembled in the spare or a new buffer (the spare once the lease is
+                # closed), or a view of the file's own bytes
+                if data.obj is not memoryview(stored.rest).obj:
+                    assert isinstance(data.obj, bytearray)
+                    buf = data.obj
                 self.costs.note_read("disk", rec.nbytes, time.perf_counter() - t0)
             else:  # another prompt with the same 128-bit id: not a bad file, not a hit
                 other = True
@@ -353,6 +364,9 @@ class CheckpointPool:
             log.warning("disk: reading %s failed: %s", rec.id, e)
         else:
             disk.utime(rec.id)
+        failed = data is None or bad is not None or other
+        if failed or buf is not spare:  # a buffer no lease holds goes back for the next
+            self._release(None, buf if failed and buf is not None else spare)
         with self._lock:
             disk.unpin(rec.id)
             if other:
@@ -384,7 +398,7 @@ class CheckpointPool:
                 self._hit(entry, "disk")
             else:  # removed while we read: the bytes are still exactly this record's state
                 self._counts["hits_disk"] += 1
-            return Lease(self, whole, "disk", data, pin)
+            return Lease(self, whole, "disk", data, pin, buf)
 
     def _put_ram(self, entry: _Entry, rec: CheckpointRecord, rest: Buffer,
                  pages: list[Buffer], cls: EvictionClass | None = None) -> bool:
