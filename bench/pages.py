@@ -16,11 +16,13 @@ dropped), and how many such conversations a RAM budget holds.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from proxy.engine.binding import FLAGS_FULL, Context, ContextParams, Model
 from statecache.config import CacheConfig
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=2048, help="tokens between checkpoints")
     ap.add_argument("--budget", default="2GiB", help="RAM budget for 'conversations held'")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", type=Path, help="write the result here too (bench.run)")
     args = ap.parse_args(argv)
     budget = parse_size(args.budget)
     with Model(args.model) as m, tempfile.TemporaryDirectory() as tmp, \
@@ -129,16 +132,39 @@ def main(argv: list[str] | None = None) -> int:
             assert tier == "disk", tier
             cold.close()
             rows.append((name, s, flush_s, ram_s, disk_s))
-        print("| layout | RAM held | x ideal | disk written | x ideal | insert ms/ckpt "
-              "| flush s | restore RAM ms | restore disk ms | conversations in "
-              f"{format_size(budget)} |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for name, s, flush_s, ram_s, disk_s in rows:
-            print(f"| {name} | {format_size(s['ram_bytes'])} | {s['ram_bytes'] / ideal:.2f} "
-                  f"| {format_size(s['disk_bytes'])} | {s['disk_bytes'] / ideal:.2f} "
-                  f"| {insert_s[name] / n * 1e3:.1f} | {flush_s:.1f} | {ram_s * 1e3:.1f} "
-                  f"| {disk_s * 1e3:.1f} | {budget // max(s['ram_bytes'], 1)} |")
+        result = {"model": args.model.name, "memory": mem.kind.value, "tokens": args.tokens,
+                  "checkpoints": n, "last_state": last, "ideal": ideal, "budget": budget,
+                  "layouts": [{"layout": name, "ram_bytes": s["ram_bytes"],
+                               "disk_bytes": s["disk_bytes"],
+                               "insert_ms": insert_s[name] / n * 1e3, "flush_s": flush_s,
+                               "restore_ram_ms": ram_s * 1e3, "restore_disk_ms": disk_s * 1e3,
+                               "conversations": budget / max(s["ram_bytes"], 1)}
+                              for name, s, flush_s, ram_s, disk_s in rows]}
+    print("\n".join(table([result])))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1))
     return 0
+
+
+def table(results: list[dict[str, Any]]) -> list[str]:
+    """One row per model and layout; restore and conversations against whole states."""
+    out = ["| model (memory), tokens, checkpoints | layout | RAM held (x ideal) | disk written "
+           "(x ideal) | insert ms/ckpt | restore RAM / disk ms | x whole | conversations in "
+           "budget |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        ideal = max(r["ideal"], 1)
+        base = r["layouts"][0]
+        for i, row in enumerate(r["layouts"]):
+            head = (f"{r['model']} ({r['memory']}), {r['tokens']:,}, {r['checkpoints']}"
+                    if i == 0 else "")
+            vs = (f"{row['restore_ram_ms'] / max(base['restore_ram_ms'], 1e-9):.2f} / "
+                  f"{row['restore_disk_ms'] / max(base['restore_disk_ms'], 1e-9):.2f}")
+            out.append(f"| {head} | {row['layout']} | {format_size(row['ram_bytes'])} "
+                       f"({row['ram_bytes'] / ideal:.2f}) | {format_size(row['disk_bytes'])} "
+                       f"({row['disk_bytes'] / ideal:.2f}) | {row['insert_ms']:.1f} "
+                       f"| {row['restore_ram_ms']:.1f} / {row['restore_disk_ms']:.1f} | {vs} "
+                       f"| {row['conversations']:.1f} in {format_size(r['budget'])} |")
+    return out
 
 
 if __name__ == "__main__":

@@ -450,6 +450,15 @@ def write(out_dir: Path, prof: Profile, systems: tuple[str, ...], res: Results) 
                   "file the assistant wrote two turns earlier asked for again with one "
                   "rename (re-emit).", ""] \
             + speculative_table(res.speculative) + [""]
+    if res.pages:
+        from bench.pages import table as pages_table
+        lines += ["## A long prompt's checkpoints: whole states against KV pages", "",
+                  "`bench.pages`: one prefill, a FULL checkpoint every 2,048 tokens "
+                  "inserted into a pool of each layout; the ideal is the last state plus, "
+                  "for every other checkpoint, what does not grow with its length; restore "
+                  "is lookup + assemble + `set_data` of the deepest, median of 3, from disk "
+                  "with the page cache dropped; \"x whole\" is pages' restore time over "
+                  "whole states'.", ""] + pages_table(res.pages) + [""]
     if res.remote:
         from bench.remote import markdown
 

@@ -74,6 +74,7 @@ class Profile:
     subagent_args: tuple[str, ...] = ()
     remote_args: tuple[str, ...] = ()  # bench.remote (the shared tier), on load_model
     speculative_args: tuple[str, ...] = ()  # bench.speculative (its own models)
+    pages_args: tuple[tuple[str, ...], ...] = ()  # bench.pages, one process per model
 
 
 def _gemma() -> Path:
@@ -97,7 +98,9 @@ def profiles(quick: bool) -> Profile:
                        subagent_args=("--system-chars", "1500"),
                        remote_args=("--contexts", "100,300", "--repeats", "1", "--turns", "3",
                                     "--state-mib", "16"),
-                       speculative_args=("--quick", "--repeats", "1"))
+                       speculative_args=("--quick", "--repeats", "1"),
+                       pages_args=(("--model", str(tiny.path), "--tokens", "8192",
+                                    "--repeats", "1"),))
     gemma = _gemma()
     bench = ModelSpec("hybrid-0.8B", models / "hybrid-bench.gguf", is_gemma=False)
     return Profile("full", (Part(bench, 0.05), Part(ModelSpec("gemma-3-270m", gemma, True), 0.25)),
@@ -110,7 +113,13 @@ def profiles(quick: bool) -> Profile:
                    subagent_args=("--system-chars", "6000"),
                    remote_args=("--contexts", "300,1500", "--repeats", "3", "--turns", "10",
                                 "--state-mib", "256"),
-                   speculative_args=("--full", "--repeats", "3"))
+                   speculative_args=("--full", "--repeats", "3"),
+                   # an agent session's long first prompt: the bench hybrid, Gemma 3's SWA,
+                   # and the tiny hybrid at the size of a real Claude Code request
+                   pages_args=(("--model", str(bench.path), "--tokens", "16384"),
+                               ("--model", str(gemma), "--tokens", "16384"),
+                               ("--model", str(models / "hybrid-tiny.gguf"),
+                                "--tokens", "77774")))
 
 
 @dataclass(slots=True)
@@ -123,6 +132,7 @@ class Results:
     subagents: dict[str, Any] | None = None
     remote: dict[str, Any] | None = None  # bench.remote
     speculative: dict[str, Any] | None = None  # bench.speculative
+    pages: list[dict[str, Any]] = field(default_factory=list)  # bench.pages
     llama_server: str = ""
 
 
@@ -295,6 +305,22 @@ def _speculative(prof: Profile, res: Results, out_dir: Path) -> None:
     res.timings["speculative"] = time.monotonic() - t0
 
 
+def _pages(prof: Profile, res: Results, out_dir: Path) -> None:
+    """bench.pages: a long prompt's checkpoints, whole states against KV pages."""
+    t0 = time.monotonic()
+    for i, args in enumerate(prof.pages_args):
+        path = out_dir / f"pages-{i}.json"
+        cmd = [sys.executable, "-m", "bench.pages", "--every", "2048", "--repeats", "3",
+               "--json", str(path), *args]
+        try:
+            subprocess.run(cmd, cwd=ROOT, check=True)
+            res.pages.append(json.loads(path.read_text()))
+        except Exception as e:
+            traceback.print_exc()
+            res.notes.append(f"pages {' '.join(args)} failed: {e}")
+    res.timings["pages"] = time.monotonic() - t0
+
+
 def run(prof: Profile, out_dir: Path, systems: tuple[str, ...]) -> Results:
     res = Results()
     log_dir = out_dir / "logs"
@@ -322,6 +348,8 @@ def run(prof: Profile, out_dir: Path, systems: tuple[str, ...]) -> Results:
         _remote(prof, res, out_dir)
     if "statecache" in systems and prof.speculative_args:
         _speculative(prof, res, out_dir)
+    if "statecache" in systems and prof.pages_args:
+        _pages(prof, res, out_dir)
     try:
         _micro(prof, res, out_dir)
     except Exception as e:

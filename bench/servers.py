@@ -64,6 +64,18 @@ class Server:
             return None
         return None
 
+    def cpu_ns(self) -> int:
+        """CPU time the server's threads have run, in ns (their schedstat), 0 if gone."""
+        total = 0
+        try:
+            for task in os.listdir(f"/proc/{self.proc.pid}/task"):
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    total += int(Path(f"/proc/{self.proc.pid}/task/{task}/schedstat")
+                                 .read_text().split()[0])
+        except OSError:
+            return 0
+        return total
+
     def metrics(self) -> dict[str, float]:
         """statecache's ``/metrics``: each sample's name (with its labels) to its value."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as r:
@@ -220,3 +232,18 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=15)
+
+
+def settle(servers: list[Server], window_s: float = 0.02, idle_ns: int = 2_000_000,
+           max_s: float = 3.0) -> None:
+    """Wait until every server is idle (under ``idle_ns`` of CPU in ``window_s``): what
+    one did after its last reply (saving, writing checkpoints to disk) must not run
+    inside the next request's decode on another, on a machine of two cores."""
+    end = time.monotonic() + max_s
+    last = [s.cpu_ns() for s in servers]
+    while time.monotonic() < end:
+        time.sleep(window_s)
+        now = [s.cpu_ns() for s in servers]
+        if all(b - a < idle_ns for a, b in zip(last, now, strict=True)):
+            return
+        last = now

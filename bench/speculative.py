@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import _sse_lines
-from bench.servers import ROOT, ModelSpec, running
+from bench.servers import ROOT, ModelSpec, Server, running, settle
 from statecache.config import SpeculativeConfig
 
 MODELS = ROOT / "models"
@@ -176,6 +176,7 @@ def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"kind": t.label, "model": t.model.label}
     with contextlib.ExitStack() as stack:
         urls = {}
+        servers: list[Server] = []
         for source in sources:
             extra = f'[speculative]\nsource = "{source}"\n'
             if args.draft_max:
@@ -186,6 +187,7 @@ def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
                 "statecache", t.model, n_ctx=4096, lanes=1, log_dir=Path(args.log_dir),
                 extra_config=extra, extra_args=flags, tag=f"-spec-{source}"))
             urls[source] = srv.url
+            servers.append(srv)
         for name, (messages, max_tokens) in workloads(args.code_lines).items():
             runs: dict[str, list[dict[str, float]]] = {s: [] for s in sources}
             counts = {}
@@ -198,6 +200,7 @@ def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
             spent, r = 0.0, 0
             while r < args.repeats or (spent < args.min_seconds and r < 10 * args.repeats):
                 for source in (sources if r % 2 == 0 else sources[::-1]):
+                    settle(servers)  # the last one's disk writes are not in this decode
                     runs[source].append(_chat(urls[source], messages, max_tokens))
                 spent += min(x["tokens"] / x["decode_tps"] if x["decode_tps"] else 0.0
                              for x in (runs[s][-1] for s in sources))
