@@ -225,6 +225,13 @@ class DraftModel:
 
     # -- keeping up -------------------------------------------------------------------
 
+    def behind(self, lane_id: int, tokens: np.ndarray, tenant: str) -> int:
+        """Tokens of ``tokens`` the draft lane would decode before it could draft (at
+        least: a recurrent draft rolls back to a checkpoint at or before its match)."""
+        lane = self.lanes.lanes[lane_id]
+        n = common_prefix(lane.tokens, tokens) if lane.tenant == tenant else 0
+        return len(tokens) - n
+
     def propose(self, asks: list[DraftAsk]) -> dict[int, np.ndarray]:
         """Bring each asked lane up to its target tokens (a chunk at most), then draft
         ``want`` tokens for each lane that got there; lane -> drafts."""

@@ -159,6 +159,9 @@ class Speculation:
             self.model_s = time.perf_counter() - t0
             if p.draft.followed > sum(a.step for a in asks):
                 self.model_asked = 0  # a lane caught up from far behind: not a sample
+                self.timer.followed(self.model_s, p.draft.followed)  # ...but of this
+            else:  # drafts or none: what asking the model costs a token
+                self.timer.asked(self.model_s, self.model_asked)
             for w in works:
                 lane, spec = w.job.lane, w.job.spec
                 assert lane is not None
@@ -198,13 +201,21 @@ class Speculation:
         k_model, v_model = 0, 0.0
         if self.p.draft is not None:
             per = timer.model_s
+            # a draft lane behind its lane (it rested, or the prompt came from the cache)
+            # decodes what it lacks first: this step pays for it, so it is chosen where
+            # it pays even so, or by a probe (which measures it)
+            assert job.lane is not None
+            step = len(known) - len(job.lane.tokens)  # followed at every step anyway
+            behind = self.p.draft.behind(job.lane.id, known, job.lane.tenant) - step
+            catch_up = max(behind, 0) * (timer.follow_s or per)
 
             def model_cost(k: int) -> float | None:
                 verify = timer.verify_cost(k)
-                return None if verify is None or per <= 0 else verify + per * k
+                return None if verify is None or per <= 0 else verify + per * k + catch_up
             k_model, v_model = best_length(acceptance(spec, DRAFT),
                                            min(w.room, sc.draft_max), lanes, step_s,
                                            model_cost)
+        pays = k_model > 0  # by value, not because a probe is due
         if spec.probing and not (k_model or k_look):  # it measures what drafts yield now
             if len(found):
                 k_look = min(len(found), PROBE_DRAFTS)
@@ -214,6 +225,8 @@ class Speculation:
                 self.model_since, self.model_rest = 0, min(self.model_rest * 2, MAX_REST)
                 k_model, v_model = min(w.room, PROBE_DRAFTS), 1.0
         if k_model and v_model > v_look:
+            if pays:  # the draft model pays here: its next probe is soon again
+                self.model_rest = PROBE_EVERY
             spec.source = DRAFT
             return k_model
         if k_look:
@@ -291,8 +304,6 @@ class Speculation:
             spec.cursor = spec.start + accepted + 1
         if accepted == len(drafts):  # drafting pays here: a rest starts short again
             spec.rest = PROBE_EVERY // 2
-            if src == DRAFT:
-                self.model_rest = PROBE_EVERY
         job.stats.drafted += len(drafts)
         job.stats.accepted += accepted
         m = self.p.meter

@@ -30,6 +30,9 @@ class StepTimer:
     # proxy/engine/speculation.py weighs them against the drafts it expects accepted
     verify_s: dict[int, float] = field(default_factory=dict)
     model_s: float = 0.0  # per token asked of it
+    # per token it decodes to catch up with its lane (after a rest, or a prompt that was
+    # cached, not prefilled: the draft did not follow it); 0 until measured
+    follow_s: float = 0.0
     # a token of a lone stream in its own run of steps (Stepper._decode_alone: no step
     # planned): what a lone lane's drafts compete with
     alone_s: float = 0.0
@@ -72,8 +75,6 @@ class StepTimer:
 
     def _verified(self, seconds: float, n_decode: int, n_prefill: int,
                   drafts: StepDrafts) -> None:
-        if drafts.model_asked:
-            self.model_s = steady(self.model_s or None, drafts.model_s / drafts.model_asked)
         a = self.base_s(n_decode)
         if not a or n_prefill or not drafts.lanes:
             return
@@ -83,6 +84,17 @@ class StepTimer:
         for j, old in self.verify_s.items():  # the other lengths, less, scaled: no length
             if j != k:  # keeps a cost that later steps never measure again
                 self.verify_s[j] = steady(old, extra * j / k, ALPHA / 2)
+
+    def asked(self, seconds: float, tokens: int) -> None:
+        """The draft model was asked for ``tokens`` drafts (made or not) in ``seconds``:
+        measured even where it made none (then no verification measures the step)."""
+        if tokens > 0:
+            self.model_s = steady(self.model_s or None, seconds / tokens)
+
+    def followed(self, seconds: float, tokens: int) -> None:
+        """The draft model decoded ``tokens`` to catch up (and drafted) in ``seconds``."""
+        if tokens > 0:
+            self.follow_s = steady(self.follow_s or None, seconds / tokens)
 
     def base_s(self, lanes: int) -> float:
         """What a step of ``lanes`` decoding lanes costs without drafts (a lone lane: a

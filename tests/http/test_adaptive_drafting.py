@@ -110,3 +110,4 @@ async def test_a_request_says_no_under_the_default_config(gemma_path: Path,
             model="x", messages=messages, max_tokens=64, temperature=0,  # type: ignore[arg-type]
             extra_body={"speculative": False})
         assert _drafted(srv.app[ENGINE].meter) == (0, 0)
+
