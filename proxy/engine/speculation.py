@@ -202,19 +202,21 @@ class Speculation:
         if self.p.draft is not None:
             per = timer.model_s
             # a draft lane behind its lane (it rested, or the prompt came from the cache)
-            # decodes what it lacks first: this step pays for it, so it is chosen where
-            # it pays even so, or by a probe (which measures it)
+            # decodes what it lacks first, once: spread over the tokens this request may
+            # still produce, each step bears its share of the tokens it yields
             assert job.lane is not None
             step = len(known) - len(job.lane.tokens)  # followed at every step anyway
             behind = self.p.draft.behind(job.lane.id, known, job.lane.tenant) - step
-            catch_up = max(behind, 0) * (timer.follow_s or per)
+            left = max(job.req.sampling.max_tokens - len(job.out.generated), 1)
+            catch_up = max(behind, 0) * (timer.follow_s or per) / left
+            p_model = acceptance(spec, DRAFT)
 
             def model_cost(k: int) -> float | None:
                 verify = timer.verify_cost(k)
-                return None if verify is None or per <= 0 else verify + per * k + catch_up
-            k_model, v_model = best_length(acceptance(spec, DRAFT),
-                                           min(w.room, sc.draft_max), lanes, step_s,
-                                           model_cost)
+                return None if verify is None or per <= 0 else \
+                    verify + per * k + catch_up * expected_tokens(p_model, k)
+            k_model, v_model = best_length(p_model, min(w.room, sc.draft_max), lanes,
+                                           step_s, model_cost)
         pays = k_model > 0  # by value, not because a probe is due
         if spec.probing and not (k_model or k_look):  # it measures what drafts yield now
             if len(found):
