@@ -456,7 +456,8 @@ def write(out_dir: Path, prof: Profile, systems: tuple[str, ...], res: Results) 
                   "`bench.pages`: one prefill, a FULL checkpoint every 2,048 tokens "
                   "inserted into a pool of each layout; the ideal is the last state plus, "
                   "for every other checkpoint, what does not grow with its length; restore "
-                  "is lookup + assemble + `set_data` of the deepest, median of 3, from disk "
+                  "is lookup + assemble + `set_data` of the deepest (median of 3; 1 in the "
+                  "quick run), from disk "
                   "with the page cache dropped; \"x whole\" is pages' restore time over "
                   "whole states'.", ""] + pages_table(res.pages) + [""]
     if res.remote:
