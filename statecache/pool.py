@@ -114,6 +114,17 @@ class _Entry:
         return eviction_class(self.record.role, self.stats.hits, self.stats.keep_until > now)
 
 
+
+def _assembled_in(data: memoryview, rest: Buffer) -> bytearray | None:
+    """The buffer ``assemble`` wrote ``data`` into (the pool's spare, or a new one that
+    becomes the spare once its lease is closed), or None where ``data`` is a view of
+    ``rest`` itself (a state kept whole: its stored bytes, never written into)."""
+    with memoryview(rest) as view:
+        if data.obj is view.obj:
+            return None
+    assert isinstance(data.obj, bytearray)
+    return data.obj
+
 class CheckpointPool:
     def __init__(
         self,
@@ -256,11 +267,7 @@ class CheckpointPool:
                 spare = self._take_spare()
                 data = self._assemble(whole, rest, pages, spare)
                 if data is not None:
-                    # the buffer it was assembled in (the spare, or a new one: the spare
-                    # from now on), or None where it is a view of a state kept whole
-                    # (RAM's own bytes: never written into)
-                    buf = None if data.obj is memoryview(rest).obj else data.obj
-                    assert buf is None or isinstance(buf, bytearray)
+                    buf = _assembled_in(data, rest)  # never RAM's own bytes
                     if buf is not spare:
                         self._release(None, spare)
                     return Lease(self, whole, "ram", data, pin, buf)
@@ -345,11 +352,7 @@ class CheckpointPool:
                 pages: list[Buffer] = [local[i] if p is None else p
                                        for i, p in enumerate(stored.pages)]
                 data = assemble(stored.rest, pages, spare, whole.token_array())
-                # assembled in the spare or a new buffer (the spare once the lease is
-                # closed), or a view of the file's own bytes
-                if data.obj is not memoryview(stored.rest).obj:
-                    assert isinstance(data.obj, bytearray)
-                    buf = data.obj
+                buf = _assembled_in(data, stored.rest)
                 self.costs.note_read("disk", rec.nbytes, time.perf_counter() - t0)
             else:  # another prompt with the same 128-bit id: not a bad file, not a hit
                 other = True
