@@ -321,7 +321,8 @@ def _pages(prof: Profile, res: Results, out_dir: Path) -> None:
     res.timings["pages"] = time.monotonic() - t0
 
 
-def run(prof: Profile, out_dir: Path, systems: tuple[str, ...]) -> Results:
+def run(prof: Profile, out_dir: Path, systems: tuple[str, ...], *,
+        sessions_only: bool = False) -> Results:
     res = Results()
     log_dir = out_dir / "logs"
     if "llama-server" in systems and not _build_llama_server(res):
@@ -343,6 +344,8 @@ def run(prof: Profile, out_dir: Path, systems: tuple[str, ...]) -> Results:
         except Exception as e:
             traceback.print_exc()
             res.notes.append(f"{part.model.label} / ideal: failed: {e}")
+    if sessions_only:
+        return res
     _load_parts(prof, res, out_dir, systems)
     if "statecache" in systems and prof.remote_args:
         _remote(prof, res, out_dir)
@@ -366,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, help="repeats of the base session")
     p.add_argument("--turns", type=int, help="turns per base session")
     p.add_argument("--scale", type=float, help="size factor for every model")
+    p.add_argument("--sessions-only", action="store_true",
+                   help="only the agent sessions (follow-ups, variants, ideal): no load, "
+                   "remote, speculative, pages or micro parts")
+    p.add_argument("--models", help="comma-separated subset of the profile's models "
+                   "(their labels: hybrid-0.8B, gemma-3-270m; hybrid-tiny in --quick)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s bench: %(message)s",
                         datefmt="%H:%M:%S")
@@ -376,11 +384,20 @@ def main(argv: list[str] | None = None) -> int:
         prof = replace(prof, turns=a.turns)
     if a.scale:
         prof = replace(prof, parts=tuple(replace(p, scale=a.scale) for p in prof.parts))
+    if a.models:
+        want = set(a.models.split(","))
+        unknown = want - {part.model.label for part in prof.parts}
+        if unknown:
+            p.error(f"no such model in this profile: {', '.join(sorted(unknown))}")
+        prof = replace(prof, parts=tuple(part for part in prof.parts
+                                         if part.model.label in want))
+    if (a.models or a.sessions_only) and prof.name == "full":
+        prof = replace(prof, name="full, in part")  # not the page docs/benchmarks.md shows
     systems = tuple(a.systems.split(",")) if a.systems else prof.systems
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    res = run(prof, out, systems)
+    res = run(prof, out, systems, sessions_only=a.sessions_only)
     res.timings["total"] = time.monotonic() - t0
     report.write(out, prof, systems, res)
     log.info("wrote %s and %s in %.0f s", out / "bench.md", out / "ttft.png",

@@ -30,10 +30,12 @@ from statecache.pages import HASH_BYTES, PageHash, TokenArray
 PageKey = NewType("PageKey", bytes)
 Buffer = bytes | bytearray | memoryview
 
-REST_MAGIC = b"SCR1"
+REST_MAGIC = b"SCR2"  # SCR1 (no logits field) is not read: such an entry is a miss
 SEQ_MAGIC = 0xAF143CD8  # llama_context::state_seq_get_data's io_magic, then the seq id
-# magic, KV sections, page size, chain pages, page keys, state bytes, state digest
-_REST_HEAD = struct.Struct("<4sIIIIQ16s")
+# magic, KV sections, page size, chain pages, page keys, state bytes, state digest,
+# logits kept after the rest's body (float32 values: 0, or the vocabulary's size)
+_REST_HEAD = struct.Struct("<4sIIIIQ16sI")
+MAX_LOGITS = 1 << 24  # more than any vocabulary
 REST_HEAD_BYTES = _REST_HEAD.size  # what a state kept whole costs beyond its bytes
 _BLOCK_HEAD = 12  # i32 type + u64 row size, or i32 type + u32 element size + u32 rows
 _META_RAW, _META_RUNS, _META_RUNS_MROPE = 0, 1, 2
@@ -229,24 +231,33 @@ def _run_of(order: IntArray) -> int | None:
 
 
 def split(state: Buffer, *, sections: int, page_size: int,
-          chain: Sequence[PageHash], tokens: TokenArray | None = None) -> Split:
+          chain: Sequence[PageHash], tokens: TokenArray | None = None,
+          logits: npt.NDArray[np.float32] | None = None) -> Split:
     """Cut ``state`` (a FULL sequence state whose memory writes ``sections`` KV caches
     first) into its rest and one page per whole page of ``chain`` each section holds.
     ``tokens`` (those the state consumed) let an M-RoPE model's cell metadata, which
-    repeats them, be kept as runs. A state of another layout is kept whole (no pages)."""
+    repeats them, be kept as runs. A state of another layout is kept whole (no pages).
+    ``logits``: the last row's logits after those tokens, kept at the rest's end
+    (``rest_logits`` reads them back); the state's digest does not cover them, the
+    tiers' checks of the rest do."""
     view = memoryview(state).cast("B")
     digest = xxhash.xxh3_128_digest(view)
+    tail = b"" if logits is None else np.ascontiguousarray(logits, dtype="<f4").tobytes()
+    n_logits = len(tail) // 4
+    if not 0 <= n_logits < MAX_LOGITS:
+        raise ValueError(f"{n_logits} logits: more than any vocabulary")
     if sections > 0 and chain:
         try:
-            return _split(view, sections, page_size, chain, digest, tokens)
+            return _split(view, sections, page_size, chain, digest, tokens, tail)
         except _Unparsed:
             pass
-    head = _REST_HEAD.pack(REST_MAGIC, 0, page_size, len(chain), 0, view.nbytes, digest)
-    return Split(head + bytes(view), (), (), view.nbytes)
+    head = _REST_HEAD.pack(REST_MAGIC, 0, page_size, len(chain), 0, view.nbytes, digest,
+                           n_logits)
+    return Split(b"".join((head, view, tail)), (), (), view.nbytes)
 
 
 def _split(view: memoryview, sections: int, page_size: int, chain: Sequence[PageHash],
-           digest: bytes, tokens: TokenArray | None) -> Split:
+           digest: bytes, tokens: TokenArray | None, tail: bytes) -> Split:
     r = _Reader(view)
     if r.peek_u32() != SEQ_MAGIC:
         raise _Unparsed("not a sequence state")
@@ -269,8 +280,8 @@ def _split(view: memoryview, sections: int, page_size: int, chain: Sequence[Page
                 parts.append(page)
     out.append(r.buf[r.at:])  # a hybrid's recurrent part, verbatim
     head = _REST_HEAD.pack(REST_MAGIC, sections, page_size, len(chain), len(keys),
-                           view.nbytes, digest)
-    return Split(b"".join([head, *out]), tuple(keys), tuple(parts), view.nbytes)
+                           view.nbytes, digest, len(tail) // 4)
+    return Split(b"".join([head, *out, tail]), tuple(keys), tuple(parts), view.nbytes)
 
 
 def _runs(st: _Stream) -> npt.NDArray[np.void]:
@@ -346,19 +357,31 @@ class RestInfo:
     n_keys: int
     nbytes: int
     digest: bytes
+    n_logits: int  # float32 values at the rest's end
 
 
 def rest_info(rest: Buffer) -> RestInfo:
     view = memoryview(rest).cast("B")
     if view.nbytes < _REST_HEAD.size:
         raise BadState("rest truncated")
-    magic, sections, page_size, chain_pages, n_keys, nbytes, digest = \
+    magic, sections, page_size, chain_pages, n_keys, nbytes, digest, n_logits = \
         _REST_HEAD.unpack_from(view)
     if magic != REST_MAGIC:
         raise BadState("not a rest")
-    if page_size < 1 or sections > 16:
+    if page_size < 1 or sections > 16 or n_logits >= MAX_LOGITS \
+            or _REST_HEAD.size + 4 * n_logits > view.nbytes:
         raise BadState("rest header out of range")
-    return RestInfo(sections, page_size, chain_pages, n_keys, nbytes, digest)
+    return RestInfo(sections, page_size, chain_pages, n_keys, nbytes, digest, n_logits)
+
+
+def rest_logits(rest: Buffer) -> npt.NDArray[np.float32] | None:
+    """The logits a rest keeps (a copy), or None where it keeps none."""
+    info = rest_info(rest)
+    if not info.n_logits:
+        return None
+    view = memoryview(rest).cast("B")
+    end = view.nbytes
+    return np.frombuffer(view[end - 4 * info.n_logits:end], dtype="<f4").astype(np.float32)
 
 
 def assemble(rest: Buffer, pages: Sequence[Buffer], out: bytearray | None = None,
@@ -370,15 +393,17 @@ def assemble(rest: Buffer, pages: Sequence[Buffer], out: bytearray | None = None
     info = rest_info(rest)
     if len(pages) != info.n_keys:
         raise BadState(f"{len(pages)} pages for a rest that names {info.n_keys}")
+    body = memoryview(rest).cast("B")
+    body = body[:body.nbytes - 4 * info.n_logits]  # the logits after it
     if info.sections == 0:  # kept whole: the state is the rest's body, not copied
-        whole = memoryview(rest).cast("B")[_REST_HEAD.size:]
+        whole = body[_REST_HEAD.size:]
         if whole.nbytes != info.nbytes or xxhash.xxh3_128_digest(whole) != info.digest:
             raise BadState("the state is not the one saved (length or digest)")
         return whole
     if out is None or len(out) < info.nbytes:
         out = bytearray(info.nbytes)
     dst = memoryview(out)[:info.nbytes]
-    r = _Reader(memoryview(rest).cast("B"))
+    r = _Reader(body)
     r.take(_REST_HEAD.size)
     try:
         at = _assemble(r, info, [memoryview(p).cast("B") for p in pages], dst, tokens)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from statecache.ram import Pin
 from statecache.records import CheckpointRecord
 
@@ -18,7 +21,7 @@ class _Releaser(Protocol):
 class Lease:
     """A looked-up checkpoint, pinned in RAM until closed (use as a context manager)."""
 
-    __slots__ = ("record", "tier", "_data", "_pool", "_pin", "_closed", "_spare")
+    __slots__ = ("record", "tier", "logits", "_data", "_pool", "_pin", "_closed", "_spare")
 
     def __init__(
         self,
@@ -28,8 +31,12 @@ class Lease:
         data: Buffer,
         pin: Pin | None,
         spare: bytearray | None = None,
+        logits: npt.NDArray[np.float32] | None = None,
     ) -> None:
         self.record = record
+        # the last row's logits after the state's tokens, where the checkpoint kept them
+        # (a copy: valid after ``close``)
+        self.logits = logits
         self._spare = spare  # the buffer ``data`` was assembled in: reused once closed
         self.tier = tier  # "ram", "disk" or "remote": where the hit came from
         self._data = memoryview(data).toreadonly()

@@ -46,13 +46,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from statecache.config import CacheConfig
 from statecache.costs import Costs
 from statecache.dirlock import DirLock
 from statecache.disk import BadPageFile, DiskTier
 from statecache.diskfmt import BadFile, file_name, valid_id
 from statecache.index import Index
-from statecache.kvpages import BadState, PageKey, Split, assemble, key_bytes, split, unpack_keys
+from statecache.kvpages import (
+    BadState,
+    PageKey,
+    Split,
+    assemble,
+    key_bytes,
+    rest_logits,
+    split,
+    unpack_keys,
+)
 from statecache.lease import Buffer, Lease
 from statecache.opendisk import open_disk
 from statecache.pages import PageChain, PageHash, TokenArray, Tokens, as_tokens, namespace_hash
@@ -270,7 +282,7 @@ class CheckpointPool:
                     buf = _assembled_in(data, rest)  # never RAM's own bytes
                     if buf is not spare:
                         self._release(None, spare)
-                    return Lease(self, whole, "ram", data, pin, buf)
+                    return Lease(self, whole, "ram", data, pin, buf, rest_logits(rest))
                 self._release(pin, spare)
                 self.remove(rec.id)
                 continue
@@ -401,7 +413,7 @@ class CheckpointPool:
                 self._hit(entry, "disk")
             else:  # removed while we read: the bytes are still exactly this record's state
                 self._counts["hits_disk"] += 1
-            return Lease(self, whole, "disk", data, pin, buf)
+            return Lease(self, whole, "disk", data, pin, buf, rest_logits(stored.rest))
 
     def _put_ram(self, entry: _Entry, rec: CheckpointRecord, rest: Buffer,
                  pages: list[Buffer], cls: EvictionClass | None = None) -> bool:
@@ -484,6 +496,7 @@ class CheckpointPool:
                 self._counts["remote_misses"] += 1
             return None
         rec, rest, pages = got
+        logits = rest_logits(rest)
         self.costs.note_read("remote", rec.nbytes, time.perf_counter() - t0)
         with self._lock:
             self._counts["hits_remote"] += 1
@@ -493,8 +506,9 @@ class CheckpointPool:
                 if self._put_ram(entry, rec, rest, pages):
                     self._add(entry)
                     self._queue_write(entry)
-                    return Lease(self, rec, "remote", data, self._ram.pin(rec.id))
-        return Lease(self, rec, "remote", data, None)
+                    return Lease(self, rec, "remote", data, self._ram.pin(rec.id),
+                                 logits=logits)
+        return Lease(self, rec, "remote", data, None, logits=logits)
 
     def _local_pages(self, keys: tuple[PageKey, ...]) -> dict[int, Buffer]:
         """The pages of ``keys`` the local tiers hold (RAM, else read from disk), by index:
@@ -525,9 +539,12 @@ class CheckpointPool:
         tenant: str = "",
         preview: str = "",
         keep_s: float = 0.0,
+        logits: npt.NDArray[np.float32] | None = None,
     ) -> Record | None:
         """Store a copy of ``data`` as the state after ``tokens``; its record (the head
         of one held on disk alone, if that state was there already), None if refused.
+        ``logits``: the last row's after ``tokens``, kept with the state (a lease gives
+        them back), so a prompt that ends there needs no token decoded again.
 
         A FULL state that RAM cannot take (a RAM budget smaller than the state) is
         written straight to disk, in this thread, without the lock. ``keep_s``: a client
@@ -557,7 +574,7 @@ class CheckpointPool:
                 return self._refresh(entry, rec, now)
         # Cut, hashed and copied before taking the lock: 16 MiB take milliseconds. Only
         # the pages RAM lacks are copied.
-        sp = self._split(rec, data)
+        sp = self._split(rec, data, logits)
         rec = dataclasses.replace(rec, keys=key_bytes(sp.keys), rest_nbytes=len(sp.rest))
         with self._lock:
             missing = self._ram.missing(sp.keys)
@@ -606,13 +623,14 @@ class CheckpointPool:
         self._share(rec, sp.rest, pages)
         return rec if self._run_write(job) else None
 
-    def _split(self, rec: CheckpointRecord, data: Buffer) -> Split:
+    def _split(self, rec: CheckpointRecord, data: Buffer,
+               logits: npt.NDArray[np.float32] | None = None) -> Split:
         """A FULL state of the target cut into its rest and KV pages; any other state
-        kept whole (a rest without pages)."""
+        kept whole (a rest without pages). The logits go at the rest's end."""
         paged = rec.kind is Kind.FULL and rec.owner is Owner.TARGET
         return split(data, sections=self.kv_sections if paged else 0,
                      page_size=self.page_size, chain=rec.page_hashes,
-                     tokens=rec.token_array())
+                     tokens=rec.token_array(), logits=logits)
 
     def _share(self, rec: CheckpointRecord, rest: bytes, pages: list[bytes]) -> None:
         if self._remote is not None and rec.kind is Kind.FULL and rec.owner is Owner.TARGET:

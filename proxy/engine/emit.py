@@ -5,6 +5,8 @@ the server stopping)."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from proxy.engine.build import Parts
@@ -31,14 +33,27 @@ class Emitter:
         job.spec.on = (p.speculation != "off" and not out.sampler.constrained
                        and (sp.speculative or (sp.speculative is None and sp.seed is None)))
 
-    def take(self, job: Job, row: int) -> None:
-        """Sample the next token and decide whether the request is done."""
+    def first(self, job: Job, row: int, logits: np.ndarray | None = None) -> None:
+        """The prompt is consumed: the request's first token, sampled from output row
+        ``row`` of the last decode or from ``logits`` (kept with the state the prompt
+        started from, which held all of it). A pre-warm samples nothing."""
+        job.out.t_first = time.perf_counter()
+        job.stats.prefill_s = job.out.t_first - job.t_admitted
+        if job.prewarm:  # cached, and nothing to generate
+            job.finish_reason = "length"
+            return
+        self.take(job, row, logits)
+
+    def take(self, job: Job, row: int, logits: np.ndarray | None = None) -> None:
+        """Sample the next token (from output row ``row`` of the last decode, or from
+        ``logits`` where given) and decide whether the request is done."""
         p, out = self.p, job.out
         assert out.sampler is not None and out.stream is not None
         k = job.req.sampling.logprobs
-        tok = out.sampler.sample(p.ctx, row)
+        tok = out.sampler.sample(p.ctx, row, logits)
         if k is not None:  # of the model's own distribution, before the sampler's changes
-            out.logprobs.append(self._logprob(p.ctx.logits_view(row), tok, k))
+            row_logits = p.ctx.logits_view(row) if logits is None else logits
+            out.logprobs.append(self._logprob(row_logits, tok, k))
         out.generated.append(tok)
         out.pending = tok
         if p.model.is_eog(tok):

@@ -305,6 +305,8 @@ class Engine:
                 self.stepper.write(flush=True)  # an admission may read or restore a state
             for job, box in admitted:
                 admission.admit(job, box)
+            if admitted:  # a prompt cached to its end has its first token already
+                self.stepper.write()
             self._save_an_idle_lane(idle_s)
             with b.cv:
                 active = list(b.active)

@@ -81,7 +81,9 @@ class Executor:
             assert lane is not None
             toks = w.tokens()
             if job.prefilling:
-                last = w.pos0 + w.n == len(job.prompt) and not job.prewarm
+                # the prompt's last row: its logits give the first token, and they are
+                # kept with the lane (and with a checkpoint saved there); a pre-warm's too
+                last = w.pos0 + w.n == len(job.prompt)
                 row = batch.add(lane.id, toks, w.pos0, logits_last=last)
                 w.row = row if last else -1
             else:
@@ -145,6 +147,8 @@ class Executor:
             job.stats.prefilled += w.n
             job.stats.prefill_steps += 1
             job.pos += w.n
+            if not job.prefilling:  # 1 MiB at Gemma 3's vocabulary: a copy is cheap
+                lane.keep_logits(self.p.ctx.logits_view(w.row).copy())
             if job.publish and job.publish[0][0] == job.pos:
                 t0 = time.perf_counter()
                 while job.publish and job.publish[0][0] == job.pos:
@@ -153,12 +157,7 @@ class Executor:
                 job.stats.publish_s += time.perf_counter() - t0
             if job.prefilling:
                 return
-            job.out.t_first = time.perf_counter()
-            job.stats.prefill_s = job.out.t_first - job.t_admitted
-            if job.prewarm:  # cached, and nothing to generate
-                job.finish_reason = "length"
-                return
-            self.emitter.take(job, w.row)
+            self.emitter.first(job, w.row)
             return
         self.speculation.verify(w, self.emitter.take)
 

@@ -38,6 +38,11 @@ class Lane:
     # The client's name for the conversation served here last (GenerationRequest.session):
     # a request of that conversation comes back to this lane
     session: str | None = None
+    # The last row's logits after the lane's first ``logits_n`` tokens (its last prefill's
+    # end), kept while the lane holds those tokens: a prompt that ends there samples its
+    # first token from them, with nothing decoded again
+    logits: np.ndarray | None = None
+    logits_n: int = 0
 
     @property
     def n(self) -> int:
@@ -46,6 +51,18 @@ class Lane:
     @property
     def tokens(self) -> np.ndarray:
         return self._buf[: self._n]
+
+    def logits_at(self, n: int) -> np.ndarray | None:
+        """The logits after the lane's first ``n`` tokens, if it kept them."""
+        return self.logits if self.logits is not None and self.logits_n == n <= self._n \
+            else None
+
+    def keep_logits(self, logits: np.ndarray | None) -> None:
+        """``logits`` (owned by the lane from now on) are those after all it holds now."""
+        self.logits, self.logits_n = logits, self._n
+
+    def _drop_logits(self) -> None:
+        self.logits, self.logits_n = None, 0
 
     def common(self, prompt: np.ndarray, tenant: str) -> int:
         """Length of the prefix the lane shares with ``prompt`` (0 for another tenant)."""
@@ -70,6 +87,7 @@ class Lane:
         self._n = int(arr.size)
         self.tenant = tenant
         self.history_n = 0
+        self._drop_logits()
         self._changed()
 
     def extend(self, tokens: np.ndarray | list[int]) -> None:
@@ -95,12 +113,15 @@ class Lane:
         if n < self._n:
             self._n = n
             self.history_n = min(self.history_n, n)
+            if n < self.logits_n:
+                self._drop_logits()
             self._changed()
 
     def clear(self) -> None:
         self._n = 0
         self.floor = 0
         self.history_n = 0
+        self._drop_logits()
         self._changed()
 
     def vacant_for(self, prompt: np.ndarray, tenant: str, idle_since: float) -> bool:

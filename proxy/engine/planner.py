@@ -2,8 +2,11 @@
 
 Pure decisions over lanes and the pool; the engine carries them out. The rules:
 
-- Reuse at most ``len(prompt) - 1`` tokens: the state holds no logits, so at least
-  one prompt token must be decoded to sample the first output token.
+- Reuse the whole prompt only from a state that kept the logits of its last row (a
+  live lane whose last prefill ended there, a checkpoint saved at a prompt's end): the
+  first output token is sampled from them and nothing is decoded again. Any other
+  state is reused up to ``len(prompt) - 1`` tokens: one prompt token is decoded to
+  sample the first output token.
 - A live lane is reused as is when its tokens are a prefix of the prompt. Cutting
   it back needs a memory that can roll back there: plain attention always can; an
   SWA lane can while its cells reach back a window (never below a restored full
@@ -25,6 +28,7 @@ Pure decisions over lanes and the pool; the engine carries them out. The rules:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +60,8 @@ class Plan:
     truncate: bool = False  # seq_rm(lane, reuse, -1) on the live state
     partial: Lease | None = None  # restore into the lane, then seq_rm(reuse, -1)
     full: Lease | None = None  # restore into the (cleared) lane
+    # the logits after the whole prompt (``reuse == len(prompt)``): the first token's
+    logits: np.ndarray | None = None
     role: str = ""  # role of the checkpoint used
     publish: list[tuple[int, Role]] = field(default_factory=list)
     match_depth: int = 0  # deepest prefix shared with anything cached
@@ -89,7 +95,14 @@ def _lane_option(
     lane: Lane, prompt: np.ndarray, limit: int, tenant: str, memory: MemoryInfo,
     pool: CheckpointPool | None, chain: PageChain | None, pos_min: Callable[[int], int],
 ) -> Plan | None:
-    common = min(lane.common(prompt, tenant), limit)
+    reach = lane.common(prompt, tenant)
+    end = len(prompt)
+    if reach >= end > 0:  # the lane holds the whole prompt: with its logits, all of it
+        logits = lane.logits_at(end)
+        if logits is not None and (end == lane.n or can_truncate(memory, lane, end, pos_min)):
+            return Plan(lane, Source.LANE, end, truncate=end < lane.n, logits=logits,
+                        role="live")
+    common = min(reach, limit)
     if common == 0:
         return None
     if common == lane.n:
@@ -98,15 +111,28 @@ def _lane_option(
         return Plan(lane, Source.LANE, common, truncate=True, role="live")
     if pool is None or chain is None or not memory.needs_partial:
         return None
-    lease = pool.lookup(prompt, chain, kind=Kind.PARTIAL, lane=lane.id, max_n=common,
-                        tenant=tenant)
+    lease = _with_logits(pool.lookup(prompt, chain, kind=Kind.PARTIAL, lane=lane.id,
+                                     max_n=min(reach, end), tenant=tenant), end)
+    if lease is None and reach >= end:  # the prompt's end kept no logits: one short
+        lease = pool.lookup(prompt, chain, kind=Kind.PARTIAL, lane=lane.id, max_n=limit,
+                            tenant=tenant)
     if lease is None:
         return None
     n = lease.record.n
     if n < lane.floor:
         lease.close()
         return None
-    return Plan(lane, Source.LANE, n, partial=lease, role=lease.record.role.value)
+    return Plan(lane, Source.LANE, n, partial=lease, role=lease.record.role.value,
+                logits=lease.logits if n == end else None)
+
+
+def _with_logits(lease: Lease | None, end: int) -> Lease | None:
+    """``lease``, unless it holds the whole prompt (``end`` tokens) without the logits
+    that sample its first token (closed then)."""
+    if lease is not None and lease.record.n >= end and lease.logits is None:
+        lease.close()
+        return None
+    return lease
 
 
 def make_plan(
@@ -131,7 +157,8 @@ def make_plan(
     ``fetch`` instead of reading (its lane and source are then what it would do now).
     ``session``: the client's name for the conversation; its lane is taken first."""
     assert free, "make_plan needs a free lane"
-    limit = max(len(prompt) - 1, 0)
+    end = len(prompt)  # a state there needs its logits (Plan.logits)
+    limit = max(end - 1, 0)
     best: Plan | None = None
     for lane in free:
         option = _lane_option(lane, prompt, limit, tenant, memory, pool, chain, pos_min)
@@ -143,17 +170,19 @@ def make_plan(
             option.release()
     if held is not None:
         n = held.record.n
-        if n > (best.reuse if best else 0) and n <= limit and held.record.matches(prompt):
+        usable = n <= limit or (n == end and held.logits is not None)
+        if n > (best.reuse if best else 0) and usable and held.record.matches(prompt):
             if best is not None:
                 best.release()
             best = Plan(_lane_for_restore(free, prompt, tenant, session), Source(held.tier), n,
                         full=held, role=held.record.role.value,
+                        logits=held.logits if n == end else None,
                         estimate=f"read in the background ({held.tier})")
         else:
             held.close()
-    if pool is not None and chain is not None and limit > (best.reuse if best else 0):
+    if pool is not None and chain is not None and end > (best.reuse if best else 0):
         have = best.reuse if best else 0
-        offers = [o for o in pool.full_offers(prompt, chain, max_n=limit, tenant=tenant)
+        offers = [o for o in pool.full_offers(prompt, chain, max_n=end, tenant=tenant)
                   if o.n > have]
         current = pool.costs.estimate(best.source.value if best else "cold", have, 0,
                                       len(prompt))
@@ -165,7 +194,11 @@ def make_plan(
                     best = Plan(cold_lane(free, session), Source.COLD, 0)
                 best.fetch = offer
                 break
-            lease = pool.take(offer, prompt, chain, tenant=tenant)
+            lease = _with_logits(pool.take(offer, prompt, chain, tenant=tenant), end)
+            if lease is None and offer.n == end and offer.hit is None:
+                # the state at the prompt's end kept no logits: the deepest one short of it
+                lease = pool.take(dataclasses.replace(offer, n=limit), prompt, chain,
+                                  tenant=tenant)
             if lease is None:
                 continue  # gone, or refused by its checks: the next option
             if lease.record.n <= have:
@@ -178,6 +211,7 @@ def make_plan(
                                       len(prompt))
             best = Plan(target, Source(lease.tier), lease.record.n, full=lease,
                         role=lease.record.role.value,
+                        logits=lease.logits if lease.record.n == end else None,
                         estimate=got.describe(pool.costs.estimate("cold", 0, 0,
                                                                   len(prompt)).total_s))
             break

@@ -74,10 +74,12 @@ class Publisher:
                 out.append((n, r, Kind.FULL))
             elif not (kind is Kind.FULL and r is Role.PERIODIC):  # full states grow: skip
                 out.append((n, r, kind))
-        if kind is Kind.PARTIAL and limit > job.reuse and (not out or out[-1][0] < limit):
-            # a lane that cannot roll back keeps the state one token short of the
-            # prompt too, so a repeated or regenerated request reuses all of it
-            out.append((limit, Role.REPLAY, Kind.PARTIAL))
+        end = len(job.prompt)
+        if kind is Kind.PARTIAL and end > job.reuse and (not out or out[-1][0] < end):
+            # a lane that cannot roll back keeps the state at the prompt's end too, with
+            # the logits of its last row, so a repeated or regenerated request reuses all
+            # of it and decodes nothing again (the prompt's last chunk ends there anyway)
+            out.append((end, Role.REPLAY, Kind.PARTIAL))
         # the first turn's end in FULL: every subagent starts there, in any lane
         at = (first // p.page) * p.page
         if at > job.reuse and at >= 2 * p.page and not self.has_full(job, chain, at):
@@ -185,7 +187,8 @@ class Publisher:
             job.stats.checkpoint_bytes += nbytes
 
     def save(self, lane: Lane, role: Role, kind: Kind, keep_s: float = 0.0) -> int:
-        """Publish the lane's current state; returns the bytes stored (0 if refused).
+        """Publish the lane's current state (with the logits of its last row where the
+        lane kept them: a prompt's end); returns the bytes stored (0 if refused).
         ``keep_s``: a client asked to keep it that long (a cache breakpoint)."""
         p = self.p
         if p.pool is None or lane.n == 0:
@@ -195,7 +198,7 @@ class Publisher:
         rec = p.pool.insert(kind=kind, owner=Owner.TARGET,
                             lane=lane.id if kind is Kind.PARTIAL else None,
                             tokens=lane.tokens, role=role, data=data, tenant=lane.tenant,
-                            preview=preview, keep_s=keep_s)
+                            preview=preview, keep_s=keep_s, logits=lane.logits_at(lane.n))
         if rec is None:
             return 0
         p.meter.count("checkpoints_saved")
@@ -239,8 +242,8 @@ class Publisher:
         """Before a lane's state is cut back or replaced, keep it as a FULL checkpoint.
 
         On a hybrid, the lane's replay points (partial checkpoints: the history's end
-        and the state one token short of the prompt) become FULL ones too: restore
-        each, deepest first, cut the tail, save. The lane ends cut back.
+        and the prompt's end, with its logits) become FULL ones too: restore each,
+        deepest first, cut the tail, save. The lane ends cut back.
         """
         p = self.p
         if p.pool is None or lane.n == 0:
@@ -266,6 +269,8 @@ class Publisher:
                 self.clear(lane)
                 return
             lane.truncate(n)
+            if lease.logits is not None:
+                lane.keep_logits(lease.logits)
             p.pool.drop_lane(lane.id, above=n)
             if role is Role.REPLAY:
                 self.save(lane, role, Kind.FULL)

@@ -78,6 +78,8 @@ class Restorer:
             lane.busy = True
             job.lane = lane
             self.carry_out(plan, job)
+            if plan.logits is not None and lane.n == plan.reuse:
+                lane.keep_logits(plan.logits)  # the state's own, from its lane or checkpoint
         finally:
             plan.release()
         job.stats.restore_s = time.perf_counter() - t0 - job.stats.handoff_s
@@ -93,6 +95,11 @@ class Restorer:
         self.emitter.prepare(job)
         p.meter.by_source.inc(job.stats.source)
         job.stats.plan_s = plan.plan_s + time.perf_counter() - t0
+        if not job.prefilling:  # the whole prompt is there: its first token, nothing decoded
+            logits = lane.logits_at(lane.n)
+            if logits is None:
+                raise RuntimeError("lane holds the whole prompt without its logits")
+            self.emitter.first(job, -1, logits)
 
     def vacant_lanes(self, job: Job) -> list[Lane]:
         """The free lanes a pre-warm may take without evicting a live conversation: an

@@ -220,7 +220,12 @@ class Sampler:
         too, so speculative decoding should draft nothing for this request."""
         return bool(self.spec.grammar)
 
-    def sample(self, ctx: Context, row: int) -> int:
+    def sample(self, ctx: Context, row: int, logits: np.ndarray | None = None) -> int:
+        """The next token from output row ``row`` of the last decode, or from ``logits``
+        (a row kept apart) where given."""
+        if logits is not None:
+            return int(logits.argmax()) if self.chain is None else \
+                self.chain.sample_logits(logits)
         if self.chain is None:
             return int(ctx.logits_view(row).argmax())  # no copy of the vocabulary
         return self.chain.sample(ctx, row)

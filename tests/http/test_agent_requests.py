@@ -136,8 +136,9 @@ async def test_a_breakpoint_is_a_checkpoint_kept_for_its_ttl(
 async def test_prewarm_then_the_request(hybrid_path: Path, tmp_path: Path,
                                         done_lines: DoneLines) -> None:
     """Anthropic's ``max_tokens: 0``: the prompt is prefilled and cached, no content, stop
-    reason max_tokens; the same request then starts one token short of its end. Chat and
-    Responses take their own zero."""
+    reason max_tokens; the same request then starts at its end, its first token sampled
+    from the logits the pre-warm kept: nothing is prefilled again, and the reply is the
+    one served cold. Chat and Responses take their own zero."""
     async with serve(hybrid_path, tmp_path / "ckpt") as srv:
         client = AsyncAnthropic(base_url=srv.url, api_key="x", max_retries=0)
         warm = await client.messages.create(**_claude("Why?", max_tokens=0))
@@ -151,7 +152,7 @@ async def test_prewarm_then_the_request(hybrid_path: Path, tmp_path: Path,
             metrics = await r.text()
     assert (warm.content, warm.stop_reason, warm.usage.output_tokens) == ([], "max_tokens", 0)
     n = warm.usage.input_tokens + (warm.usage.cache_read_input_tokens or 0)
-    assert real.usage.cache_read_input_tokens == n - 1
+    assert (real.usage.cache_read_input_tokens, real.usage.input_tokens) == (n, 0)
     assert chat.choices[0].finish_reason == "length" and not chat.choices[0].message.content
     assert chat.usage is not None and chat.usage.completion_tokens == 0
     assert resp.status == "incomplete" and resp.output == []

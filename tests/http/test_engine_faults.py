@@ -82,11 +82,11 @@ async def test_a_failing_lane_ends_alone_and_publishes_nothing(
         engine: Engine = srv.app[ENGINE]  # type: ignore[assignment]
         take = engine.exec.emitter.take
 
-        def fail_for_the_bad_one(job: Any, row: int) -> None:
+        def fail_for_the_bad_one(job: Any, row: int, logits: Any = None) -> None:
             if len(job.out.generated) == 3 and \
                     "BAD" in engine.model.detokenize(list(job.req.prompt_tokens)):
                 raise RuntimeError("sampling failed for this lane")
-            take(job, row)
+            take(job, row, logits)
 
         monkeypatch.setattr(engine.exec.emitter, "take", fail_for_the_bad_one)
         good = Session(srv.client, system="Good one. " * 30, max_tokens=60)

@@ -69,10 +69,10 @@ def test_a_follow_up_beside_a_gap_moves_next_to_the_busy_lane(hybrid_path: Path)
             assert fin.stats.lane == 2 and eng.meter.get("lane_copies") == 0
             held = eng.exec.lanes.lanes[2].tokens.copy()
             # a longer one runs next to lane 0, from a copy of lane 2 cut back to its
-            # checkpoint one token short of the prompt
+            # checkpoint at the prompt's end (with the logits of its last row)
             got, fin = await beside_x("z2", z2, 32)
             assert fin.stats.lane == 1
-            assert fin.usage.cached_tokens == len(z2) - 1
+            assert fin.usage.cached_tokens == len(z2) and fin.stats.prefilled == 0
             assert eng.meter.get("lane_copies") == 1
             assert (eng.exec.lanes.lanes[2].tokens == held).all()  # lane 2 kept its state
             cold, _ = await _one(eng, "z2-cold", z2, 32, use_cache=False)

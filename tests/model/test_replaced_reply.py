@@ -10,7 +10,6 @@ schedule moves the logits a little).
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 from proxy.engine.engine import Engine
@@ -18,11 +17,11 @@ from proxy.engine.types import (
     FinishEvent,
     GenerationRequest,
     SamplingParams,
-    TokenEvent,
     TokenLogprob,
 )
 from statecache.config import load_config
 from statecache.records import Kind, Role
+from tests.model.runs import assert_as_cold, generate
 
 GEN_PROMPT = 3  # tokens of a generation prompt after the history
 NEAR_TIE = 0.05  # logprob gap at a first difference from the cold request
@@ -34,33 +33,20 @@ def _run(eng: Engine, prompt: tuple[int, ...], *, use_cache: bool = True
     return ids, fin
 
 
+def _request(prompt: tuple[int, ...], use_cache: bool = True) -> GenerationRequest:
+    return GenerationRequest("t", prompt, SamplingParams(temperature=0.0, max_tokens=8,
+                                                         logprobs=2),
+                             history_tokens=len(prompt) - GEN_PROMPT, use_cache=use_cache)
+
+
 def _run_logprobs(eng: Engine, prompt: tuple[int, ...], *, use_cache: bool = True
                   ) -> tuple[list[int], list[TokenLogprob], FinishEvent]:
-    async def go() -> tuple[list[int], list[TokenLogprob], FinishEvent]:
-        out: list[int] = []
-        lps: list[TokenLogprob] = []
-        async for ev in eng.generate(GenerationRequest(
-                "t", prompt, SamplingParams(temperature=0.0, max_tokens=8, logprobs=2),
-                history_tokens=len(prompt) - GEN_PROMPT, use_cache=use_cache)):
-            if isinstance(ev, TokenEvent):
-                out += ev.token_ids
-                lps += ev.logprobs
-            elif isinstance(ev, FinishEvent):
-                return out, lps, ev
-        raise AssertionError("no FinishEvent")
-    return asyncio.run(go())
+    return generate(eng, _request(prompt, use_cache))
 
 
 def _as_cold(cold_eng: Engine, prompt: tuple[int, ...], got: list[int]) -> None:
     """``got`` is what the same request gives served cold, up to a near-tie there."""
-    cold, lps, _ = _run_logprobs(cold_eng, prompt, use_cache=False)
-    for i, (a, b) in enumerate(zip(got, cold, strict=True)):
-        if a != b:
-            top = dict(lps[i].top)
-            mine = cold_eng.model.detokenize([a])
-            assert mine in top, f"token {i}: {a} is not among the cold request's top 2"
-            assert lps[i].logprob - top[mine] <= NEAR_TIE, f"token {i}: {a} against {b}"
-            return
+    assert_as_cold(cold_eng, _request(prompt), got, NEAR_TIE)
 
 
 def _full_ends(eng: Engine) -> set[int]:
@@ -88,7 +74,7 @@ def test_a_retry_cuts_the_reply_without_keeping_it(hybrid_path: Path) -> None:
         # at the reply's end is not saved first
         again, fin = _run(eng, first)
         assert again == reply and fin.stats.source == "lane"
-        assert fin.usage.cached_tokens == len(first) - 1
+        assert fin.usage.cached_tokens == len(first) and fin.stats.prefilled == 0
         assert (c("replaced_replies"), c("handoffs")) == (1, 0)
         assert not _full_ends(eng)
 

@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 
 from statecache.kvpages import (
+    REST_HEAD_BYTES,
     SEQ_MAGIC,
     BadState,
     assemble,
     rest_info,
+    rest_logits,
     split,
 )
 from statecache.pages import PageChain, namespace_hash
@@ -263,3 +265,46 @@ def test_which_cells_are_paged_for_runs_and_for_any_order() -> None:
         assert sorted(pos[order].tolist()) == [q for p in want for q in range(p * P, p * P + P)]
         assert sorted(order.tolist() + rest.tolist()) == list(range(length))
         assert rest.tolist() == sorted(rest.tolist())  # the others in cell order
+
+
+@pytest.mark.parametrize("sections", [1, 0])  # paged, and kept whole
+def test_logits_ride_at_the_rest_end_and_leave_the_state_as_it_was(sections: int) -> None:
+    # A checkpoint at a prompt's end keeps the last row's logits after the rest's
+    # body: the state assembles to the same bytes, the logits come back bitwise.
+    rng = random.Random(5)
+    n = 18
+    blob = state(kv_section(list(range(n)), rng=rng), tail=rng.randbytes(100))
+    logits = np.random.default_rng(5).standard_normal(1000).astype(np.float32)
+    plain = split(blob, sections=sections, page_size=P, chain=chain(n))
+    sp = split(blob, sections=sections, page_size=P, chain=chain(n), logits=logits)
+    assert len(sp.rest) == len(plain.rest) + 4 * len(logits)
+    assert sp.keys == plain.keys
+    pages = [sp.page(i) for i in range(len(sp.keys))]
+    assert bytes(assemble(sp.rest, pages)) == blob
+    got = rest_logits(sp.rest)
+    assert got is not None and got.dtype == np.float32
+    assert got.tobytes() == logits.tobytes()
+    assert rest_logits(plain.rest) is None
+    # a header that claims more logits than the rest holds is refused, not read past
+    bad = bytearray(sp.rest)
+    struct.pack_into("<I", bad, REST_HEAD_BYTES - 4, len(bad))
+    with pytest.raises(BadState):
+        rest_logits(bytes(bad))
+    with pytest.raises(BadState):
+        assemble(bytes(bad), pages)
+    # a logit changed after the split changes no state byte: the tiers' checks of the
+    # rest (the disk's and the store's MACs) are what cover them
+    moved = bytearray(sp.rest)
+    moved[-1] ^= 0x40
+    assert bytes(assemble(bytes(moved), pages)) == blob
+
+
+def test_a_rest_of_the_format_before_logits_is_not_read() -> None:
+    # SCR1 rests had no logits field: read as a miss (BadState), never as another layout
+    rng = random.Random(6)
+    n = 10
+    blob = state(kv_section(list(range(n)), rng=rng))
+    sp = split(blob, sections=1, page_size=P, chain=chain(n))
+    old = b"SCR1" + sp.rest[4:REST_HEAD_BYTES - 4] + sp.rest[REST_HEAD_BYTES:]
+    with pytest.raises(BadState):
+        assemble(old, [sp.page(i) for i in range(len(sp.keys))])

@@ -201,7 +201,21 @@ class SamplerChain:
         """Sample and accept the next token from output row ``row`` of the last decode."""
         if self._grammar is None:
             return int(_ll.llama_sampler_sample(self._chain, ctx._ptr, row))
-        logits = ctx.logits_view(row)
+        return self.sample_logits(ctx.logits_view(row))
+
+    def sample_logits(self, logits: np.ndarray) -> int:
+        """Sample and accept the next token from a row of logits kept apart (a
+        checkpoint's): what ``sample`` does with a row of the context's, step for step
+        as ``llama_sampler_sample`` does it (candidates in token order, the chain, the
+        selected token accepted)."""
+        if self._grammar is None:
+            arr = self._fill(logits)
+            _ll.llama_sampler_apply(self._chain, ctypes.byref(arr))
+            if not 0 <= arr.selected < arr.size:
+                raise RuntimeError("the sampler chain selected no token")
+            tok = int(arr.data[arr.selected].id)
+            _ll.llama_sampler_accept(self._chain, tok)
+            return tok
         arr = self._fill(logits)
         _ll.llama_sampler_apply(self._mods, ctypes.byref(arr))
         _ll.llama_sampler_apply(self._chain, ctypes.byref(arr))
