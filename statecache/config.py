@@ -135,6 +135,10 @@ class CacheConfig:
     ram_budget: int = field(default=2 << 30, metadata=_SIZE)
     disk_path: str = "~/.cache/statecache/checkpoints"
     disk_budget: int = field(default=16 << 30, metadata=_SIZE)
+    # checkpoints the disk tier holds at most, whatever their bytes: each keeps a head in
+    # memory (about 3 KiB with its page keys and trie nodes), and KV pages make a
+    # checkpoint small on disk, so the byte budget alone would let the index grow for long
+    disk_max_checkpoints: int = 20000
     disk_enabled: bool = True
     # The key authenticating disk checkpoints: 32 random bytes, 0600, made on first use;
     # kept outside disk_path, since whoever can write it can forge checkpoints.
@@ -236,6 +240,7 @@ _SECTIONS: dict[str, type[Any]] = {
 # (key, lowest, highest) checked after conversion
 _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("model.n_ctx", 0, None),
+    ("cache.disk_max_checkpoints", 1, None),
     ("model.kv_budget", 1 << 20, None),
     ("engine.step_tokens", 0, None),
     ("engine.prefill_chunk", 0, None),

@@ -190,6 +190,7 @@ class DiskTier:
         key: bytes | None = None,
         on_evict: Callable[[str], None] | None = None,
         level: int = codec.DEFAULT_LEVEL,
+        max_records: int = 0,
     ) -> None:
         # f16 KV as 2-byte planes, a recurrent state (f32) as 4-byte ones
         self.page_packer = codec.Packer(level, 2)
@@ -198,6 +199,9 @@ class DiskTier:
         self.pages_path = pages_dir(path, fingerprint)
         self._pages_str = str(self.pages_path)
         self.budget = budget
+        # records held at most (0: no bound but the bytes): the pool keeps a head of each
+        # in memory, so this bounds the index, whose records KV pages make small on disk
+        self.max_records = max_records
         self.fingerprint = fingerprint
         self.state_format = state_format
         self.page_size = page_size
@@ -471,8 +475,12 @@ class DiskTier:
                 self.page_bytes -= page.size
                 page_path(self.pages_path, k).unlink(missing_ok=True)
 
+    def _over(self) -> bool:
+        return self.used > self.budget or (
+            self.max_records > 0 and len(self._sizes) + len(self._reserved) > self.max_records)
+
     def _shrink(self) -> None:
-        while self.used > self.budget:
+        while self._over():
             victim = next((i for i in self._sizes if i not in self._pins), None)
             if victim is None:
                 break

@@ -53,5 +53,6 @@ def open_disk(
         key=key,
         on_evict=on_evict,
         level=cfg.compress_level,
+        max_records=cfg.disk_max_checkpoints,
     )
     return tier, lock

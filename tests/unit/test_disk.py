@@ -144,6 +144,25 @@ def test_disk_budget_evicts_least_recently_used(make_pool: PoolFactory, tmp_path
     assert not (tmp_path / "ckpt" / f"{recs[0].id}.ckpt").exists()
 
 
+def test_the_disk_holds_at_most_its_checkpoint_count(make_pool: PoolFactory,
+                                                     tmp_path: Path) -> None:
+    # Each checkpoint held on disk alone keeps a head in memory: cache.disk_max_checkpoints
+    # bounds them however few bytes the files take. The least recently used goes first,
+    # its head with it; a restart holds the bound too.
+    pool = make_pool(ram=1, disk=1 << 20, disk_max_checkpoints=3)
+    recs = [put(pool, [70 + i] + T[:8], random.Random(i).randbytes(64)) for i in range(5)]
+    pool.flush()
+    held = {e["id"] for e in pool.describe()}
+    assert held == {r.id for r in recs[2:]}, held
+    assert pool.stats()["disk_evictions"] == 2
+    assert sorted(p.stem for p in (tmp_path / "ckpt").glob("*.ckpt")) == \
+        sorted(r.id for r in recs[2:])
+    pool.close()
+    again = make_pool(ram=1, disk=1 << 20, disk_max_checkpoints=2)
+    assert len(again.describe()) == 2
+    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 2
+
+
 def test_partial_kind_is_never_written(make_pool: PoolFactory, tmp_path: Path) -> None:
     pool = make_pool()
     pool.insert(
