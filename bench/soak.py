@@ -184,11 +184,14 @@ def _stop(srv: Server) -> int | None:
 
 
 def soak(model: Path, seconds: float, clients: int, ram_budget: str, compare: float,
-         log_dir: Path, on_tick: Callable[[str], None] = print) -> dict[str, Any]:
+         log_dir: Path, on_tick: Callable[[str], None] = print,
+         disk_max_checkpoints: int = 0) -> dict[str, Any]:
     spec = ModelSpec(model.stem, model.resolve(), is_gemma=False)
     tally = Tally()
     rss: list[int] = []
     cfg = f'ram_budget = "{ram_budget}"\n'  # appended to the [cache] table
+    if disk_max_checkpoints:
+        cfg += f"disk_max_checkpoints = {disk_max_checkpoints}\n"
     with running("statecache", spec, n_ctx=4096, lanes=4, log_dir=log_dir, extra_config=cfg,
                  threads=1) as srv, \
             running("no-cache", spec, n_ctx=4096, lanes=4, log_dir=log_dir, threads=1) as cold:
@@ -246,8 +249,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="share of the replies asked again of the cache-off server")
     p.add_argument("--log-dir", default="results/logs")
     p.add_argument("--json", help="write the result here")
+    p.add_argument("--disk-max-checkpoints", type=int, default=0,
+                   help="cache.disk_max_checkpoints (0: the default config's)")
     a = p.parse_args(argv)
-    res = soak(Path(a.model), a.seconds, a.clients, a.ram_budget, a.compare, Path(a.log_dir))
+    res = soak(Path(a.model), a.seconds, a.clients, a.ram_budget, a.compare, Path(a.log_dir),
+               disk_max_checkpoints=a.disk_max_checkpoints)
     print(summary(res))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
