@@ -7,7 +7,8 @@ the rejected ones back). Drafts come from one of two sources:
 
 - **prompt lookup** (``source = "lookup"``): the longest n-gram (``lookup_max`` down
   to ``lookup_min`` tokens) that ends the lane's tokens and occurred earlier in them,
-  in the prompt or in the reply so far, proposes the tokens that followed it there.
+  in the prompt or in the reply so far, proposes the tokens that followed it there
+  (and where they run into the end, the same period again: a loop goes on).
   It needs no model, and pays off when a reply repeats what it was shown (an agent
   re-emitting code it read).
 - **a draft model** (``source = "draft"``, ``model.draft_path``): a second, smaller
@@ -69,7 +70,8 @@ LOOKUP_WINDOW = 65536  # most recent tokens prompt lookup searches
 def lookup_draft(tokens: np.ndarray, k: int, n_max: int = 4, n_min: int = 2,
                  history: np.ndarray | None = None) -> np.ndarray:
     """Prompt lookup: up to ``k`` tokens that followed the latest earlier occurrence of
-    the longest n-gram (``n_max`` down to ``n_min`` tokens) that ends ``tokens``; where
+    the longest n-gram (``n_max`` down to ``n_min`` tokens) that ends ``tokens`` (``k``
+    exactly where they run into the end: they repeat, ``_repeat``); where
     ``tokens`` has none, the same n-gram's latest occurrence in ``history`` (the replies
     of the conversation's earlier requests, ``History``)."""
     return lookup(tokens, k, n_max, n_min, history)[0]
@@ -87,18 +89,29 @@ def lookup(tokens: np.ndarray, k: int, n_max: int = 4, n_min: int = 2,
         return NO_DRAFT, -1
     if n_min <= cursor < n_tok - 1 and \
             np.array_equal(tokens[cursor - n_min: cursor], tokens[n_tok - n_min:]):
-        return tokens[cursor: cursor + k].astype(np.int32, copy=True), cursor
+        return _repeat(tokens, cursor, k), cursor
     off = max(n_tok - LOOKUP_WINDOW, 0)
     hist = tokens[off:]
     found, start = _follows(hist, len(hist) - 1, hist, k, n_max, n_min)
     if len(found):
-        return found, start + off
+        return _repeat(tokens, start + off, k), start + off
     if history is not None and len(history):
         return _follows(history, len(history), hist, k, n_max, n_min)[0], -1
     return NO_DRAFT, -1
 
 
 NO_DRAFT = np.empty(0, dtype=np.int32)
+
+
+def _repeat(tokens: np.ndarray, start: int, k: int) -> np.ndarray:
+    """``k`` drafts copied from ``tokens[start:]``; where that runs into the end, the text
+    repeats with period ``len(tokens) - start`` (a match that close to the end says so:
+    a loop, a rule of dashes, a run of blank lines), so the drafts go on repeating it
+    rather than stop there, as a lookup that searched again after each draft would."""
+    out = tokens[start: start + k]
+    if len(out) < k:
+        out = np.resize(out, k)  # repeats it
+    return out.astype(np.int32, copy=True)
 
 
 def _follows(hay: np.ndarray, n_ends: int, tail: np.ndarray, k: int, n_max: int,

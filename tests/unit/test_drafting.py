@@ -22,10 +22,17 @@ def test_proposes_what_followed_the_latest_match_of_the_longest_ngram() -> None:
     assert lookup_draft(toks, 2, n_max=3, n_min=2).tolist() == [40, 41]
 
 
-def test_draft_is_cut_at_k_and_at_the_end_of_the_history() -> None:
+def test_draft_is_cut_at_k_and_repeats_past_the_end() -> None:
     toks = _a(1, 2, 3, 4, 1, 2)
     assert lookup_draft(toks, 1, n_max=2, n_min=2).tolist() == [3]
-    assert lookup_draft(toks, 8, n_max=2, n_min=2).tolist() == [3, 4, 1, 2]
+    # "1 2" four tokens back: the text repeats with period 4, and the drafts go on so
+    assert lookup_draft(toks, 8, n_max=2, n_min=2).tolist() == [3, 4, 1, 2, 3, 4, 1, 2]
+    # a loop of two tokens (a small model's degenerate reply: '"""' and a newline)
+    loop = _a(9, 8, 7, 5, 6, 5, 6, 5)
+    assert lookup_draft(loop, 6, n_max=4, n_min=2).tolist() == [6, 5, 6, 5, 6, 5]
+    # and the copy a cursor follows repeats too
+    drafts, start = lookup(loop, 5, n_max=4, n_min=2, cursor=6)
+    assert (drafts.tolist(), start) == ([6, 5, 6, 5, 6], 6)
 
 
 def test_no_match_no_draft() -> None:
@@ -39,20 +46,26 @@ def test_no_match_no_draft() -> None:
 
 
 def test_the_tail_does_not_match_itself() -> None:
-    # a run of one token: the match must start before the tail and be followed by a token
+    # a run of one token: the match must start before the tail and be followed by a
+    # token; the run goes on
     toks = _a(4, 4, 4)
-    assert lookup_draft(toks, 3, n_max=2, n_min=2).tolist() == [4]
+    assert lookup_draft(toks, 3, n_max=2, n_min=2).tolist() == [4, 4, 4]
+    assert lookup_draft(_a(4, 4), 3, n_max=2, n_min=2).size == 0
 
 
 def _brute(toks: np.ndarray, k: int, n_max: int, n_min: int) -> list[int]:
     """The definition, slowly: the longest n-gram ending the history that occurred
-    earlier (followed by a token), its latest occurrence, what followed it."""
+    earlier (followed by a token), its latest occurrence, what followed it; copied one
+    token at a time onto the end, so a copy that reaches the end copies its own drafts."""
     n_tok = len(toks)
     for n in range(min(n_max, n_tok - 1), n_min - 1, -1):
         tail = toks[n_tok - n:].tolist()
         for i in range(n_tok - n - 1, -1, -1):
             if toks[i:i + n].tolist() == tail:
-                return toks[i + n: i + n + k].tolist()
+                ext = toks.tolist()
+                for j in range(k):
+                    ext.append(ext[i + n + j])
+                return ext[n_tok:]
     return []
 
 
