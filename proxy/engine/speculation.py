@@ -14,8 +14,7 @@ neither beats no drafts, or prompt lookup keeps finding nothing, the lane rests:
 decodes as any other (a lone stream in its fast path; no lookup, no draft model) and
 probes once after ``PROBE_EVERY`` tokens, twice as long after each probe that did not
 pay (``MAX_REST`` at most), so a pair where drafting loses pays a probe a few hundred
-tokens. The first drafts a lane's prompt lookup finds are such a probe too: whether a
-copy goes on is the text's to say, which no earlier request measured.
+tokens.
 
 Nothing rejected is ever committed: a lane's tokens grow only by the tokens the target
 sampled. How a rejection leaves the lane depends on its memory (chosen once in
@@ -219,16 +218,10 @@ class Speculation:
             k_model, v_model = best_length(p_model, min(w.room, sc.draft_max), lanes,
                                            step_s, model_cost)
         pays = k_model > 0  # by value, not because a probe is due
-        # a probe measures what drafts yield now; so does the first a lane's lookup finds
-        # (its record is only the prior then: the text, not the model, decides whether
-        # a copy goes on, and a copy of the prompt often starts at the reply's first
-        # token)
-        untried = spec.accepted[LOOKUP] + spec.rejected[LOOKUP] == 0
-        if (spec.probing or untried) and not (k_model or k_look):
+        if spec.probing and not (k_model or k_look):  # it measures what drafts yield now
             if len(found):
                 k_look = min(len(found), PROBE_DRAFTS)
-            elif spec.probing and self.p.draft is not None and \
-                    self.model_since >= self.model_rest:
+            elif self.p.draft is not None and self.model_since >= self.model_rest:
                 # the draft model catches up on what its lane rested through: probed
                 # for every lane at once, as rarely as it keeps not paying
                 self.model_since, self.model_rest = 0, min(self.model_rest * 2, MAX_REST)
