@@ -29,13 +29,14 @@ def _reply(prompt: list[int], n: int) -> list[int]:
     return (own + prompt * 4)[:n]
 
 
-def _run(prompt: list[int], reply: list[int], per_draft: float) -> tuple[Any, Job]:
+def _run(prompt: list[int], reply: list[int], per_draft: float,
+         timer: StepTimer | None = None) -> tuple[Any, Job]:
     cfg = load_config(None)  # "auto": prompt lookup, where no draft model is loaded
     meter = EngineMeter()
     parts: Any = SimpleNamespace(
         cfg=cfg, meter=meter, draft=None, rs_snapshots=False, staging=False,
         ctx=SimpleNamespace(n_ctx_seq=8192, seq_rm=lambda *a: True))
-    timer = StepTimer()
+    timer = timer or StepTimer()
     spec = Speculation(parts, timer)
     req: Any = SimpleNamespace(sampling=SimpleNamespace(max_tokens=len(reply)), tenant="",
                                session=None)
@@ -91,3 +92,33 @@ def test_drafts_that_cost_more_than_they_yield_rest() -> None:
     assert meter.get("spec_rests") >= 1, meter
     assert meter.spec_tokens.get("drafted") < 0.5 * len(reply), meter
 
+
+
+def _measured() -> StepTimer:
+    """Costs a server's timer held after earlier requests (SmolLM2 on this machine: a
+    draft adds about half a step), where a lane that knows nothing of its text
+    (acceptance: the prior, one half) would not draft."""
+    return StepTimer(decode_s={1: 0.0127}, verify_s={1: 0.009, 2: 0.0134, 4: 0.021,
+                                                      8: 0.041})
+
+
+def test_a_copy_from_the_first_token_is_probed_at_once() -> None:
+    # the reply copies the prompt from its first token: once the copy's n-gram is whole
+    # (4 tokens), its first drafts are a probe, not judged by the prior and rested on
+    prompt = list(range(10, 130))
+    reply = (prompt * 2)[:64]
+    meter, job = _run(prompt, reply, 0.005, _measured())
+    assert job.out.generated == reply
+    assert meter.get("spec_rests") == 0, meter
+    assert meter.spec_verifications.get() < 0.5 * len(reply), meter
+
+
+def test_a_chance_pair_of_tokens_is_not_probed() -> None:
+    # the reply matches the prompt on two tokens, then goes its own way (a random
+    # model's reply): nothing drafted (16 tokens: shorter than the first rest)
+    prompt = list(range(10, 130))
+    reply = [10, 11] + list(range(700, 714))
+    meter, job = _run(prompt, reply, 0.005, _measured())
+    assert job.out.generated == reply
+    assert meter.spec_tokens.get("drafted") == 0, meter
+    assert meter.get("spec_rests") == 1, meter
