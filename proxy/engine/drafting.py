@@ -103,15 +103,6 @@ def lookup(tokens: np.ndarray, k: int, n_max: int = 4, n_min: int = 2,
 NO_DRAFT = np.empty(0, dtype=np.int32)
 
 
-def match_length(tokens: np.ndarray, start: int, n_max: int) -> int:
-    """How many tokens (``n_max`` at most) before ``tokens[start]`` equal the last ones:
-    the length of the n-gram a lookup drafting from ``start`` matched."""
-    n_tok, m = len(tokens), 0
-    while m < n_max and start - 1 - m >= 0 and tokens[start - 1 - m] == tokens[n_tok - 1 - m]:
-        m += 1
-    return m
-
-
 def _repeat(tokens: np.ndarray, start: int, k: int) -> np.ndarray:
     """``k`` drafts copied from ``tokens[start:]``; where that runs into the end, the text
     repeats with period ``len(tokens) - start`` (a match that close to the end says so:

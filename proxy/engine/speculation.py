@@ -14,9 +14,8 @@ neither beats no drafts, or prompt lookup keeps finding nothing, the lane rests:
 decodes as any other (a lone stream in its fast path; no lookup, no draft model) and
 probes once after ``PROBE_EVERY`` tokens, twice as long after each probe that did not
 pay (``MAX_REST`` at most), so a pair where drafting loses pays a probe a few hundred
-tokens. The first drafts a lane's prompt lookup finds on a whole n-gram of its own
-tokens are such a probe too: whether a copy goes on is the text's to say, which no
-earlier request measured.
+tokens. The first drafts a lane's prompt lookup finds are such a probe too: whether a
+copy goes on is the text's to say, which no earlier request measured.
 
 Nothing rejected is ever committed: a lane's tokens grow only by the tokens the target
 sampled. How a rejection leaves the lane depends on its memory (chosen once in
@@ -35,7 +34,7 @@ import numpy as np
 
 from proxy.engine.binding import FLAGS_PARTIAL
 from proxy.engine.build import Parts
-from proxy.engine.drafting import DraftAsk, History, lookup, match_length
+from proxy.engine.drafting import DraftAsk, History, lookup
 from proxy.engine.job import NONE, Drafting, Job, Work
 from proxy.engine.timing import StepTimer
 
@@ -220,18 +219,16 @@ class Speculation:
             k_model, v_model = best_length(p_model, min(w.room, sc.draft_max), lanes,
                                            step_s, model_cost)
         pays = k_model > 0  # by value, not because a probe is due
-        # the first a lane's lookup finds in its own tokens (its record is the prior
-        # alone): on a whole n-gram it is probed (a copy starting), on a shorter one it is
-        # a miss (a chance pair of tokens, or a copy whose n-gram is still growing)
-        first = len(found) > 0 and spec.start >= 0 and \
-            spec.accepted[LOOKUP] + spec.rejected[LOOKUP] == 0
-        if first and not (k_model or k_look or spec.probing) and \
-                match_length(known, spec.start, sc.lookup_max) >= sc.lookup_max:
-            spec.probing = True
-        if spec.probing and not (k_model or k_look):  # it measures what drafts yield now
+        # a probe measures what drafts yield now; so does the first a lane's lookup finds
+        # (its record is only the prior then: the text, not the model, decides whether
+        # a copy goes on, and a copy of the prompt often starts at the reply's first
+        # token)
+        untried = spec.accepted[LOOKUP] + spec.rejected[LOOKUP] == 0
+        if (spec.probing or untried) and not (k_model or k_look):
             if len(found):
                 k_look = min(len(found), PROBE_DRAFTS)
-            elif self.p.draft is not None and self.model_since >= self.model_rest:
+            elif spec.probing and self.p.draft is not None and \
+                    self.model_since >= self.model_rest:
                 # the draft model catches up on what its lane rested through: probed
                 # for every lane at once, as rarely as it keeps not paying
                 self.model_since, self.model_rest = 0, min(self.model_rest * 2, MAX_REST)
@@ -246,8 +243,7 @@ class Speculation:
             spec.drafts = found[:k_look]
             self._drafted(spec)
             return 0
-        if (len(found) and not first) or spec.probing or self.p.draft is not None:
-            # measured not to pay
+        if len(found) or spec.probing or self.p.draft is not None:  # measured not to pay
             self._rest(spec)
         else:  # nothing to draft this time
             spec.misses += 1
