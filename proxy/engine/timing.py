@@ -132,7 +132,11 @@ class StepTimer:
 
 def steady(old: float | None, x: float, alpha: float = ALPHA) -> float:
     """A moving average that one stray sample moves little: a step another process
-    held the cores through counts as at most twice the average (or half of it)."""
-    if old is None or old <= 0:
+    held the cores through counts as at most twice the average. A sample below half
+    the average replaces it: work does not run much faster than it costs, so the
+    average was such a stray (often the first sample: a first use pages weights in,
+    allocates buffers), and a cost measured too high would keep drafting off, with too
+    few samples to bring it down."""
+    if old is None or old <= 0 or x < old / 2:
         return x
-    return old + alpha * (min(max(x, old / 2), old * 2) - old)
+    return old + alpha * (min(x, old * 2) - old)

@@ -112,3 +112,16 @@ def test_a_copy_from_the_first_token_is_probed_at_once() -> None:
     assert meter.get("spec_rests") == 0, meter
     assert meter.spec_verifications.get() < 0.5 * len(reply), meter
 
+
+
+def test_a_stray_slow_first_measurement_does_not_stop_drafting() -> None:
+    # the first verifications a server measured ran while something else held the cores
+    # (or a draft model's weights were being paged in): ten times what they cost. A
+    # later sample at half that or less replaces the figure; one stray must not keep a
+    # copying lane resting for the rest of the process
+    stray = StepTimer(decode_s={1: STEP}, verify_s={k: 10 * k * PER_DRAFT for k in (2, 8)})
+    prompt = list(range(10, 130))
+    reply = _reply(prompt, 200)
+    meter, job = _run(prompt, reply, PER_DRAFT, stray)
+    assert job.out.generated == reply
+    assert meter.spec_tokens.get("drafted") >= 0.6 * len(reply), meter
