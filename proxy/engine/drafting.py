@@ -89,12 +89,12 @@ def lookup(tokens: np.ndarray, k: int, n_max: int = 4, n_min: int = 2,
         return NO_DRAFT, -1
     if n_min <= cursor < n_tok - 1 and \
             np.array_equal(tokens[cursor - n_min: cursor], tokens[n_tok - n_min:]):
-        return _repeat(tokens, cursor, k), cursor
+        return _repeat(tokens[cursor: cursor + k], k), cursor
     off = max(n_tok - LOOKUP_WINDOW, 0)
     hist = tokens[off:]
     found, start = _follows(hist, len(hist) - 1, hist, k, n_max, n_min)
-    if len(found):
-        return _repeat(tokens, start + off, k), start + off
+    if len(found):  # (the lane's tokens hold no separator: shorter than k only at the end)
+        return _repeat(found, k), start + off
     if history is not None and len(history):
         return _follows(history, len(history), hist, k, n_max, n_min)[0], -1
     return NO_DRAFT, -1
@@ -103,14 +103,13 @@ def lookup(tokens: np.ndarray, k: int, n_max: int = 4, n_min: int = 2,
 NO_DRAFT = np.empty(0, dtype=np.int32)
 
 
-def _repeat(tokens: np.ndarray, start: int, k: int) -> np.ndarray:
-    """``k`` drafts copied from ``tokens[start:]``; where that runs into the end, the text
-    repeats with period ``len(tokens) - start`` (a match that close to the end says so:
-    a loop, a rule of dashes, a run of blank lines), so the drafts go on repeating it
-    rather than stop there, as a lookup that searched again after each draft would."""
-    out = tokens[start: start + k]
-    if len(out) < k:
-        out = np.resize(out, k)  # repeats it
+def _repeat(copied: np.ndarray, k: int) -> np.ndarray:
+    """``k`` drafts from ``copied``, the lane's tokens after a match (at most ``k``).
+    Fewer than ``k`` means the copy ran into the end: the text repeats with that period
+    (a match that close to the end says so: a loop, a rule of dashes, a run of blank
+    lines), so the drafts go on repeating it rather than stop there, as a lookup that
+    searched again after each draft would."""
+    out = copied if len(copied) == k else np.resize(copied, k)  # (resize repeats it)
     return out.astype(np.int32, copy=True)
 
 

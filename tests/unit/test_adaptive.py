@@ -93,7 +93,6 @@ def test_drafts_that_cost_more_than_they_yield_rest() -> None:
     assert meter.spec_tokens.get("drafted") < 0.5 * len(reply), meter
 
 
-
 def _measured() -> StepTimer:
     """Costs a server's timer held after earlier requests (SmolLM2 on this machine: a
     draft adds about half a step), where a lane that knows nothing of its text
@@ -111,7 +110,6 @@ def test_a_copy_from_the_first_token_is_probed_at_once() -> None:
     assert job.out.generated == reply
     assert meter.get("spec_rests") == 0, meter
     assert meter.spec_verifications.get() < 0.5 * len(reply), meter
-
 
 
 def test_a_stray_slow_first_measurement_does_not_stop_drafting() -> None:
