@@ -134,8 +134,8 @@ class Executor:
                 job.fail(exc)
             if drafting:
                 spec.decoded(job)
-                if spec.wants_step(job):
-                    return steps  # a probe is due
+                if spec.wants_step(job) and not spec.quiet_probe(job):
+                    return steps  # a probe that may draft is due
             if job.finish_reason or not more():
                 return steps
 

@@ -13,9 +13,13 @@ drafts the ``k`` (0 to the source's maximum) that yields the most, from the sour
 neither beats no drafts, or prompt lookup keeps finding nothing, the lane rests: it
 decodes as any other (a lone stream in its fast path; no lookup, no draft model) and
 probes once after ``PROBE_EVERY`` tokens, twice as long after each probe that did not
-pay (``MAX_REST`` at most), so a pair where drafting loses pays a probe a few hundred
-tokens. The first drafts a lane's prompt lookup finds are such a probe too: whether a
-copy goes on is the text's to say, which no earlier request measured.
+pay (``MAX_REST`` at most; nor did one whose drafts were all accepted where even that
+loses to steps without them), so a pair where drafting loses pays a probe a few
+hundred tokens. A lone lane's probe that finds nothing to draft costs a lookup in its
+fast path, not a planned step. The first drafts a lane's prompt lookup finds are such
+a probe too: whether a copy goes on is the text's to say, which no earlier request
+measured. A draft model asked for drafts that made none counts as rejected, for the
+lane and for the record new requests start from.
 
 Nothing rejected is ever committed: a lane's tokens grow only by the tokens the target
 sampled. How a rejection leaves the lane depends on its memory (chosen once in
@@ -44,6 +48,7 @@ PROBE_EVERY = 32  # tokens a lane rests before its first probe
 MAX_REST = 1024  # longest rest between two probes
 MISSES_TO_REST = 4  # steps in a row that found nothing to draft before a lane rests
 PROBE_DRAFTS = 2  # drafts a probe verifies, whatever they are expected to yield
+MEASURE_ABOVE = 0.25  # a draft model's acceptance that still asks to measure what it costs
 PRIOR = 24.0  # drafts' worth of this model's record a new request starts from
 LOOKUP, DRAFT = 0, 1  # the sources, as indexes of Drafting.accepted / rejected
 
@@ -112,6 +117,25 @@ class Speculation:
         """Whether ``job`` drafts at its next step (a resting lane once a probe is due)."""
         spec = job.spec
         return spec.on and (not spec.resting or spec.since >= spec.rest)
+
+    def quiet_probe(self, job: Job) -> bool:
+        """A lone lane's due probe, checked in its fast path (``Executor.decode_alone``)
+        with ``pending`` not yet decoded: where prompt lookup finds nothing to draft and
+        no probe of the draft model is due, the probe is over (the lane rests again,
+        twice as long) for the cost of a lookup, not of a planned step; returns whether
+        it was."""
+        spec, lane, sc = job.spec, job.lane, self.p.cfg.speculative
+        assert lane is not None
+        if spec.fresh or (self.p.draft is not None and self.model_since >= self.model_rest):
+            return False
+        if self.lookup_on:
+            known = np.append(lane.tokens, np.int32(job.out.pending))
+            history = self.history.get(job.req.tenant, job.req.session)
+            if len(lookup(known, 1, sc.lookup_max, sc.lookup_min, history, spec.cursor)[0]):
+                return False
+        self.p.meter.count("spec_probes")
+        self._rest(spec)
+        return True
 
     def decoded(self, job: Job, n: int = 1) -> None:
         """``n`` tokens decoded without drafts on ``job``'s lane."""
@@ -213,9 +237,14 @@ class Speculation:
             p_model = acceptance(spec, DRAFT)
 
             def model_cost(k: int) -> float | None:
+                # before any verification: worth one to measure while the model's record
+                # is not much below the prior (a few misses); one that was asked and
+                # made nothing again and again is asked only where its own time pays,
+                # the drafts' cost to the target taken as nothing
                 verify = timer.verify_cost(k)
-                return None if verify is None or per <= 0 else \
-                    verify + per * k + catch_up * expected_tokens(p_model, k)
+                if per <= 0 or (verify is None and p_model > MEASURE_ABOVE):
+                    return None
+                return (verify or 0.0) + per * k + catch_up * expected_tokens(p_model, k)
             k_model, v_model = best_length(p_model, min(w.room, sc.draft_max), lanes,
                                            step_s, model_cost)
         pays = k_model > 0  # by value, not because a probe is due
@@ -251,6 +280,18 @@ class Speculation:
                 self._rest(spec)
         return 0
 
+    def _could_pay(self, k: int) -> bool:
+        """Whether ``k`` drafts, every one accepted, would beat a step without them by
+        the costs measured (unmeasured: they might). Where they would not (a model whose
+        step of a few tokens costs more than as many steps of one, as the tiny synthetic
+        ones on these cores), a probe that copied well says nothing for the next step,
+        and a lane's rest grows as it does after a probe that did not pay."""
+        lanes = self.lanes_decoding
+        step_s = self.timer.base_s(lanes)
+        if step_s <= 0 or self.timer.verify_cost(k) is None:
+            return True
+        return best_length(1.0, k, lanes, step_s, self.timer.verify_cost)[0] > 0
+
     def _prime(self, spec: Drafting) -> None:
         """A new request's record of the draft model: this model's, worth ``PRIOR``
         drafts at most (how well a draft model agrees with its target is theirs, where
@@ -267,10 +308,12 @@ class Speculation:
             spec.misses = 0
             return
         spec.rejected[DRAFT] = spec.rejected[DRAFT] * DECAY + 1
-        spec.probing = False
+        self.rejected[DRAFT] = self.rejected[DRAFT] * MODEL_DECAY + 1  # where requests start
+        probe, spec.probing = spec.probing, False
         spec.misses += 1
-        if spec.misses >= MISSES_TO_REST and self.p.cfg.speculative.adaptive:
-            self._rest(spec)  # (not adaptive: every step asks again)
+        # a probe that drafted nothing is answered (not adaptive: every step asks again)
+        if (probe or spec.misses >= MISSES_TO_REST) and self.p.cfg.speculative.adaptive:
+            self._rest(spec)
 
     def stage(self, job: Job) -> None:
         """Before a verification of a lane without rollback: its partial state, to undo
@@ -308,11 +351,14 @@ class Speculation:
         if src == DRAFT:
             self.accepted[src] = self.accepted[src] * MODEL_DECAY + accepted
             self.rejected[src] = self.rejected[src] * MODEL_DECAY + (accepted < len(drafts))
-        spec.probing = False  # a probe is in: the next step weighs it
+        probe, spec.probing = spec.probing, False  # a probe is in: the next step weighs it
         if src == LOOKUP and spec.start >= 0:  # where the copy goes on, if it does
             spec.cursor = spec.start + accepted + 1
-        if accepted == len(drafts):  # drafting pays here: a rest starts short again
-            spec.rest = PROBE_EVERY // 2
+        if accepted == len(drafts):
+            if self._could_pay(len(drafts)):  # drafting pays here: a rest starts short again
+                spec.rest = PROBE_EVERY // 2
+            elif probe:  # even drafts all accepted lose to steps without them: rest now
+                self._rest(spec)
         job.stats.drafted += len(drafts)
         job.stats.accepted += accepted
         m = self.p.meter

@@ -111,3 +111,29 @@ async def test_a_request_says_no_under_the_default_config(gemma_path: Path,
             extra_body={"speculative": False})
         assert _drafted(srv.app[ENGINE].meter) == (0, 0)
 
+
+
+async def test_a_draft_model_that_drafts_nothing_costs_no_planned_steps(
+        spec_jamba_target_path: Path, spec_jamba_draft_path: Path, tmp_path: Path) -> None:
+    # a draft model that is never sure enough of a token (draft_min_p) drafts nothing,
+    # and prompt lookup finds nothing in a random model's reply: after the first
+    # request, which learns so, a request decodes in the lone fast path, its draft
+    # model asked nothing and its probes checked there, not in planned steps of their
+    # own (each costs more than a token of the fast path: on a tiny model a tenth of
+    # its decode rate)
+    async with serve(spec_jamba_target_path, tmp_path / "ckpt", server__lanes=1,
+                     model__draft_path=str(spec_jamba_draft_path),
+                     speculative__draft_min_p=0.999) as srv:
+        m = srv.app[ENGINE].meter
+        planned = []
+        for i in range(3):
+            messages = [{"role": "user", "content": f"Conversation {i}. Tell me a story."}]
+            steps, alone = m.get("steps"), m.get("steps_alone")
+            got = await ask(srv.client, messages, 400)
+            assert got["completion_tokens"] == 400
+            planned.append(m.get("steps") - steps - (m.get("steps_alone") - alone))
+        drafted, accepted = _drafted(m)
+    # the prompt's prefill (two steps: a checkpoint is published inside it), the step
+    # after it, a probe of the draft model at most
+    assert max(planned[1:]) <= 4, (planned, drafted, accepted)
+    assert drafted == 0, (drafted, accepted)

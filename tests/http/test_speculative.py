@@ -80,8 +80,12 @@ async def test_prompt_lookup_pays_off_when_the_reply_repeats_the_prompt(
 
 async def test_two_lanes_draft_in_the_same_steps(spec_target_path: Path, spec_draft_path: Path,
                                                   tmp_path: Path) -> None:
+    # not adaptive: on these cores this tiny draft model takes as long as its target's
+    # step, so the controller rightly never asks it (test_adaptive_drafting.py); here
+    # the two lanes' drafts must share steps whatever they cost
     async with serve(spec_target_path, tmp_path / "ckpt", speculative__source="draft",
-                     model__draft_path=str(spec_draft_path), server__lanes=2) as srv:
+                     model__draft_path=str(spec_draft_path), server__lanes=2,
+                     speculative__adaptive=False) as srv:
         a = Session(srv.client, system="Alpha. " * 30, max_tokens=80)
         b = Session(srv.client, system="Beta beta. " * 30, max_tokens=80)
         await asyncio.gather(a.turn(), b.turn())

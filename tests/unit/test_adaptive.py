@@ -6,6 +6,7 @@ what the model measured costs (the HTTP tests run the real model, where timings 
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,14 +31,16 @@ def _reply(prompt: list[int], n: int) -> list[int]:
 
 
 def _run(prompt: list[int], reply: list[int], per_draft: float,
-         timer: StepTimer | None = None) -> tuple[Any, Job]:
-    cfg = load_config(None)  # "auto": prompt lookup, where no draft model is loaded
-    meter = EngineMeter()
-    parts: Any = SimpleNamespace(
-        cfg=cfg, meter=meter, draft=None, rs_snapshots=False, staging=False,
-        ctx=SimpleNamespace(n_ctx_seq=8192, seq_rm=lambda *a: True))
-    timer = timer or StepTimer()
-    spec = Speculation(parts, timer)
+         timer: StepTimer | None = None, draft: Any = None,
+         spec: Speculation | None = None) -> tuple[Any, Job, Speculation]:
+    """One request; ``spec``: the controller of an earlier one (the server's, kept)."""
+    if spec is None:
+        cfg = load_config(None)  # "auto": prompt lookup, and the draft model if given
+        parts: Any = SimpleNamespace(
+            cfg=cfg, meter=EngineMeter(), draft=draft, rs_snapshots=False, staging=False,
+            ctx=SimpleNamespace(n_ctx_seq=8192, seq_rm=lambda *a: True))
+        spec = Speculation(parts, timer or StepTimer())
+    timer, meter = spec.timer, spec.p.meter
     req: Any = SimpleNamespace(sampling=SimpleNamespace(max_tokens=len(reply)), tenant="",
                                session=None)
     lane = Lane(0)
@@ -64,7 +67,7 @@ def _run(prompt: list[int], reply: list[int], per_draft: float,
         else:
             timer.record(STEP, 1, 0)
         spec.verify(w, take)
-    return meter, job
+    return meter, job, spec
 
 
 def test_a_reply_that_copies_its_prompt_keeps_drafting() -> None:
@@ -73,7 +76,7 @@ def test_a_reply_that_copies_its_prompt_keeps_drafting() -> None:
     # rest through the copy
     prompt = list(range(10, 130))
     reply = _reply(prompt, 96)
-    meter, job = _run(prompt, reply, PER_DRAFT)
+    meter, job, _ = _run(prompt, reply, PER_DRAFT)
     verifications = meter.spec_verifications.get()
     assert job.out.generated == reply  # drafts never change what the target said
     assert meter.spec_tokens.get("drafted") >= 60, meter
@@ -87,7 +90,7 @@ def test_drafts_that_cost_more_than_they_yield_rest() -> None:
     # its first measurements and only probes.
     prompt = list(range(10, 130))
     reply = _reply(prompt, 200)
-    meter, job = _run(prompt, reply, STEP * 1.2)
+    meter, job, _ = _run(prompt, reply, STEP * 1.2)
     assert job.out.generated == reply
     assert meter.get("spec_rests") >= 1, meter
     assert meter.spec_tokens.get("drafted") < 0.5 * len(reply), meter
@@ -106,7 +109,7 @@ def test_a_copy_from_the_first_token_is_probed_at_once() -> None:
     # are a probe, not judged by the prior and rested on
     prompt = list(range(10, 130))
     reply = (prompt * 2)[:64]
-    meter, job = _run(prompt, reply, 0.005, _measured())
+    meter, job, _ = _run(prompt, reply, 0.005, _measured())
     assert job.out.generated == reply
     assert meter.get("spec_rests") == 0, meter
     assert meter.spec_verifications.get() < 0.5 * len(reply), meter
@@ -120,6 +123,74 @@ def test_a_stray_slow_first_measurement_does_not_stop_drafting() -> None:
     stray = StepTimer(decode_s={1: STEP}, verify_s={k: 10 * k * PER_DRAFT for k in (2, 8)})
     prompt = list(range(10, 130))
     reply = _reply(prompt, 200)
-    meter, job = _run(prompt, reply, PER_DRAFT, stray)
+    meter, job, _ = _run(prompt, reply, PER_DRAFT, stray)
     assert job.out.generated == reply
     assert meter.spec_tokens.get("drafted") >= 0.6 * len(reply), meter
+
+
+def test_probes_that_copy_well_but_lose_grow_apart() -> None:
+    # every draft is accepted (the reply copies its prompt) but a draft costs more than
+    # a step: a probe that copied well says nothing for the next step, so the lane's
+    # rests grow as after any probe that did not pay, and probes stay rare (a rest that
+    # started short again after each would probe every few dozen tokens)
+    prompt = list(range(10, 130))
+    reply = _reply(prompt, 1000)
+    meter, job, _ = _run(prompt, reply, STEP * 1.2)
+    assert job.out.generated == reply
+    assert meter.get("spec_probes") <= 6, meter  # 32, 64, ... 1024 tokens apart
+    assert meter.spec_verifications.get() <= 12, meter
+
+
+class _SilentDraft:
+    """A draft model that is never sure enough of a token (``draft_min_p``): asked for
+    drafts, it makes none, after ``per_token`` seconds a token asked."""
+
+    def __init__(self, per_token: float) -> None:
+        self.per_token = per_token
+        self.asked = 0
+        self.followed = 0
+
+    def behind(self, lane_id: int, tokens: np.ndarray, tenant: str) -> int:
+        return 0
+
+    def propose(self, asks: list[Any]) -> dict[int, np.ndarray]:
+        want = sum(a.want for a in asks)
+        self.asked += want
+        self.followed = sum(a.step for a in asks)
+        time.sleep(self.per_token * want)
+        return {}
+
+
+def test_a_draft_model_that_drafts_nothing_is_not_asked_by_each_new_request() -> None:
+    # what the first request learned of the draft model (asked, it made nothing) is
+    # where the next ones start: they do not ask it again at each step until their own
+    # misses add up
+    prompt = list(range(10, 130))
+    reply = [900 + i for i in range(24)]  # nothing prompt lookup could find
+    draft = _SilentDraft(STEP / 5)
+    timer = StepTimer(decode_s={1: STEP})
+    spec = None
+    asked = []
+    for _ in range(3):
+        before = draft.asked
+        _, job, spec = _run(prompt, reply, PER_DRAFT, timer, draft=draft, spec=spec)
+        assert job.out.generated == reply
+        asked.append(draft.asked - before)
+    assert asked[0] > 0, asked
+    assert asked[1:] == [0, 0], asked
+
+
+def test_a_probe_with_nothing_to_draft_stays_in_the_fast_path() -> None:
+    # a resting lone lane's probe is checked where it decodes (Executor.decode_alone):
+    # nothing found, the lane rests again (twice as long) without a planned step; a copy
+    # found, the probe is the next planned step's
+    prompt = list(range(10, 130))
+    reply = [900 + i for i in range(38)] + [prompt[3], 999]  # the lane ends with prompt[3]
+    _, job, spec = _run(prompt, reply, PER_DRAFT, _measured())
+    for pending, quiet in ((901, True), (prompt[4], False)):
+        job.spec.resting, job.spec.since, job.spec.rest = True, 64, 64
+        job.out.pending = pending
+        assert spec.wants_step(job)
+        assert spec.quiet_probe(job) is quiet
+        assert job.spec.resting and job.spec.rest == (128 if quiet else 64)
+        assert spec.wants_step(job) is not quiet
