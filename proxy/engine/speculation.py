@@ -18,8 +18,9 @@ loses to steps without them), so a pair where drafting loses pays a probe a few
 hundred tokens. A lone lane's probe that finds nothing to draft costs a lookup in its
 fast path, not a planned step. The first drafts a lane's prompt lookup finds are such
 a probe too: whether a copy goes on is the text's to say, which no earlier request
-measured. A draft model asked for drafts that made none counts as rejected, for the
-lane and for the record new requests start from.
+measured. A draft model asked for drafts that made none (it stops where it is not
+sure) counts as rejected on the lane; one that keeps making none is not asked to
+measure what its drafts cost, only where its own time would pay.
 
 Nothing rejected is ever committed: a lane's tokens grow only by the tokens the target
 sampled. How a rejection leaves the lane depends on its memory (chosen once in
@@ -48,7 +49,7 @@ PROBE_EVERY = 32  # tokens a lane rests before its first probe
 MAX_REST = 1024  # longest rest between two probes
 MISSES_TO_REST = 4  # steps in a row that found nothing to draft before a lane rests
 PROBE_DRAFTS = 2  # drafts a probe verifies, whatever they are expected to yield
-MEASURE_ABOVE = 0.25  # a draft model's acceptance that still asks to measure what it costs
+MEASURE_ABOVE = 0.25  # how often a draft model makes drafts when asked, to be asked to measure
 PRIOR = 24.0  # drafts' worth of this model's record a new request starts from
 LOOKUP, DRAFT = 0, 1  # the sources, as indexes of Drafting.accepted / rejected
 
@@ -99,6 +100,8 @@ class Speculation:
         self.model_s, self.model_asked = 0.0, 0  # the draft model's, this step
         # every lane's record of the draft model, decaying slowly: where a request starts
         self.accepted, self.rejected = [0.0, 0.0], [0.0, 0.0]
+        # ...and how often, asked for drafts, it made any (it stops where it is not sure)
+        self.asks, self.answers = 0.0, 0.0
 
     def room(self, job: Job, n: int, budget: int) -> int:
         """Drafts a decoding job may carry this step (``propose`` decides how many it
@@ -192,6 +195,8 @@ class Speculation:
                 assert lane is not None
                 if not w.job.prefilling and w.room and spec.source == DRAFT:
                     spec.drafts = drafted.get(lane.id, NONE)[: w.room]
+                    self.asks = self.asks * MODEL_DECAY + 1
+                    self.answers = self.answers * MODEL_DECAY + bool(len(spec.drafts))
                     self._drafted(spec)
         for w in works:
             if not w.job.prefilling:
@@ -235,19 +240,18 @@ class Speculation:
             left = max(job.req.sampling.max_tokens - len(job.out.generated), 1)
             catch_up = max(behind, 0) * (timer.follow_s or per) / left
             p_model = acceptance(spec, DRAFT)
+            answers = (self.answers + 1.0) / (self.asks + 2.0)
 
             def model_cost(k: int) -> float | None:
-                # before any verification: worth one to measure while the model's record
-                # is not much below the prior (a few misses); one that was asked and
-                # made nothing again and again is asked only where its own time pays,
-                # the drafts' cost to the target taken as nothing
+                # before any verification: worth one to measure, unless the model, asked
+                # again and again, made nothing (then it is asked only where its own
+                # time pays, the drafts' cost to the target taken as nothing)
                 verify = timer.verify_cost(k)
-                if per <= 0 or (verify is None and p_model > MEASURE_ABOVE):
+                if per <= 0 or (verify is None and answers > MEASURE_ABOVE):
                     return None
                 return (verify or 0.0) + per * k + catch_up * expected_tokens(p_model, k)
             k_model, v_model = best_length(p_model, min(w.room, sc.draft_max), lanes,
                                            step_s, model_cost)
-        pays = k_model > 0  # by value, not because a probe is due
         # a probe measures what drafts yield now; so does the first a lane's lookup finds
         # (its record is only the prior then: the text, not the model, decides whether
         # a copy goes on, and a copy of the prompt often starts at the reply's first
@@ -263,8 +267,6 @@ class Speculation:
                 self.model_since, self.model_rest = 0, min(self.model_rest * 2, MAX_REST)
                 k_model, v_model = min(w.room, PROBE_DRAFTS), 1.0
         if k_model and v_model > v_look:
-            if pays:  # the draft model pays here: its next probe is soon again
-                self.model_rest = PROBE_EVERY
             spec.source = DRAFT
             return k_model
         if k_look:
@@ -308,7 +310,6 @@ class Speculation:
             spec.misses = 0
             return
         spec.rejected[DRAFT] = spec.rejected[DRAFT] * DECAY + 1
-        self.rejected[DRAFT] = self.rejected[DRAFT] * MODEL_DECAY + 1  # where requests start
         probe, spec.probing = spec.probing, False
         spec.misses += 1
         # a probe that drafted nothing is answered (not adaptive: every step asks again)
@@ -357,6 +358,8 @@ class Speculation:
         if accepted == len(drafts):
             if self._could_pay(len(drafts)):  # drafting pays here: a rest starts short again
                 spec.rest = PROBE_EVERY // 2
+                if src == DRAFT:  # ...and the draft model's next probe is soon again
+                    self.model_rest = PROBE_EVERY
             elif probe:  # even drafts all accepted lose to steps without them: rest now
                 self._rest(spec)
         job.stats.drafted += len(drafts)

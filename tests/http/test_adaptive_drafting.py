@@ -129,11 +129,13 @@ async def test_a_draft_model_that_drafts_nothing_costs_no_planned_steps(
         for i in range(3):
             messages = [{"role": "user", "content": f"Conversation {i}. Tell me a story."}]
             steps, alone = m.get("steps"), m.get("steps_alone")
-            got = await ask(srv.client, messages, 400)
+            got = await ask(srv.client, messages, 400,  # (no history to draft from)
+                            extra_headers={"X-Statecache-Session": f"conversation-{i}"})
             assert got["completion_tokens"] == 400
             planned.append(m.get("steps") - steps - (m.get("steps_alone") - alone))
         drafted, accepted = _drafted(m)
-    # the prompt's prefill (two steps: a checkpoint is published inside it), the step
-    # after it, a probe of the draft model at most
-    assert max(planned[1:]) <= 4, (planned, drafted, accepted)
+    # the prompt's prefill (two steps: a checkpoint is published inside it), the first
+    # decode step and the next (the draft model, asked there, made nothing), one probe
+    # of the draft model; not one planned step per probe of the lane (before: 7 to 11)
+    assert max(planned[1:]) <= 5, (planned, drafted, accepted)
     assert drafted == 0, (drafted, accepted)

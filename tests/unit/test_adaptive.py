@@ -167,7 +167,7 @@ def test_a_draft_model_that_drafts_nothing_is_not_asked_by_each_new_request() ->
     # misses add up
     prompt = list(range(10, 130))
     reply = [900 + i for i in range(24)]  # nothing prompt lookup could find
-    draft = _SilentDraft(STEP / 5)
+    draft = _SilentDraft(STEP)  # the tiny synthetic pairs: a draft token costs a step
     timer = StepTimer(decode_s={1: STEP})
     spec = None
     asked = []
