@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 import re
 import statistics
 import subprocess
@@ -243,6 +244,8 @@ def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
                     "acceptance": accepted / drafted if drafted else None,
                     "speedup": statistics.median(ratios) if source != "off" and ratios
                     else None,
+                    "interval": median_interval(ratios) if source != "off" and ratios
+                    else None,
                 }
     return out
 
@@ -348,10 +351,24 @@ def verify_cost(model: Path, n_rs_seq: int, sizes: tuple[int, ...] = (1, 2, 3, 5
     return rows
 
 
+def median_interval(ratios: list[float], level: float = 0.9, draws: int = 2000
+                    ) -> tuple[float, float]:
+    """Where the median of the turn-by-turn ratios lies, ``level`` of the time, by the
+    bootstrap (resampling the turns; seeded, so the table follows from the ratios): how
+    far a cell's median may move from run to run. A tiny model's turn is a tenth of a
+    second, whose ratios spread by tens of percent."""
+    rng = random.Random(0)
+    n = len(ratios)
+    meds = sorted(statistics.median(rng.choices(ratios, k=n)) for _ in range(draws))
+    lo = meds[int((1 - level) / 2 * draws)]
+    hi = meds[min(draws - 1, int((1 + level) / 2 * draws))]
+    return lo, hi
+
+
 def table(result: dict[str, Any]) -> list[str]:
     lines = ["| target (memory) | model | workload | source | decode tok/s | vs off | "
-             "drafted | accepted | acceptance |", "|---|---|---|---|---:|---:|---:|---:|---:|"
-             ] if result["targets"] else []
+             "90% interval | drafted | accepted | acceptance |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"] if result["targets"] else []
     for t in result["targets"]:
         if "error" in t:
             lines.append(f"| {t['kind']} | {t['model']} | failed: {t['error'][:80]} |||||||")
@@ -362,8 +379,10 @@ def table(result: dict[str, Any]) -> list[str]:
             for name, r in t[source].items():
                 acc = f"{100 * r['acceptance']:.0f}%" if r.get("acceptance") is not None else "-"
                 sp = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+                ci = r.get("interval")
+                band = f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-"
                 lines.append(f"| {t['kind']} | {t['model']} | {name} | {source} | "
-                             f"{r['decode_tps']:.1f} | {sp} | {int(r['drafted'])} | "
+                             f"{r['decode_tps']:.1f} | {sp} | {band} | {int(r['drafted'])} | "
                              f"{int(r['accepted'])} | {acc} |")
     if result.get("rollback"):
         lines += ["", "Rolling back a hybrid target with a draft model (in process, one "
