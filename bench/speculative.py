@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import random
 import re
 import statistics
 import subprocess
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.batching import median_ci
 from bench.harness import _sse_lines
 from bench.servers import ROOT, ModelSpec, Server, running, settle
 from statecache.config import SpeculativeConfig
@@ -244,8 +244,8 @@ def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
                     "acceptance": accepted / drafted if drafted else None,
                     "speedup": statistics.median(ratios) if source != "off" and ratios
                     else None,
-                    "interval": median_interval(ratios) if source != "off" and ratios
-                    else None,
+                    # 95%, distribution-free (None under 6 turns)
+                    "interval": median_ci(ratios) if source != "off" and ratios else None,
                 }
     return out
 
@@ -351,23 +351,9 @@ def verify_cost(model: Path, n_rs_seq: int, sizes: tuple[int, ...] = (1, 2, 3, 5
     return rows
 
 
-def median_interval(ratios: list[float], level: float = 0.9, draws: int = 2000
-                    ) -> tuple[float, float]:
-    """Where the median of the turn-by-turn ratios lies, ``level`` of the time, by the
-    bootstrap (resampling the turns; seeded, so the table follows from the ratios): how
-    far a cell's median may move from run to run. A tiny model's turn is a tenth of a
-    second, whose ratios spread by tens of percent."""
-    rng = random.Random(0)
-    n = len(ratios)
-    meds = sorted(statistics.median(rng.choices(ratios, k=n)) for _ in range(draws))
-    lo = meds[int((1 - level) / 2 * draws)]
-    hi = meds[min(draws - 1, int((1 + level) / 2 * draws))]
-    return lo, hi
-
-
 def table(result: dict[str, Any]) -> list[str]:
     lines = ["| target (memory) | model | workload | source | decode tok/s | vs off | "
-             "90% interval | drafted | accepted | acceptance |",
+             "95% interval | drafted | accepted | acceptance |",
              "|---|---|---|---|---:|---:|---:|---:|---:|---:|"] if result["targets"] else []
     for t in result["targets"]:
         if "error" in t:
