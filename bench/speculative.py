@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-max", type=int, default=0,
                    help="speculative.draft_max (0: the default config's)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--min-seconds", type=float, default=3.0,
+    p.add_argument("--min-seconds", type=float, default=6.0,
                    help="turns go on (to 10 x --repeats) until each source decoded this long")
     p.add_argument("--sources", type=lambda v: tuple(v.split(",")), default=DEFAULT_SOURCES,
                    help="comma-separated: off (always measured), auto (the default "
