@@ -127,15 +127,13 @@ class Speculation:
         no probe of the draft model is due, the probe is over (the lane rests again,
         twice as long) for the cost of a lookup, not of a planned step; returns whether
         it was."""
-        spec, lane, sc = job.spec, job.lane, self.p.cfg.speculative
+        spec, lane = job.spec, job.lane
         assert lane is not None
-        if spec.fresh or (self.p.draft is not None and self.model_since >= self.model_rest):
+        if spec.fresh or self._model_probe_due():
             return False
-        if self.lookup_on:
-            known = np.append(lane.tokens, np.int32(job.out.pending))
-            history = self.history.get(job.req.tenant, job.req.session)
-            if len(lookup(known, 1, sc.lookup_max, sc.lookup_min, history, spec.cursor)[0]):
-                return False
+        known = np.append(lane.tokens, np.int32(job.out.pending))
+        if self.lookup_on and len(self._lookup(job, known, 1)[0]):
+            return False
         self.p.meter.count("spec_probes")
         self._rest(spec)
         return True
@@ -213,9 +211,7 @@ class Speculation:
             self.p.meter.count("spec_probes")
         found, spec.start = NONE, -1
         if self.lookup_on:
-            history = self.history.get(job.req.tenant, job.req.session)
-            found, spec.start = lookup(known, min(w.room, self.lookup_max), sc.lookup_max,
-                                       sc.lookup_min, history, spec.cursor)
+            found, spec.start = self._lookup(job, known, min(w.room, self.lookup_max))
         if not sc.adaptive:  # every step, the longest a source proposes
             if len(found):
                 spec.source, spec.drafts = LOOKUP, found
@@ -260,8 +256,7 @@ class Speculation:
         if (spec.probing or untried) and not (k_model or k_look):
             if len(found):
                 k_look = min(len(found), PROBE_DRAFTS)
-            elif spec.probing and self.p.draft is not None and \
-                    self.model_since >= self.model_rest:
+            elif spec.probing and self._model_probe_due():
                 # the draft model catches up on what its lane rested through: probed
                 # for every lane at once, as rarely as it keeps not paying
                 self.model_since, self.model_rest = 0, min(self.model_rest * 2, MAX_REST)
@@ -281,6 +276,18 @@ class Speculation:
             if spec.misses >= MISSES_TO_REST:
                 self._rest(spec)
         return 0
+
+    def _lookup(self, job: Job, known: np.ndarray, k: int) -> tuple[np.ndarray, int]:
+        """Prompt lookup's drafts for ``job`` whose lane will hold ``known``, and where
+        they start (``drafting.lookup``)."""
+        sc = self.p.cfg.speculative
+        return lookup(known, k, sc.lookup_max, sc.lookup_min,
+                      self.history.get(job.req.tenant, job.req.session), job.spec.cursor)
+
+    def _model_probe_due(self) -> bool:
+        """Whether the draft model (if any) is due a probe: resting lanes decoded
+        ``model_rest`` tokens since its last."""
+        return self.p.draft is not None and self.model_since >= self.model_rest
 
     def _could_pay(self, k: int) -> bool:
         """Whether ``k`` drafts, every one accepted, would beat a step without them by
