@@ -189,6 +189,13 @@ POOL_KEYS: Mapping[str, tuple[Spec, tuple[str, ...]]] = {
     "evictions": (_EVICTIONS, ("ram",)), "disk_evictions": (_EVICTIONS, ("disk",)),
     "ram_pages": (_PAGES, ("ram",)), "disk_pages": (_PAGES, ("disk",)),
     "ram_page_bytes": (_PAGE_BYTES, ("ram",)), "disk_page_bytes": (_PAGE_BYTES, ("disk",)),
+    "ram_whole_states": (_g("statecache_whole_states",
+                            "Checkpoints kept whole in RAM beside their pages (the newest "
+                            "of each conversation: a hit on one assembles nothing)."), ()),
+    "ram_whole_bytes": (_g("statecache_whole_state_bytes",
+                           "Bytes of the checkpoints kept whole in RAM; their pages are "
+                           "views into them, so only the rest adds to "
+                           "statecache_checkpoint_bytes."), ()),
     "bad_states": (_c("statecache_checkpoint_bad_states_total",
                       "Checkpoints whose assembled state was not the one saved (a miss)."), ()),
     "remote_read_bytes": (_REMOTE_BYTES, ("read",)),

@@ -57,7 +57,7 @@ from statecache.diskfmt import (
     write_atomic,
     write_checkpoint,
 )
-from statecache.kvpages import PageKey, unpack_keys
+from statecache.kvpages import PageData, PageKey, page_bytes, page_nbytes, unpack_keys
 from statecache.pagefmt import BadPage, decode_page, encode_page, max_size
 from statecache.records import CheckpointRecord, Record
 from statecache.sizes import format_size
@@ -491,7 +491,7 @@ class DiskTier:
 
     # -- file I/O (no lock) ------------------------------------------------------------
 
-    def write_file(self, rec: CheckpointRecord, rest: Buffer, pages: Sequence[Buffer],
+    def write_file(self, rec: CheckpointRecord, rest: Buffer, pages: Sequence[PageData],
                    which: Sequence[int]) -> tuple[int, dict[PageKey, int]]:
         """Write the pages ``which`` of ``rec``, then its record (the pages durable
         before the record that names them); the sizes written."""
@@ -504,7 +504,8 @@ class DiskTier:
             out = []
             for i in batch:
                 path = page_path(self.pages_path, keys[i])
-                parts = encode_page(self._key, keys[i], pages[i], self.page_packer.encode)
+                parts = encode_page(self._key, keys[i], page_bytes(pages[i]),
+                                    self.page_packer.encode)
                 out.append((keys[i], write_atomic(path.parent, path.name, parts,
                                                   sync_dir=False)))
             return out
@@ -576,11 +577,12 @@ class DiskTier:
 
     # -- one thread only (benchmarks, tests) -------------------------------------------
 
-    def write(self, rec: CheckpointRecord, rest: Buffer, pages: Sequence[Buffer] = ()) -> bool:
+    def write(self, rec: CheckpointRecord, rest: Buffer, pages: Sequence[PageData] = ()
+              ) -> bool:
         """Reserve, write and commit in one call; False if refused or failed."""
         if rec.id in self._sizes:
             return True
-        which = self.reserve(rec, [memoryview(p).nbytes for p in pages])
+        which = self.reserve(rec, [page_nbytes(p) for p in pages])
         if which is None:
             return False
         try:

@@ -29,6 +29,9 @@ from statecache.pages import HASH_BYTES, PageHash, TokenArray
 
 PageKey = NewType("PageKey", bytes)
 Buffer = bytes | bytearray | memoryview
+# A page as one buffer, or as its parts (one per block of its stream, in order: views
+# into the state it was cut from, which they keep alive).
+PageData = bytes | bytearray | memoryview | tuple[memoryview, ...]
 
 REST_MAGIC = b"SCR2"  # SCR1 (no logits field) is not read: such an entry is a miss
 SEQ_MAGIC = 0xAF143CD8  # llama_context::state_seq_get_data's io_magic, then the seq id
@@ -80,6 +83,43 @@ class Split:
 
     def page_size(self, i: int) -> int:
         return sum(memoryview(p).nbytes for p in self.parts[i])
+
+    def moved(self, state: Buffer, copy: bytes) -> tuple[tuple[memoryview, ...], ...] | None:
+        """The pages' parts as views into ``copy``, a copy of ``state`` (what was cut);
+        None unless every part is a view into ``state`` (not into a copy made while
+        cutting: cells out of position order, or V transposed)."""
+        src = memoryview(state).cast("B")
+        if not self.parts or len(copy) != src.nbytes:
+            return None
+        base = _address(src)
+        dst = memoryview(copy)
+        out = []
+        for parts in self.parts:
+            page = []
+            for p in parts:
+                if not isinstance(p, memoryview) or not p.nbytes:
+                    return None
+                at = _address(p) - base
+                if not 0 <= at <= src.nbytes - p.nbytes:
+                    return None
+                page.append(dst[at:at + p.nbytes])
+            out.append(tuple(page))
+        return tuple(out)
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def page_nbytes(page: PageData) -> int:
+    if isinstance(page, tuple):
+        return sum(p.nbytes for p in page)
+    return memoryview(page).nbytes
+
+
+def page_bytes(page: PageData) -> Buffer:
+    """A page as one buffer (its parts joined: a copy)."""
+    return b"".join(page) if isinstance(page, tuple) else page
 
 
 # -- reading what llama.cpp wrote -------------------------------------------------------
@@ -384,7 +424,17 @@ def rest_logits(rest: Buffer) -> npt.NDArray[np.float32] | None:
     return np.frombuffer(view[end - 4 * info.n_logits:end], dtype="<f4").astype(np.float32)
 
 
-def assemble(rest: Buffer, pages: Sequence[Buffer], out: bytearray | None = None,
+def whole_state(rest: Buffer, state: Buffer) -> memoryview:
+    """``state`` (a whole state kept beside ``rest``), checked as ``assemble`` checks
+    what it writes: raises BadState unless it is the state that was cut."""
+    info = rest_info(rest)
+    view = memoryview(state).cast("B")
+    if view.nbytes != info.nbytes or xxhash.xxh3_128_digest(view) != info.digest:
+        raise BadState("the state is not the one saved (length or digest)")
+    return view
+
+
+def assemble(rest: Buffer, pages: Sequence[PageData], out: bytearray | None = None,
              tokens: TokenArray | None = None) -> memoryview:
     """The whole state from its rest and its pages (in the order of the split's keys),
     written into ``out`` if it is large enough, else into a new buffer (``tokens``: as
@@ -406,7 +456,8 @@ def assemble(rest: Buffer, pages: Sequence[Buffer], out: bytearray | None = None
     r = _Reader(body)
     r.take(_REST_HEAD.size)
     try:
-        at = _assemble(r, info, [memoryview(p).cast("B") for p in pages], dst, tokens)
+        at = _assemble(r, info, [tuple(q.cast("B") for q in p) if isinstance(p, tuple)
+                                 else memoryview(p).cast("B") for p in pages], dst, tokens)
     except (_Unparsed, ValueError, IndexError) as e:
         raise BadState(f"rest does not parse: {e}") from None
     if at != info.nbytes:
@@ -438,7 +489,8 @@ class _Writer:
         return out
 
 
-def _assemble(r: _Reader, info: RestInfo, pages: list[memoryview], dst: memoryview,
+def _assemble(r: _Reader, info: RestInfo, pages: list[memoryview | tuple[memoryview, ...]],
+              dst: memoryview,
               tokens: TokenArray | None) -> int:
     w = _Writer(dst)
     w.put(r.take(8))
@@ -467,8 +519,10 @@ def _assemble(r: _Reader, info: RestInfo, pages: list[memoryview], dst: memoryvi
             offset = 0
             for k in range(2 * n_layer):
                 offset = _fill(r, w, cells, k >= n_layer and bool(v_trans), order, rest,
-                               mine, offset, info.page_size)
-            if any(len(p) != offset for p in mine):
+                               [_block_of(p, k, offset) for p in mine], offset,
+                               info.page_size)
+            if any((len(p) != 2 * n_layer or sum(q.nbytes for q in p) != offset)
+                   if isinstance(p, tuple) else len(p) != offset for p in mine):
                 raise _Unparsed("a page of the wrong size")
     if used != len(pages):
         raise _Unparsed("pages left over")
@@ -508,10 +562,19 @@ def _decode_meta(r: _Reader, cells: int, w: _Writer, tokens: TokenArray | None
     return meta[:, 0].copy()
 
 
+def _block_of(page: memoryview | tuple[memoryview, ...], k: int, offset: int) -> memoryview:
+    """Block ``k``'s part of a page (at ``offset`` of a page held as one buffer; a
+    short or missing part is caught by ``_fill``'s sizes)."""
+    if isinstance(page, tuple):
+        return page[k] if k < len(page) else memoryview(b"")
+    return page[offset:]
+
+
 def _fill(r: _Reader, w: _Writer, cells: int, trans: bool, order: IntArray, rest: IntArray,
           pages: list[memoryview], offset: int, page_size: int) -> int:
     """One block: header from the rest, unpaged cells from the rest, paged cells from
-    the pages (their part at ``offset``); returns the next part's offset."""
+    the pages (each page's part of this block, from its start); returns the next
+    part's offset."""
     head = r.take(_BLOCK_HEAD)
     w.put(head)
     _gtype, a, b = struct.unpack("<iII", head)
@@ -533,9 +596,9 @@ def _fill(r: _Reader, w: _Writer, cells: int, trans: bool, order: IntArray, rest
         if first is not None:
             base = first * row
             for i, page in enumerate(pages):
-                region[base + i * per:base + (i + 1) * per] = page[offset:offset + per]
+                region[base + i * per:base + (i + 1) * per] = page[:per]
         elif pages:
-            rows[order] = np.frombuffer(b"".join(p[offset:offset + per] for p in pages),
+            rows[order] = np.frombuffer(b"".join(p[:per] for p in pages),
                                         dtype=np.uint8).reshape(-1, row)
         return offset + per
     cube = np.frombuffer(region, dtype=np.uint8).reshape(n_embd, cells, row)
@@ -544,7 +607,7 @@ def _fill(r: _Reader, w: _Writer, cells: int, trans: bool, order: IntArray, rest
     if rest.size:
         cube[:, rest, :] = np.frombuffer(src, dtype=np.uint8).reshape(n_embd, rest.size, row)
     if pages:
-        paged = np.frombuffer(b"".join(p[offset:offset + per] for p in pages), dtype=np.uint8)
+        paged = np.frombuffer(b"".join(p[:per] for p in pages), dtype=np.uint8)
         cube[:, order, :] = paged.reshape(len(pages), n_embd, page_size, row) \
             .transpose(1, 0, 2, 3).reshape(n_embd, -1, row)
     return offset + per

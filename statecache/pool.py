@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,18 +57,22 @@ from statecache.diskfmt import BadFile, file_name, valid_id
 from statecache.index import Index
 from statecache.kvpages import (
     BadState,
+    PageData,
     PageKey,
     Split,
     assemble,
     key_bytes,
+    page_bytes,
+    page_nbytes,
     rest_logits,
     split,
     unpack_keys,
+    whole_state,
 )
 from statecache.lease import Buffer, Lease
 from statecache.opendisk import open_disk
 from statecache.pages import PageChain, PageHash, TokenArray, Tokens, as_tokens, namespace_hash
-from statecache.ram import EvictionClass, Pin, RamTier, eviction_class
+from statecache.ram import EvictionClass, Pin, RamTier, Whole, eviction_class
 from statecache.records import (
     ROLE_STRENGTH,
     CheckpointRecord,
@@ -269,12 +273,20 @@ class CheckpointPool:
                 if self._in_memory(rec.id):
                     whole = _whole(rec)
                     pin, rest, pages = self._pin_memory(whole)
+                    state = pin.whole
                 else:
                     assert disk is not None and rec.id in disk
                     disk.pin(rec.id)
                     keys = disk.keys(rec.id)
                     local = self._ram_pages(unpack_keys(keys))
             tried.add(rec.id)
+            if pin is not None and state is not None:  # kept whole: no assembly
+                data = self._check_whole(whole, rest, state)
+                if data is not None:
+                    return Lease(self, whole, "ram", data, pin, None, rest_logits(rest))
+                self._release(pin)
+                self.remove(rec.id)
+                continue
             if pin is not None:
                 spare = self._take_spare()
                 data = self._assemble(whole, rest, pages, spare)
@@ -291,19 +303,32 @@ class CheckpointPool:
             if lease is not None:
                 return lease
 
-    def _assemble(self, rec: CheckpointRecord, rest: Buffer, pages: list[Buffer],
+    def _assemble(self, rec: CheckpointRecord, rest: Buffer, pages: Sequence[PageData],
                   out: bytearray | None = None) -> memoryview | None:
         """The state llama.cpp reads back (in ``out`` if it is large enough), or None
         (logged, counted) if it is not the one that was saved."""
         try:
             return assemble(rest, pages, out, rec.token_array())
         except BadState as e:
-            log.error("pool: checkpoint %s does not assemble (%s): a miss", rec.id, e)
-            with self._lock:
-                self._counts["bad_states"] += 1
+            self._bad_state(rec, e)
             return None
 
-    def _ram_pages(self, keys: tuple[PageKey, ...]) -> dict[int, bytes]:
+    def _check_whole(self, rec: CheckpointRecord, rest: Buffer, state: bytes
+                     ) -> memoryview | None:
+        """A state kept whole, checked as an assembled one is (None if it is not the
+        one that was saved)."""
+        try:
+            return whole_state(rest, state)
+        except BadState as e:
+            self._bad_state(rec, e)
+            return None
+
+    def _bad_state(self, rec: CheckpointRecord, e: BadState) -> None:
+        log.error("pool: checkpoint %s does not assemble (%s): a miss", rec.id, e)
+        with self._lock:
+            self._counts["bad_states"] += 1
+
+    def _ram_pages(self, keys: tuple[PageKey, ...]) -> dict[int, PageData]:
         """The pages of ``keys`` the RAM tier holds, by index (lock held)."""
         return {i: self._ram.page(k) for i, k in enumerate(keys) if self._ram.has_page(k)}
 
@@ -333,7 +358,7 @@ class CheckpointPool:
             on_disk = on_disk or rec
         return on_disk
 
-    def _pin_memory(self, rec: CheckpointRecord) -> tuple[Pin, Buffer, list[Buffer]]:
+    def _pin_memory(self, rec: CheckpointRecord) -> tuple[Pin, Buffer, list[PageData]]:
         """Pin a state held in memory: its rest and its pages (lock held)."""
         if rec.id in self._ram:
             pin = self._ram.pin(rec.id)
@@ -343,7 +368,7 @@ class CheckpointPool:
         self._hit(self._entries[rec.id], "ram")
         return pin, pin.data, [self._ram.page(k) for k in pin.keys]
 
-    def _lease_disk(self, rec: Record, disk: DiskTier, keys: bytes, local: dict[int, bytes],
+    def _lease_disk(self, rec: Record, disk: DiskTier, keys: bytes, local: dict[int, PageData],
                     tokens: TokenArray) -> Lease | None:
         """Read and verify without the lock (the file is pinned), then publish under it.
         Pages the RAM tier holds (``local``) are not read; ``keys``: the pages the disk
@@ -361,8 +386,8 @@ class CheckpointPool:
             stored = disk.read_file(rec, keys, [i in local for i in range(rec.n_keys)])
             whole = stored.record
             if whole.matches(tokens):
-                pages: list[Buffer] = [local[i] if p is None else p
-                                       for i, p in enumerate(stored.pages)]
+                pages: list[PageData] = [local[i] if p is None else p
+                                         for i, p in enumerate(stored.pages)]
                 data = assemble(stored.rest, pages, spare, whole.token_array())
                 buf = _assembled_in(data, stored.rest)
                 self.costs.note_read("disk", rec.nbytes, time.perf_counter() - t0)
@@ -416,13 +441,13 @@ class CheckpointPool:
             return Lease(self, whole, "disk", data, pin, buf, rest_logits(stored.rest))
 
     def _put_ram(self, entry: _Entry, rec: CheckpointRecord, rest: Buffer,
-                 pages: list[Buffer], cls: EvictionClass | None = None) -> bool:
+                 pages: Sequence[PageData], cls: EvictionClass | None = None) -> bool:
         """Store a state read from disk or the store (``rec``: its whole record) in the
         RAM tier (lock held)."""
         return self._ram.put(rec.id, bytes(rest), rec.rest_nbytes + rec.token_bytes,
                              self._cls(entry) if cls is None else cls, rec.page_keys,
-                             [memoryview(p).nbytes for p in pages],
-                             lambda i: bytes(pages[i]))
+                             [page_nbytes(p) for p in pages],
+                             lambda i: bytes(page_bytes(pages[i])))
 
     def _hit(self, entry: _Entry, tier: str) -> None:
         rec = entry.record
@@ -514,10 +539,11 @@ class CheckpointPool:
         """The pages of ``keys`` the local tiers hold (RAM, else read from disk), by index:
         the shared tier fetches only the others."""
         with self._lock:
-            out: dict[int, Buffer] = dict(self._ram_pages(keys))
+            held = self._ram_pages(keys)
             disk = self._disk
             on_disk = [] if disk is None else [
-                i for i, k in enumerate(keys) if i not in out and disk.has_page(k)]
+                i for i, k in enumerate(keys) if i not in held and disk.has_page(k)]
+        out: dict[int, Buffer] = {i: page_bytes(p) for i, p in held.items()}
         for i in on_disk:
             assert disk is not None
             # gone or bad: the store's copy is fetched instead
@@ -572,12 +598,20 @@ class CheckpointPool:
                 self._expire_kept(now)
                 self._keep(entry, now + keep_s)
                 return self._refresh(entry, rec, now)
-        # Cut, hashed and copied before taking the lock: 16 MiB take milliseconds. Only
-        # the pages RAM lacks are copied.
+        # Cut, hashed and copied before taking the lock: 16 MiB take milliseconds. A
+        # FULL state of the target is kept whole, its pages views into it (RAM hosts
+        # it: a lookup of it assembles nothing); else only the pages RAM lacks are copied.
         sp = self._split(rec, data, logits)
         rec = dataclasses.replace(rec, keys=key_bytes(sp.keys), rest_nbytes=len(sp.rest))
+        whole: Whole | None = None
         with self._lock:
-            missing = self._ram.missing(sp.keys)
+            host = self._paged(rec) and self._ram.would_host(sp.keys)
+        if host:
+            state = bytes(memoryview(data).cast("B"))
+            parts = sp.moved(data, state)
+            whole = None if parts is None else Whole(state, parts)
+        with self._lock:
+            missing = [] if whole is not None else self._ram.missing(sp.keys)
         copies = {i: sp.page(i) for i in missing}
 
         def source(i: int) -> bytes:
@@ -589,6 +623,7 @@ class CheckpointPool:
         deadline = time.monotonic() + _SPILL_WAIT_S
         with self._cond:
             self._expire_kept(now)
+            shared: list[PageData] | None = None
             while True:
                 entry = self._entries.get(rec.id)
                 if entry is not None:
@@ -596,47 +631,57 @@ class CheckpointPool:
                     return self._refresh(entry, rec, now)
                 entry = _Entry(rec, EntryStats(last_used=now))
                 if self._ram.put(rec.id, sp.rest, cost, self._keep(entry, now + keep_s),
-                                 sp.keys, sizes, source):
+                                 sp.keys, sizes, source, whole):
                     self._add(entry)
                     self._counts["inserts"] += 1
                     self._queue_write(entry)
-                    self._share(rec, sp.rest, [self._ram.page(k) for k in sp.keys])
-                    return rec
+                    if self._remote is None:
+                        return rec
+                    shared = [self._ram.page(k) for k in sp.keys]
+                    break
                 left = deadline - time.monotonic()
                 if not (self._spilling and self._writer.running and left > 0):
                     break
                 self._cond.wait(left)  # the writer frees RAM as spilled states land
-            pages = [source(i) for i in range(len(sp.keys))]
-            job = self._claim_direct(entry, sp.rest, pages)
-            if job is None:
-                self._counts["refused"] += 1
-                if cost + sum(sizes) > self._ram.budget:
-                    self._warn_once(
-                        "too-big",
-                        "pool: refused a %s %s state: it exceeds the RAM budget of %s%s",
-                        format_size(rec.nbytes),
-                        rec.kind.value,
-                        format_size(self._ram.budget),
-                        "" if self._disk is None else " and the disk took none",
-                    )
-                return None
+            if shared is None:
+                pages: list[PageData] = [source(i) for i in range(len(sp.keys))]
+                job = self._claim_direct(entry, sp.rest, pages)
+                if job is None:
+                    self._counts["refused"] += 1
+                    if cost + sum(sizes) > self._ram.budget:
+                        self._warn_once(
+                            "too-big",
+                            "pool: refused a %s %s state: it exceeds the RAM budget of %s%s",
+                            format_size(rec.nbytes),
+                            rec.kind.value,
+                            format_size(self._ram.budget),
+                            "" if self._disk is None else " and the disk took none",
+                        )
+                    return None
+        if shared is not None:  # in RAM; the store gets copies, made without the lock
+            self._share(rec, sp.rest, shared)
+            return rec
         self._share(rec, sp.rest, pages)
+        assert job is not None
         return rec if self._run_write(job) else None
+
+    def _paged(self, rec: CheckpointRecord) -> bool:
+        """Whether ``rec``'s state is cut into KV pages (a FULL state of the target)."""
+        return rec.kind is Kind.FULL and rec.owner is Owner.TARGET and self.kv_sections > 0
 
     def _split(self, rec: CheckpointRecord, data: Buffer,
                logits: npt.NDArray[np.float32] | None = None) -> Split:
         """A FULL state of the target cut into its rest and KV pages; any other state
         kept whole (a rest without pages). The logits go at the rest's end."""
-        paged = rec.kind is Kind.FULL and rec.owner is Owner.TARGET
-        return split(data, sections=self.kv_sections if paged else 0,
+        return split(data, sections=self.kv_sections if self._paged(rec) else 0,
                      page_size=self.page_size, chain=rec.page_hashes,
                      tokens=rec.token_array(), logits=logits)
 
-    def _share(self, rec: CheckpointRecord, rest: bytes, pages: list[bytes]) -> None:
+    def _share(self, rec: CheckpointRecord, rest: bytes, pages: list[PageData]) -> None:
         if self._remote is not None and rec.kind is Kind.FULL and rec.owner is Owner.TARGET:
-            self._remote.put(rec, rest, pages)
+            self._remote.put(rec, rest, [bytes(page_bytes(p)) for p in pages])
 
-    def _claim_direct(self, entry: _Entry, rest: bytes, pages: list[bytes]
+    def _claim_direct(self, entry: _Entry, rest: bytes, pages: list[PageData]
                       ) -> WriteJob | None:
         rec = _whole(entry.record)
         if rec.kind is not Kind.FULL or self._disk is None or rec.id in self._writing:
@@ -836,13 +881,13 @@ class CheckpointPool:
             self._end_spill(entry_id)  # the disk cannot take it: a spilled state is lost
         return job
 
-    def _claim(self, entry: _Entry, rest: Buffer, pages: list[bytes], pin: Pin | None
+    def _claim(self, entry: _Entry, rest: Buffer, pages: list[PageData], pin: Pin | None
                ) -> WriteJob | None:
         disk = self._disk
         if disk is None:
             return None
         rec = _whole(entry.record)
-        which = disk.reserve(rec, [len(p) for p in pages])
+        which = disk.reserve(rec, [page_nbytes(p) for p in pages])
         if which is None:
             entry.no_disk = True
             return None
@@ -999,6 +1044,8 @@ class CheckpointPool:
         out.update(last_used=entry.stats.last_used, hits=entry.stats.hits, tiers=tiers)
         if entry.stats.keep_until > self._clock():
             out["kept_until"] = entry.stats.keep_until
+        if self._ram.hosts(rec.id):
+            out["whole"] = True  # kept whole in RAM: a hit assembles nothing
         return out
 
     def describe(self) -> list[dict[str, Any]]:
@@ -1031,6 +1078,8 @@ class CheckpointPool:
                 "ram_pinned_bytes": self._ram.pinned,
                 "ram_pages": self._ram.pages,
                 "ram_page_bytes": self._ram.page_bytes,
+                "ram_whole_states": self._ram.whole_states,
+                "ram_whole_bytes": self._ram.whole_bytes,
                 "disk_pages": disk.pages if disk is not None else 0,
                 "disk_page_bytes": disk.page_bytes if disk is not None else 0,
                 "disk_entries": len(disk) if disk is not None else 0,

@@ -12,6 +12,14 @@ An entry removed while pinned, or evicted into the hands of the disk writer, is
 "doomed": it keeps its bytes and its pages, counted in the budget, until its last pin
 goes.
 
+A FULL entry may also keep its whole state (a *host*): its pages are then views into
+that state, not copies, so a lookup of it hands llama.cpp the state as saved, with no
+assembly, and the only bytes it costs beyond its pages are the state's others (its
+``extra``). A host hosts every page it names; a new host takes over the pages of the
+hosts before it (a conversation's newer state holds its older one's pages), which
+keep their rests and lose their whole states, and a page whose host goes while
+others still name it is copied out of it.
+
 Byte counts, kept in step by ``_hold``/``_let_go`` and recounted by ``sanity_check``:
 ``used`` is every entry's own bytes (live or doomed) plus every page's; ``pinned``
 the own bytes of pinned entries plus the pages any of them refers to; ``leaving`` the
@@ -27,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from statecache.kvpages import PageKey
+from statecache.kvpages import PageData, PageKey, page_bytes, page_nbytes
 from statecache.records import Role
 from statecache.sizes import format_size
 
@@ -59,23 +67,32 @@ class Pin:
 
     entry_id: str
     data: bytes | bytearray  # the rest (or a whole state that has no pages)
-    cost: int  # the entry's own bytes: rest + token bytes
+    cost: int  # the entry's own bytes: rest + token bytes (+ extra)
     cls: EvictionClass
     keys: tuple[PageKey, ...] = ()  # the pages it refers to
     pins: int = 0
     doomed: bool = False  # removed while pinned: freed on the last unpin
+    whole: bytes | None = None  # a host's whole state, its pages views into it
+    extra: int = 0  # of cost, the whole state's bytes that are not its pages'
+
+
+@dataclass(slots=True, frozen=True)
+class Whole:
+    """A state kept whole beside its rest: ``parts[i]`` (views into ``state``) is the
+    page ``keys[i]`` of the entry."""
+
+    state: bytes
+    parts: Sequence[tuple[memoryview, ...]]
 
 
 @dataclass(slots=True, eq=False)
 class _Page:
-    data: bytes
+    data: PageData
+    size: int
     refs: int = 0  # entries (live or doomed) that refer to it
     live: int = 0  # of those, not doomed
     pinned: int = 0  # of those, pinned (every doomed one is)
-
-    @property
-    def size(self) -> int:
-        return len(self.data)
+    host: Pin | None = None  # the entry whose whole state ``data`` is a view into
 
 
 # Told of each eviction; returns True to keep the bytes (the slot stays, doomed and
@@ -94,6 +111,8 @@ class RamTier:
         self.pinned = 0  # bytes that cannot be evicted now
         self.leaving = 0  # bytes freed as the last pins of doomed entries go
         self.page_bytes = 0  # of ``used``, the pages'
+        self.whole_states = 0  # entries kept whole
+        self.whole_bytes = 0  # their whole states' bytes (their pages' among them)
         self.evictions = 0
         self._on_evict = on_evict
         self._slots: dict[str, Pin] = {}
@@ -123,9 +142,40 @@ class RamTier:
     def has_page(self, key: PageKey) -> bool:
         return key in self._pages
 
-    def page(self, key: PageKey) -> bytes:
-        """A page's bytes (immutable: valid after the page is freed)."""
+    def page(self, key: PageKey) -> PageData:
+        """A page's bytes, as one buffer or as its parts (immutable: valid after the
+        page is freed)."""
         return self._pages[key].data
+
+    def hosts(self, entry_id: str) -> bool:
+        """Whether the entry keeps its whole state."""
+        slot = self._slots.get(entry_id)
+        return slot is not None and slot.whole is not None
+
+    def would_host(self, keys: Sequence[PageKey]) -> bool:
+        """Whether a new entry naming ``keys`` would keep its whole state (room aside):
+        it names pages, no host of them is pinned (a lease reads its state), and it is
+        not an older state of one host (all its pages that host's, fewer than it has:
+        the state a newer one holds, as a conversation's earlier points are)."""
+        if not keys:
+            return False
+        olds = self._hosts_of(keys)
+        if any(h.pins or h.doomed for h in olds):
+            return False
+        if len(olds) == 1:
+            (old,) = olds
+            if len(old.keys) > len(keys) and all(
+                    (page := self._pages.get(k)) is not None and page.host is old for k in keys):
+                return False
+        return True
+
+    def _hosts_of(self, keys: Sequence[PageKey]) -> set[Pin]:
+        out: set[Pin] = set()
+        for key in keys:
+            page = self._pages.get(key)
+            if page is not None and page.host is not None:
+                out.add(page.host)
+        return out
 
     def missing(self, keys: Sequence[PageKey]) -> list[int]:
         """Indices of ``keys`` whose pages this tier does not hold."""
@@ -133,10 +183,12 @@ class RamTier:
 
     def put(self, entry_id: str, data: bytes | bytearray, cost: int, cls: EvictionClass,
             keys: Sequence[PageKey] = (), sizes: Sequence[int] = (),
-            source: PageSource | None = None) -> bool:
+            source: PageSource | None = None, whole: Whole | None = None) -> bool:
         """Store an entry: ``data`` and the pages ``keys`` (of ``sizes`` bytes; those
         not held yet come from ``source``), evicting others first; False if it does
-        not fit.
+        not fit. With ``whole``, the entry keeps its whole state and hosts its pages
+        (views into it), unless a host of one of them is pinned: then it is stored
+        as without.
 
         Over the whole budget or blocked by live pins: False with nothing changed. Else
         it evicts exactly what makes room once doomed bytes are freed, and returns
@@ -146,6 +198,9 @@ class RamTier:
             raise RuntimeError(f"ram: {entry_id} is already stored")
         if len(keys) != len(sizes) or len(set(keys)) != len(keys):
             raise RuntimeError("ram: page keys and sizes disagree, or a key repeats")
+        olds = self._hosts_of(keys)
+        if whole is not None and (len(whole.parts) != len(keys) or not self.would_host(keys)):
+            whole = None
         new = cost
         pins = cost  # what the entry pins while it is being stored
         back = 0  # bytes of shared pages that leave no more once it refers to them
@@ -157,6 +212,13 @@ class RamTier:
             else:
                 pins += 0 if page.pinned else page.size
                 back += 0 if page.live else page.size
+        extra = 0 if whole is None else len(whole.state) - sum(sizes)
+        if extra < 0:
+            raise RuntimeError("ram: a whole state smaller than its pages")
+        if new + extra > self.budget or \
+                self.budget - (self.pinned - self.leaving) < pins + extra - back:
+            whole, extra = None, 0  # room for its pages, not for its state as well
+        cost, new, pins = cost + extra, new + extra, pins + extra
         if new > self.budget:
             return False
         if self.budget - (self.pinned - self.leaving) < pins - back:
@@ -166,16 +228,28 @@ class RamTier:
         # In, pinned, so that eviction keeps its pages; out again if room never comes.
         slot = Pin(entry_id, data, cost, cls, tuple(keys))
         for i, key in enumerate(keys):
-            if key not in self._pages:
-                if source is None:
+            page = self._pages.get(key)
+            if page is None:
+                if whole is not None:
+                    blob: PageData = whole.parts[i]
+                elif source is None:
                     raise RuntimeError(f"ram: page {key.hex()} is neither held nor given")
-                blob = source(i)
-                if len(blob) != sizes[i]:
-                    raise RuntimeError(f"ram: page {key.hex()} has {len(blob)} bytes, "
-                                       f"not {sizes[i]}")
-                self._pages[key] = _Page(blob)
-                self.used += len(blob)
-                self.page_bytes += len(blob)
+                else:
+                    blob = source(i)
+                if page_nbytes(blob) != sizes[i]:
+                    raise RuntimeError(f"ram: page {key.hex()} has {page_nbytes(blob)} "
+                                       f"bytes, not {sizes[i]}")
+                page = self._pages[key] = _Page(blob, sizes[i])
+                self.used += sizes[i]
+                self.page_bytes += sizes[i]
+            if whole is not None:  # the same bytes (its key names them), now its view
+                page.data, page.host = whole.parts[i], slot
+        if whole is not None:
+            slot.whole, slot.extra = whole.state, extra
+            self.whole_states += 1
+            self.whole_bytes += len(whole.state)
+            for old in olds:
+                self._demote(old)
         self._slots[entry_id] = slot
         self.used += cost
         self._hold(slot)
@@ -270,8 +344,30 @@ class RamTier:
                 self.page_bytes -= page.size
                 if not was_live:
                     self.leaving -= page.size
-            elif was_live and page.live == 0:
-                self.leaving += page.size  # only doomed entries hold it now
+            else:
+                if page.host is slot:  # others name it: out of the state that goes
+                    page.data, page.host = bytes(page_bytes(page.data)), None
+                if was_live and page.live == 0:
+                    self.leaving += page.size  # only doomed entries hold it now
+        self._drop_whole(slot)
+
+    def _demote(self, slot: Pin) -> None:
+        """A host (live, unpinned) whose pages a newer host took over keeps its rest
+        only; pages of its own that the newer one lacks are copied out of its state."""
+        for key in slot.keys:
+            page = self._pages[key]
+            if page.host is slot:
+                page.data, page.host = bytes(page_bytes(page.data)), None
+        self.used -= slot.extra
+        slot.cost -= slot.extra
+        slot.extra = 0
+        self._drop_whole(slot)
+
+    def _drop_whole(self, slot: Pin) -> None:
+        if slot.whole is not None:
+            self.whole_states -= 1
+            self.whole_bytes -= len(slot.whole)
+            slot.whole = None
 
     def _pin(self, slot: Pin) -> None:
         """First pin: out of the eviction lists, its bytes and pages pinned."""
@@ -340,6 +436,28 @@ class RamTier:
             if [page.refs, page.live, page.pinned] != refs[key]:
                 raise RuntimeError(f"ram: page {key.hex()} counts {page.refs}/{page.live}/"
                                    f"{page.pinned}, entries say {refs[key]}")
+        for key, page in self._pages.items():
+            if page_nbytes(page.data) != page.size:
+                raise RuntimeError(f"ram: page {key.hex()} holds other than its size")
+            host = page.host
+            if host is not None and (host.whole is None or key not in host.keys
+                                     or not (host in self._doomed or
+                                             self._slots.get(host.entry_id) is host)):
+                raise RuntimeError(f"ram: page {key.hex()} is a view of no host's state")
+        wholes = [s.whole for s in every if s.whole is not None]
+        if (len(wholes), sum(map(len, wholes))) != (self.whole_states, self.whole_bytes):
+            raise RuntimeError(f"ram: {self.whole_states} whole states of {self.whole_bytes} "
+                               "bytes accounted, entries hold others")
+        for s in every:
+            if s.whole is None:
+                if s.extra:
+                    raise RuntimeError(f"ram: {s.entry_id} counts a whole state it lacks")
+                continue
+            if any(self._pages[k].host is not s for k in s.keys):
+                raise RuntimeError(f"ram: {s.entry_id} keeps its state but not its pages")
+            if s.extra != len(s.whole) - sum(self._pages[k].size for k in s.keys):
+                raise RuntimeError(f"ram: {s.entry_id} counts {s.extra} bytes beyond its "
+                                   "pages, its state holds others")
         pages = sum(p.size for p in self._pages.values())
         if pages != self.page_bytes:
             raise RuntimeError(f"ram: {self.page_bytes} page bytes accounted, {pages} held")

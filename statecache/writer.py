@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from statecache.kvpages import PageData
 from statecache.ram import Pin
 from statecache.records import CheckpointRecord
 
@@ -53,7 +54,7 @@ class WriteJob:
 
     record: CheckpointRecord
     data: Buffer  # the rest
-    pages: Sequence[Buffer]  # every page the record names, in order
+    pages: Sequence[PageData]  # every page the record names, in order
     which: list[int]  # those the disk lacks: written with the record
     pin: Pin | None  # the RAM slot held while writing; None when the state never fit RAM
     disk: DiskTier

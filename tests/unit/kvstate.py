@@ -19,16 +19,20 @@ def _row(conv: int, layer: int, pos: int) -> bytes:
     return hashlib.blake2b(seed, digest_size=ROW).digest()
 
 
-def conversation_state(n: int, *, conv: int = 0, lane: int = 0, tail: int = 64) -> bytes:
+def conversation_state(n: int, *, conv: int = 0, lane: int = 0, tail: int = 64,
+                       shared: int = 0, base: int = 0) -> bytes:
     """The FULL state of conversation ``conv`` after ``n`` tokens, saved from ``lane``
-    (one KV section: a plain attention cache with one stream, then a recurrent part)."""
+    (one KV section: a plain attention cache with one stream, then a recurrent part);
+    its first ``shared`` positions hold conversation ``base``'s rows (a conversation
+    that began with the same tokens)."""
     out = [struct.pack("<Ii", SEQ_MAGIC, lane), struct.pack("<II", 1, n)]
     out += [struct.pack("<iIi", p, 1, lane) for p in range(n)]
     out.append(struct.pack("<II", 0, LAYERS))
     for kind in (0, 1):  # K rows, then V rows
         for layer in range(LAYERS):
             out.append(struct.pack("<iQ", 1, ROW))
-            out += [_row(conv, 2 * layer + kind, p) for p in range(n)]
+            out += [_row(base if p < shared else conv, 2 * layer + kind, p)
+                    for p in range(n)]
     out.append(hashlib.blake2b(struct.pack("<ii", conv, n), digest_size=tail).digest()
                if tail else b"")
     return b"".join(out)

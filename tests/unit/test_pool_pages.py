@@ -27,8 +27,20 @@ def rest(conv: int, n: int) -> int:
                      chain=chain).rest)
 
 
+def extra(conv: int, n: int) -> int:
+    """What a checkpoint kept whole costs beyond its rest and pages: its state's other
+    bytes (headers, cell metadata, a partial page, the recurrent part)."""
+    return len(conversation_state(n, conv=conv)) - (n // 4) * PAGE
+
+
 def save(pool, conv: int, n: int, role: Role = Role.REPLAY):  # type: ignore[no-untyped-def]
     return put(pool, tokens(conv, n), conversation_state(n, conv=conv), role=role)
+
+
+def lease_of(pool, toks: list[int], n: int):  # type: ignore[no-untyped-def]
+    lease = pool.lookup(toks + [7], pool.chain(toks + [7]), max_n=n)
+    assert lease is not None and lease.record.n == n
+    return lease
 
 
 def state_of(pool, conv: int, n: int) -> bytes | None:  # type: ignore[no-untyped-def]
@@ -50,7 +62,7 @@ def test_checkpoints_of_one_conversation_hold_its_kv_once(make_pool: PoolFactory
     assert (s["ram_pages"], s["ram_page_bytes"]) == (10, 10 * PAGE)
     assert [r.n_keys for r in recs] == [2, 4, 6, 8, 10]
     own = sum(rest(0, n) + 4 * n for n in ns)
-    assert s["ram_bytes"] == own + 10 * PAGE
+    assert s["ram_bytes"] == own + 10 * PAGE + extra(0, 40)  # the newest is kept whole
     whole = sum(len(conversation_state(n)) for n in ns)
     assert s["ram_bytes"] < whole * 0.45  # the states whole: every page 3 times on average
     for n in ns:  # each assembles to exactly the state that was saved
@@ -63,7 +75,8 @@ def test_eviction_chooses_checkpoints_and_a_page_goes_with_its_last_user(
 ) -> None:
     # A at 16 and 32 tokens (A16's 4 pages are A32's first 4), B at 32: the budget holds
     # exactly these.
-    budget = (rest(0, 16) + 64) + (rest(0, 32) + 128) + (rest(1, 32) + 128) + 16 * PAGE
+    budget = (rest(0, 16) + 64) + (rest(0, 32) + 128) + (rest(1, 32) + 128) + 16 * PAGE \
+        + extra(0, 32) + extra(1, 32)  # A32 and B32 kept whole, A16 not (A32 hosts its pages)
     pool = make_pool(ram=budget, disk=None, kv_sections=1)
     a16, a32, b32 = save(pool, 0, 16), save(pool, 0, 32), save(pool, 1, 32)
     assert pool.stats()["ram_bytes"] == budget
@@ -74,19 +87,21 @@ def test_eviction_chooses_checkpoints_and_a_page_goes_with_its_last_user(
     assert held == {b32.id, c8.id} and pool.stats()["evictions"] == 2
     assert pool.stats()["ram_pages"] == 8 + 2
     assert state_of(pool, 1, 32) == conversation_state(32, conv=1)
-    assert pool.stats()["ram_bytes"] == (rest(1, 32) + 128) + (rest(2, 8) + 32) + 10 * PAGE
+    assert pool.stats()["ram_bytes"] == (rest(1, 32) + 128) + (rest(2, 8) + 32) + 10 * PAGE \
+        + extra(1, 32) + extra(2, 8)
     del a16, a32
 
 
 def test_a_leased_checkpoint_keeps_its_pages_while_others_go(make_pool: PoolFactory) -> None:
-    budget = (rest(0, 16) + 64) + (rest(0, 32) + 128) + (rest(1, 32) + 128) + 16 * PAGE
+    budget = (rest(0, 16) + 64) + (rest(0, 32) + 128) + (rest(1, 32) + 128) + 16 * PAGE \
+        + extra(0, 32) + extra(1, 32)
     pool = make_pool(ram=budget, disk=None, kv_sections=1)
     a16, a32, b32 = save(pool, 0, 16), save(pool, 0, 32), save(pool, 1, 32)
     toks = tokens(0, 32) + [5]
     lease = pool.lookup(toks, pool.chain(toks))
     assert lease is not None and lease.record.id == a32.id
-    # pinned: A32 and every page it names (A16's too) are out of eviction's reach
-    assert pool.stats()["ram_pinned_bytes"] == rest(0, 32) + 128 + 8 * PAGE
+    # pinned: A32 (kept whole) and every page it names (A16's too) are out of eviction's reach
+    assert pool.stats()["ram_pinned_bytes"] == rest(0, 32) + 128 + 8 * PAGE + extra(0, 32)
     c8 = save(pool, 2, 8)  # A16 goes (its own bytes only), then B32 (its 8 pages)
     assert {d["id"] for d in pool.describe()} == {a32.id, c8.id}
     assert pool.stats()["ram_pages"] == 8 + 2
@@ -118,30 +133,146 @@ def test_a_removed_checkpoint_under_lease_keeps_its_pages_counted(
 def test_ram_hits_assemble_in_one_buffer_and_never_into_a_state_kept_whole(
     make_pool: PoolFactory,
 ) -> None:
-    # The first hit assembles into a new buffer; once its lease is closed, the next
-    # hit assembles into that one (a new buffer of 80 MB costs its page faults every
-    # time: 20 ms of a 50 ms restore). A state kept whole is a view of RAM's own bytes,
-    # never handed out as a buffer to write the next state into.
+    # The first hit that assembles does so into a new buffer; once its lease is closed,
+    # the next assembles into that one (a new buffer of 80 MB costs its page faults
+    # every time: 20 ms of a 50 ms restore). A state kept whole (the newest of each
+    # conversation, and one under a page) is a view of RAM's own bytes, never handed
+    # out as a buffer to write the next state into.
     pool = make_pool(ram=1 << 20, disk=None, kv_sections=1)
-    save(pool, 0, 32), save(pool, 1, 16)
+    save(pool, 0, 32), save(pool, 0, 40), save(pool, 1, 16), save(pool, 1, 24)
     part = pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=tokens(2, 3),
                        role=Role.REPLAY, data=conversation_state(3, conv=2))
     assert part is not None and part.n_keys == 0  # under a page: kept whole
 
     def hit(conv: int, n: int) -> object:
-        toks = tokens(conv, n) + [7]
-        lease = pool.lookup(toks, pool.chain(toks), max_n=n)
-        assert lease is not None and lease.record.n == n
-        with lease:
+        with lease_of(pool, tokens(conv, n), n) as lease:
             assert bytes(lease.data) == conversation_state(n, conv=conv)
             return lease.data.obj
 
     first = hit(0, 32)
+    assert isinstance(first, bytearray)
     assert hit(1, 16) is first and hit(0, 32) is first
-    whole = hit(2, 3)
-    assert whole is not first
-    assert hit(1, 16) is first  # the whole state's bytes did not become the spare
+    for conv, n in ((2, 3), (0, 40), (1, 24)):
+        assert not isinstance(hit(conv, n), bytearray)
+    assert hit(1, 16) is first  # no state kept whole became the spare
     assert state_of(pool, 2, 3) == conversation_state(3, conv=2)
+
+
+def test_the_newest_state_of_a_conversation_is_handed_over_as_saved(
+    make_pool: PoolFactory,
+) -> None:
+    # The newest checkpoint is kept whole and its pages are views into it: a hit on it
+    # gives llama.cpp the very bytes that were saved (no assembly, no copy), the pages
+    # are not held twice, and the older checkpoints assemble from views into it.
+    pool = make_pool(ram=1 << 20, disk=None, kv_sections=1)
+    for n in (8, 16, 24):
+        save(pool, 0, n)
+    with lease_of(pool, tokens(0, 24), 24) as lease:
+        kept = lease.data.obj
+        assert isinstance(kept, bytes) and kept == conversation_state(24)
+        assert lease.data.nbytes == len(kept)  # the state itself, not a copy in a buffer
+    with lease_of(pool, tokens(0, 24), 24) as lease:
+        assert lease.data.obj is kept
+    s = pool.stats()
+    assert s["ram_page_bytes"] == 6 * PAGE
+    assert s["ram_bytes"] == sum(rest(0, n) + 4 * n for n in (8, 16, 24)) + 6 * PAGE \
+        + extra(0, 24)
+    for n in (8, 16):
+        with lease_of(pool, tokens(0, n), n) as lease:
+            assert isinstance(lease.data.obj, bytearray)
+            assert bytes(lease.data) == conversation_state(n)
+    a32 = save(pool, 0, 32)  # the newer state takes the pages over; 24 keeps its rest only
+    with lease_of(pool, tokens(0, 24), 24) as lease:
+        assert isinstance(lease.data.obj, bytearray)
+        assert bytes(lease.data) == conversation_state(24)
+    assert pool.stats()["ram_bytes"] == sum(rest(0, n) + 4 * n for n in (8, 16, 24, 32)) \
+        + 8 * PAGE + extra(0, 32)
+    # An older state saved after (a hybrid's replay points, converted at a hand-off) is
+    # not kept whole, and takes nothing over: copying it whole would buy nothing.
+    a20 = save(pool, 0, 20)
+    s = pool.stats()
+    assert (s["ram_whole_states"], s["ram_whole_bytes"]) == (1, len(conversation_state(32)))
+    assert [d.get("whole", False) for d in pool.describe() if d["id"] in (a20.id, a32.id)] \
+        == [d["id"] == a32.id for d in pool.describe() if d["id"] in (a20.id, a32.id)]
+    with lease_of(pool, tokens(0, 20), 20) as lease:
+        assert isinstance(lease.data.obj, bytearray)
+        assert bytes(lease.data) == conversation_state(20)
+    pool.sanity_check()
+
+
+def test_pages_outlive_the_state_they_were_views_of(make_pool: PoolFactory) -> None:
+    # The state kept whole goes (removed, or evicted) while older checkpoints still name
+    # its pages: they are copied out of it first, and those checkpoints assemble as saved.
+    pool = make_pool(ram=1 << 20, disk=None, kv_sections=1)
+    save(pool, 0, 16)
+    a32 = save(pool, 0, 32)
+    assert pool.remove(a32.id)
+    pool.sanity_check()
+    assert pool.stats()["ram_bytes"] == rest(0, 16) + 64 + 4 * PAGE
+    assert state_of(pool, 0, 16) == conversation_state(16)
+    assert state_of(pool, 0, 32) is None
+    # evicted: the budget holds A16 and A32 whole, not a third state
+    budget = (rest(0, 16) + 64) + (rest(0, 32) + 128) + 8 * PAGE + extra(0, 32)
+    pool = make_pool(ram=budget, disk=None, kv_sections=1)
+    a16 = save(pool, 0, 16)
+    a32 = save(pool, 0, 32, role=Role.PERIODIC)  # evicted before A16, a replay
+    save(pool, 1, 4)
+    held = {d["id"] for d in pool.describe()}
+    assert a32.id not in held and a16.id in held
+    assert state_of(pool, 0, 16) == conversation_state(16)
+
+
+def test_a_conversation_that_shares_a_prefix_takes_its_pages_over(
+    make_pool: PoolFactory,
+) -> None:
+    # B began with A's first 16 tokens. Saved after A, B is kept whole and hosts every
+    # page it names, the shared ones too; A keeps its rest, and its own pages are copied
+    # out of its state, which goes. Both give back exactly what was saved.
+    pool = make_pool(ram=1 << 20, disk=None, kv_sections=1)
+    save(pool, 0, 32)
+    b_toks = tokens(0, 16) + tokens(1, 32)[16:]
+    b_state = conversation_state(32, conv=1, shared=16, base=0)
+    put(pool, b_toks, b_state)
+    s = pool.stats()
+    assert s["ram_pages"] == 4 + 4 + 4  # the shared four held once
+    assert s["ram_bytes"] == (rest(0, 32) + 128) + (len(_rest(b_toks, b_state)) + 128) \
+        + 12 * PAGE + len(b_state) - 8 * PAGE
+    with lease_of(pool, b_toks, 32) as lease:
+        assert isinstance(lease.data.obj, bytes) and bytes(lease.data) == b_state
+    with lease_of(pool, tokens(0, 32), 32) as lease:
+        assert isinstance(lease.data.obj, bytearray)
+        assert bytes(lease.data) == conversation_state(32)
+    pool.sanity_check()
+
+
+def test_a_state_under_lease_keeps_its_pages_and_the_next_is_stored_as_pages(
+    make_pool: PoolFactory,
+) -> None:
+    # While A32's whole state is read by a lease, A40 (which names A32's pages) cannot take
+    # them over: it is stored as pages, copied. The next state after the lease is kept whole.
+    pool = make_pool(ram=1 << 20, disk=None, kv_sections=1)
+    save(pool, 0, 32)
+    lease = lease_of(pool, tokens(0, 32), 32)
+    kept = lease.data.obj
+    save(pool, 0, 40)
+    assert lease.data.obj is kept and bytes(lease.data) == conversation_state(32)
+    lease.close()
+    with lease_of(pool, tokens(0, 40), 40) as l40:
+        assert isinstance(l40.data.obj, bytearray)  # assembled
+        assert bytes(l40.data) == conversation_state(40)
+    with lease_of(pool, tokens(0, 32), 32) as l32:
+        assert l32.data.obj is kept  # still whole: nothing newer took it over
+    save(pool, 0, 48)
+    for n in (32, 40, 48):
+        with lease_of(pool, tokens(0, n), n) as lease:
+            assert isinstance(lease.data.obj, bytes) == (n == 48)
+            assert bytes(lease.data) == conversation_state(n)
+    pool.sanity_check()
+
+
+def _rest(toks: list[int], state: bytes) -> bytes:
+    chain = PageChain(namespace_hash(FP, ""), 4, toks).hashes
+    return split(state, sections=1, page_size=4, chain=chain).rest
 
 
 def test_disk_hits_assemble_in_one_buffer_too(make_pool: PoolFactory, tmp_path: Path) -> None:
