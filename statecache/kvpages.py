@@ -16,6 +16,7 @@ layout of a sequence state"); tests/model/test_kvpages.py pins it.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -84,7 +85,8 @@ class Split:
     def page_size(self, i: int) -> int:
         return sum(memoryview(p).nbytes for p in self.parts[i])
 
-    def moved(self, state: Buffer, copy: bytes) -> tuple[tuple[memoryview, ...], ...] | None:
+    def moved(self, state: Buffer, copy: Buffer | mmap.mmap
+              ) -> tuple[tuple[memoryview, ...], ...] | None:
         """The pages' parts as views into ``copy``, a copy of ``state`` (what was cut);
         None unless every part is a view into ``state`` (not into a copy made while
         cutting: cells out of position order, or V transposed)."""
@@ -424,7 +426,7 @@ def rest_logits(rest: Buffer) -> npt.NDArray[np.float32] | None:
     return np.frombuffer(view[end - 4 * info.n_logits:end], dtype="<f4").astype(np.float32)
 
 
-def whole_state(rest: Buffer, state: Buffer) -> memoryview:
+def whole_state(rest: Buffer, state: Buffer | mmap.mmap) -> memoryview:
     """``state`` (a whole state kept beside ``rest``), checked as ``assemble`` checks
     what it writes: raises BadState unless it is the state that was cut."""
     info = rest_info(rest)
@@ -434,7 +436,7 @@ def whole_state(rest: Buffer, state: Buffer) -> memoryview:
     return view
 
 
-def assemble(rest: Buffer, pages: Sequence[PageData], out: bytearray | None = None,
+def assemble(rest: Buffer, pages: Sequence[PageData], out: bytearray | mmap.mmap | None = None,
              tokens: TokenArray | None = None) -> memoryview:
     """The whole state from its rest and its pages (in the order of the split's keys),
     written into ``out`` if it is large enough, else into a new buffer (``tokens``: as

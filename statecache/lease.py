@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from types import TracebackType
 from typing import Protocol
 
@@ -15,7 +16,7 @@ Buffer = bytes | bytearray | memoryview
 
 
 class _Releaser(Protocol):
-    def _release(self, pin: Pin | None, spare: bytearray | None = None) -> None: ...
+    def _release(self, pin: Pin | None, spare: mmap.mmap | None = None) -> None: ...
 
 
 class Lease:
@@ -30,7 +31,7 @@ class Lease:
         tier: str,
         data: Buffer,
         pin: Pin | None,
-        spare: bytearray | None = None,
+        spare: mmap.mmap | None = None,
         logits: npt.NDArray[np.float32] | None = None,
     ) -> None:
         self.record = record

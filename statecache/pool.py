@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import mmap
 import threading
 import time
 from collections import Counter
@@ -49,6 +50,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from statecache.buffers import Spare
 from statecache.config import CacheConfig
 from statecache.costs import Costs
 from statecache.dirlock import DirLock
@@ -64,6 +66,7 @@ from statecache.kvpages import (
     key_bytes,
     page_bytes,
     page_nbytes,
+    rest_info,
     rest_logits,
     split,
     unpack_keys,
@@ -131,15 +134,6 @@ class _Entry:
 
 
 
-def _assembled_in(data: memoryview, rest: Buffer) -> bytearray | None:
-    """The buffer ``assemble`` wrote ``data`` into (the pool's spare, or a new one that
-    becomes the spare once its lease is closed), or None where ``data`` is a view of
-    ``rest`` itself (a state kept whole: its stored bytes, never written into)."""
-    with memoryview(rest) as view:
-        if data.obj is view.obj:
-            return None
-    assert isinstance(data.obj, bytearray)
-    return data.obj
 
 class CheckpointPool:
     def __init__(
@@ -169,10 +163,12 @@ class CheckpointPool:
         self._index = Index()
         self._counts: Counter[str] = Counter()
         self._warned: set[str] = set()
-        self._ram = RamTier(cfg.ram_budget, on_evict=self._on_ram_evict)
+        self._ram = RamTier(cfg.ram_budget, on_evict=self._on_ram_evict,
+                            on_free=self._spare_state)
         self._spilling: dict[str, Pin] = {}  # evicted FULL states waiting for the disk
-        # a buffer a closed lease's state was assembled in, for the next RAM hit
-        self._spare: bytearray | None = None
+        # the buffer a closed lease's state was assembled in, or a state kept whole
+        # that RAM let go: the next assembly or state kept whole is written into it
+        self._spare = Spare()
         self._writing: dict[str, WriteJob] = {}
         self._writer = Writer(self._cond, self._claim_queued, self._run_write)
         self._disk: DiskTier | None = None
@@ -288,14 +284,10 @@ class CheckpointPool:
                 self.remove(rec.id)
                 continue
             if pin is not None:
-                spare = self._take_spare()
-                data = self._assemble(whole, rest, pages, spare)
-                if data is not None:
-                    buf = _assembled_in(data, rest)  # never RAM's own bytes
-                    if buf is not spare:
-                        self._release(None, spare)
-                    return Lease(self, whole, "ram", data, pin, buf, rest_logits(rest))
-                self._release(pin, spare)
+                got = self._assemble(whole, rest, pages)
+                if got is not None:
+                    return Lease(self, whole, "ram", got[0], pin, got[1], rest_logits(rest))
+                self._release(pin)
                 self.remove(rec.id)
                 continue
             assert disk is not None
@@ -303,17 +295,29 @@ class CheckpointPool:
             if lease is not None:
                 return lease
 
-    def _assemble(self, rec: CheckpointRecord, rest: Buffer, pages: Sequence[PageData],
-                  out: bytearray | None = None) -> memoryview | None:
-        """The state llama.cpp reads back (in ``out`` if it is large enough), or None
-        (logged, counted) if it is not the one that was saved."""
+    def _assemble(self, rec: CheckpointRecord, rest: Buffer, pages: Sequence[PageData]
+                  ) -> tuple[memoryview, mmap.mmap | None] | None:
+        """The state llama.cpp reads back and the buffer it was assembled in (None: a
+        view of ``rest``, a state kept whole there), or None (logged, counted) if it is
+        not the one that was saved."""
         try:
-            return assemble(rest, pages, out, rec.token_array())
+            return self._assemble_checked(rec, rest, pages)
         except BadState as e:
             self._bad_state(rec, e)
             return None
 
-    def _check_whole(self, rec: CheckpointRecord, rest: Buffer, state: bytes
+    def _assemble_checked(self, rec: CheckpointRecord, rest: Buffer, pages: Sequence[PageData]
+                          ) -> tuple[memoryview, mmap.mmap | None]:
+        """As ``_assemble``, raising BadState; the buffer goes back if it fails."""
+        info = rest_info(rest)
+        buf = self._spare.take(info.nbytes) if info.sections else None
+        try:
+            return assemble(rest, pages, buf, rec.token_array()), buf
+        except BadState:
+            self._spare.give(buf)
+            raise
+
+    def _check_whole(self, rec: CheckpointRecord, rest: Buffer, state: bytes | mmap.mmap
                      ) -> memoryview | None:
         """A state kept whole, checked as an assembled one is (None if it is not the
         one that was saved)."""
@@ -378,18 +382,16 @@ class CheckpointPool:
         moved = False
         bad_page: PageKey | None = None
         data: memoryview | None = None
-        buf: bytearray | None = None
+        buf: mmap.mmap | None = None
         other = False
         t0 = time.perf_counter()
-        spare = self._take_spare()
         try:
             stored = disk.read_file(rec, keys, [i in local for i in range(rec.n_keys)])
             whole = stored.record
             if whole.matches(tokens):
                 pages: list[PageData] = [local[i] if p is None else p
                                          for i, p in enumerate(stored.pages)]
-                data = assemble(stored.rest, pages, spare, whole.token_array())
-                buf = _assembled_in(data, stored.rest)
+                data, buf = self._assemble_checked(whole, stored.rest, pages)
                 self.costs.note_read("disk", rec.nbytes, time.perf_counter() - t0)
             else:  # another prompt with the same 128-bit id: not a bad file, not a hit
                 other = True
@@ -404,9 +406,6 @@ class CheckpointPool:
             log.warning("disk: reading %s failed: %s", rec.id, e)
         else:
             disk.utime(rec.id)
-        failed = data is None or bad is not None or other
-        if failed or buf is not spare:  # a buffer no lease holds goes back for the next
-            self._release(None, buf if failed and buf is not None else spare)
         with self._lock:
             disk.unpin(rec.id)
             if other:
@@ -460,20 +459,17 @@ class CheckpointPool:
         self._counts[f"hits_{tier}"] += 1
         self._counts["hits_role_" + rec.role.value.replace("-", "_")] += 1
 
-    def _release(self, pin: Pin | None, spare: bytearray | None = None) -> None:
-        if spare is not None:  # one buffer kept, the largest: no page faults next time
-            with self._lock:
-                if self._spare is None or len(spare) > len(self._spare):
-                    self._spare = spare
+    def _release(self, pin: Pin | None, spare: mmap.mmap | None = None) -> None:
+        if spare is not None:  # kept for the next: no page faults next time
+            self._spare.give(spare)
         if pin is not None:
             with self._cond:
                 self._ram.unpin(pin)
                 self._cond.notify_all()
 
-    def _take_spare(self) -> bytearray | None:
-        with self._lock:
-            spare, self._spare = self._spare, None
-            return spare
+    def _spare_state(self, state: object) -> None:
+        """A state kept whole that RAM let go: its buffer may be the next one."""
+        self._spare.give(state)
 
     def full_offers(
         self, tokens: Tokens, chain: PageChain, *, max_n: int, tenant: str = ""
@@ -515,12 +511,13 @@ class CheckpointPool:
         t0 = time.perf_counter()
         got = remote.fetch(offer.hit, as_tokens(tokens), tenant or self.cfg.tenant,
                            self._local_pages)
-        data = None if got is None else self._assemble(got[0], got[1], got[2])
-        if got is None or data is None:
+        assembled = None if got is None else self._assemble(got[0], got[1], got[2])
+        if got is None or assembled is None:
             with self._lock:
                 self._counts["remote_misses"] += 1
             return None
         rec, rest, pages = got
+        data, buf = assembled
         logits = rest_logits(rest)
         self.costs.note_read("remote", rec.nbytes, time.perf_counter() - t0)
         with self._lock:
@@ -531,9 +528,9 @@ class CheckpointPool:
                 if self._put_ram(entry, rec, rest, pages):
                     self._add(entry)
                     self._queue_write(entry)
-                    return Lease(self, rec, "remote", data, self._ram.pin(rec.id),
+                    return Lease(self, rec, "remote", data, self._ram.pin(rec.id), buf,
                                  logits=logits)
-        return Lease(self, rec, "remote", data, None, logits=logits)
+        return Lease(self, rec, "remote", data, None, buf, logits=logits)
 
     def _local_pages(self, keys: tuple[PageKey, ...]) -> dict[int, Buffer]:
         """The pages of ``keys`` the local tiers hold (RAM, else read from disk), by index:
@@ -607,8 +604,12 @@ class CheckpointPool:
         with self._lock:
             host = self._paged(rec) and self._ram.would_host(sp.keys)
         if host:
-            state = bytes(memoryview(data).cast("B"))
-            parts = sp.moved(data, state)
+            src = memoryview(data).cast("B")
+            state = self._spare.take(src.nbytes)
+            memoryview(state)[:] = src
+            parts = sp.moved(src, state)
+            if parts is None:
+                self._spare.give(state)
             whole = None if parts is None else Whole(state, parts)
         with self._lock:
             missing = [] if whole is not None else self._ram.missing(sp.keys)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import mmap
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from statecache.records import Role
 from statecache.sizes import format_size
 
 log = logging.getLogger(__name__)
+
+State = bytes | mmap.mmap  # a whole state: never written while RAM holds it
 
 
 class EvictionClass(enum.IntEnum):
@@ -72,7 +75,7 @@ class Pin:
     keys: tuple[PageKey, ...] = ()  # the pages it refers to
     pins: int = 0
     doomed: bool = False  # removed while pinned: freed on the last unpin
-    whole: bytes | None = None  # a host's whole state, its pages views into it
+    whole: State | None = None  # a host's whole state, its pages views into it
     extra: int = 0  # of cost, the whole state's bytes that are not its pages'
 
 
@@ -81,7 +84,7 @@ class Whole:
     """A state kept whole beside its rest: ``parts[i]`` (views into ``state``) is the
     page ``keys[i]`` of the entry."""
 
-    state: bytes
+    state: State
     parts: Sequence[tuple[memoryview, ...]]
 
 
@@ -100,10 +103,13 @@ class _Page:
 EvictCallback = Callable[[Pin], bool]
 # The bytes of the page a new entry refers to, by its index in the entry's keys.
 PageSource = Callable[[int], bytes]
+# Told of each whole state RAM lets go (no page is a view into it any more).
+FreeCallback = Callable[[State], None]
 
 
 class RamTier:
-    def __init__(self, budget: int, on_evict: EvictCallback | None = None) -> None:
+    def __init__(self, budget: int, on_evict: EvictCallback | None = None,
+                 on_free: FreeCallback | None = None) -> None:
         if budget < 0:
             raise ValueError(f"ram budget must be >= 0, got {budget}")
         self.budget = budget
@@ -115,6 +121,7 @@ class RamTier:
         self.whole_bytes = 0  # their whole states' bytes (their pages' among them)
         self.evictions = 0
         self._on_evict = on_evict
+        self._on_free = on_free
         self._slots: dict[str, Pin] = {}
         self._doomed: set[Pin] = set()
         self._pages: dict[PageKey, _Page] = {}
@@ -364,10 +371,13 @@ class RamTier:
         self._drop_whole(slot)
 
     def _drop_whole(self, slot: Pin) -> None:
-        if slot.whole is not None:
+        state = slot.whole
+        if state is not None:
             self.whole_states -= 1
-            self.whole_bytes -= len(slot.whole)
+            self.whole_bytes -= len(state)
             slot.whole = None
+            if self._on_free is not None:
+                self._on_free(state)
 
     def _pin(self, slot: Pin) -> None:
         """First pin: out of the eviction lists, its bytes and pages pinned."""

@@ -4,6 +4,7 @@ states written the way llama.cpp writes them: tests/unit/kvstate.py)."""
 
 from __future__ import annotations
 
+import mmap
 import random
 from pathlib import Path
 
@@ -35,6 +36,11 @@ def extra(conv: int, n: int) -> int:
 
 def save(pool, conv: int, n: int, role: Role = Role.REPLAY):  # type: ignore[no-untyped-def]
     return put(pool, tokens(conv, n), conversation_state(n, conv=conv), role=role)
+
+
+def whole_ids(pool) -> set[str]:  # type: ignore[no-untyped-def]
+    """The checkpoints RAM keeps whole (a hit hands over the state saved)."""
+    return {d["id"] for d in pool.describe() if d.get("whole")}
 
 
 def lease_of(pool, toks: list[int], n: int):  # type: ignore[no-untyped-def]
@@ -139,7 +145,7 @@ def test_ram_hits_assemble_in_one_buffer_and_never_into_a_state_kept_whole(
     # conversation, and one under a page) is a view of RAM's own bytes, never handed
     # out as a buffer to write the next state into.
     pool = make_pool(ram=1 << 20, disk=None, kv_sections=1)
-    save(pool, 0, 32), save(pool, 0, 40), save(pool, 1, 16), save(pool, 1, 24)
+    _, a40, _, b24 = save(pool, 0, 32), save(pool, 0, 40), save(pool, 1, 16), save(pool, 1, 24)
     part = pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=tokens(2, 3),
                        role=Role.REPLAY, data=conversation_state(3, conv=2))
     assert part is not None and part.n_keys == 0  # under a page: kept whole
@@ -149,11 +155,12 @@ def test_ram_hits_assemble_in_one_buffer_and_never_into_a_state_kept_whole(
             assert bytes(lease.data) == conversation_state(n, conv=conv)
             return lease.data.obj
 
+    assert whole_ids(pool) == {a40.id, b24.id}
     first = hit(0, 32)
-    assert isinstance(first, bytearray)
+    assert isinstance(first, mmap.mmap)
     assert hit(1, 16) is first and hit(0, 32) is first
     for conv, n in ((2, 3), (0, 40), (1, 24)):
-        assert not isinstance(hit(conv, n), bytearray)
+        assert hit(conv, n) is not first
     assert hit(1, 16) is first  # no state kept whole became the spare
     assert state_of(pool, 2, 3) == conversation_state(3, conv=2)
 
@@ -165,11 +172,11 @@ def test_the_newest_state_of_a_conversation_is_handed_over_as_saved(
     # gives llama.cpp the very bytes that were saved (no assembly, no copy), the pages
     # are not held twice, and the older checkpoints assemble from views into it.
     pool = make_pool(ram=1 << 20, disk=None, kv_sections=1)
-    for n in (8, 16, 24):
-        save(pool, 0, n)
+    a8, a16, a24 = (save(pool, 0, n) for n in (8, 16, 24))
+    assert whole_ids(pool) == {a24.id}
     with lease_of(pool, tokens(0, 24), 24) as lease:
         kept = lease.data.obj
-        assert isinstance(kept, bytes) and kept == conversation_state(24)
+        assert kept is not None and bytes(kept) == conversation_state(24)
         assert lease.data.nbytes == len(kept)  # the state itself, not a copy in a buffer
     with lease_of(pool, tokens(0, 24), 24) as lease:
         assert lease.data.obj is kept
@@ -179,11 +186,11 @@ def test_the_newest_state_of_a_conversation_is_handed_over_as_saved(
         + extra(0, 24)
     for n in (8, 16):
         with lease_of(pool, tokens(0, n), n) as lease:
-            assert isinstance(lease.data.obj, bytearray)
+            assert lease.data.obj is not kept
             assert bytes(lease.data) == conversation_state(n)
     a32 = save(pool, 0, 32)  # the newer state takes the pages over; 24 keeps its rest only
+    assert whole_ids(pool) == {a32.id}
     with lease_of(pool, tokens(0, 24), 24) as lease:
-        assert isinstance(lease.data.obj, bytearray)
         assert bytes(lease.data) == conversation_state(24)
     assert pool.stats()["ram_bytes"] == sum(rest(0, n) + 4 * n for n in (8, 16, 24, 32)) \
         + 8 * PAGE + extra(0, 32)
@@ -194,8 +201,8 @@ def test_the_newest_state_of_a_conversation_is_handed_over_as_saved(
     assert (s["ram_whole_states"], s["ram_whole_bytes"]) == (1, len(conversation_state(32)))
     assert [d.get("whole", False) for d in pool.describe() if d["id"] in (a20.id, a32.id)] \
         == [d["id"] == a32.id for d in pool.describe() if d["id"] in (a20.id, a32.id)]
+    assert whole_ids(pool) == {a32.id}
     with lease_of(pool, tokens(0, 20), 20) as lease:
-        assert isinstance(lease.data.obj, bytearray)
         assert bytes(lease.data) == conversation_state(20)
     pool.sanity_check()
 
@@ -232,15 +239,15 @@ def test_a_conversation_that_shares_a_prefix_takes_its_pages_over(
     save(pool, 0, 32)
     b_toks = tokens(0, 16) + tokens(1, 32)[16:]
     b_state = conversation_state(32, conv=1, shared=16, base=0)
-    put(pool, b_toks, b_state)
+    b = put(pool, b_toks, b_state)
+    assert whole_ids(pool) == {b.id}
     s = pool.stats()
     assert s["ram_pages"] == 4 + 4 + 4  # the shared four held once
     assert s["ram_bytes"] == (rest(0, 32) + 128) + (len(_rest(b_toks, b_state)) + 128) \
         + 12 * PAGE + len(b_state) - 8 * PAGE
     with lease_of(pool, b_toks, 32) as lease:
-        assert isinstance(lease.data.obj, bytes) and bytes(lease.data) == b_state
+        assert bytes(lease.data) == b_state
     with lease_of(pool, tokens(0, 32), 32) as lease:
-        assert isinstance(lease.data.obj, bytearray)
         assert bytes(lease.data) == conversation_state(32)
     pool.sanity_check()
 
@@ -251,21 +258,22 @@ def test_a_state_under_lease_keeps_its_pages_and_the_next_is_stored_as_pages(
     # While A32's whole state is read by a lease, A40 (which names A32's pages) cannot take
     # them over: it is stored as pages, copied. The next state after the lease is kept whole.
     pool = make_pool(ram=1 << 20, disk=None, kv_sections=1)
-    save(pool, 0, 32)
+    a32 = save(pool, 0, 32)
     lease = lease_of(pool, tokens(0, 32), 32)
     kept = lease.data.obj
     save(pool, 0, 40)
+    assert whole_ids(pool) == {a32.id}
     assert lease.data.obj is kept and bytes(lease.data) == conversation_state(32)
     lease.close()
     with lease_of(pool, tokens(0, 40), 40) as l40:
-        assert isinstance(l40.data.obj, bytearray)  # assembled
+        assert l40.data.obj is not kept  # assembled
         assert bytes(l40.data) == conversation_state(40)
     with lease_of(pool, tokens(0, 32), 32) as l32:
         assert l32.data.obj is kept  # still whole: nothing newer took it over
-    save(pool, 0, 48)
+    a48 = save(pool, 0, 48)
+    assert whole_ids(pool) == {a48.id}
     for n in (32, 40, 48):
         with lease_of(pool, tokens(0, n), n) as lease:
-            assert isinstance(lease.data.obj, bytes) == (n == 48)
             assert bytes(lease.data) == conversation_state(n)
     pool.sanity_check()
 
