@@ -77,6 +77,7 @@ class Split:
     keys: tuple[PageKey, ...]
     parts: tuple[tuple[Buffer, ...], ...]  # views into the state: valid while it is
     nbytes: int  # of the whole state
+    offsets: tuple[tuple[int, ...], ...] | None = None  # where each part starts in it
 
     def page(self, i: int) -> bytes:
         """Page ``i``'s bytes, copied out of the state."""
@@ -85,32 +86,16 @@ class Split:
     def page_size(self, i: int) -> int:
         return sum(memoryview(p).nbytes for p in self.parts[i])
 
-    def moved(self, state: Buffer, copy: Buffer | mmap.mmap
-              ) -> tuple[tuple[memoryview, ...], ...] | None:
-        """The pages' parts as views into ``copy``, a copy of ``state`` (what was cut);
-        None unless every part is a view into ``state`` (not into a copy made while
+    def moved(self, copy: Buffer | mmap.mmap) -> tuple[tuple[memoryview, ...], ...] | None:
+        """The pages' parts as views into ``copy``, a copy of the state that was cut;
+        None where a part is not a slice of the state (cut out of a copy made while
         cutting: cells out of position order, or V transposed)."""
-        src = memoryview(state).cast("B")
-        if not self.parts or len(copy) != src.nbytes:
+        if self.offsets is None or not self.parts or len(copy) != self.nbytes:
             return None
-        base = _address(src)
-        dst = memoryview(copy)
-        out = []
-        for parts in self.parts:
-            page = []
-            for p in parts:
-                if not isinstance(p, memoryview) or not p.nbytes:
-                    return None
-                at = _address(p) - base
-                if not 0 <= at <= src.nbytes - p.nbytes:
-                    return None
-                page.append(dst[at:at + p.nbytes])
-            out.append(tuple(page))
-        return tuple(out)
-
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+        dst = memoryview(copy).cast("B")
+        return tuple(tuple(dst[at:at + memoryview(p).nbytes] for at, p in zip(offs, parts,
+                                                                             strict=True))
+                     for offs, parts in zip(self.offsets, self.parts, strict=True))
 
 
 def page_nbytes(page: PageData) -> int:
@@ -158,6 +143,7 @@ class _Block:
     row: int  # bytes per cell (non-transposed) or per element (transposed)
     n_embd: int  # rows of a transposed block; 1 otherwise
     data: memoryview
+    at: int  # where ``data`` starts in the state
 
     def per_cell(self) -> int:
         return self.row * self.n_embd
@@ -187,7 +173,8 @@ def _block(r: _Reader, cells: int, trans: bool) -> _Block:
         row, n_embd = a | (b << 32), 1
         if not 0 < row <= _MAX_ROW:
             raise _Unparsed("row size")
-    return _Block(head, trans, row, n_embd, r.take(row * n_embd * cells))
+    at = r.at
+    return _Block(head, trans, row, n_embd, r.take(row * n_embd * cells), at)
 
 
 def _meta(r: _Reader, cells: int) -> tuple[memoryview, int, npt.NDArray[np.int32],
@@ -306,6 +293,7 @@ def _split(view: memoryview, sections: int, page_size: int, chain: Sequence[Page
     out: list[Buffer] = [r.take(8)]  # magic, the lane it was saved from
     keys: list[PageKey] = []
     parts: list[tuple[Buffer, ...]] = []
+    offsets: list[tuple[int, ...]] | None = []
     for s in range(sections):
         streams = _section(r)
         out.append(struct.pack("<I", len(streams)))
@@ -317,13 +305,19 @@ def _split(view: memoryview, sections: int, page_size: int, chain: Sequence[Page
             out += [struct.pack("<I", st.cells), _encode_meta(st, tokens), st.dims]
             per_block = [_cut(b, order, rest, whole.size, page_size, out) for b in st.blocks]
             for i, p in enumerate(whole):
-                page = tuple(pb[i] for pb in per_block)
+                page = tuple(pb[0][i] for pb in per_block)
                 keys.append(page_key(chain[int(p)], s, page))
                 parts.append(page)
+                if offsets is not None:
+                    starts = [pb[1] for pb in per_block]
+                    offsets.append(tuple(a[i] for a in starts if a is not None))
+                    if len(offsets[-1]) != len(page):
+                        offsets = None
     out.append(r.buf[r.at:])  # a hybrid's recurrent part, verbatim
     head = _REST_HEAD.pack(REST_MAGIC, sections, page_size, len(chain), len(keys),
                            view.nbytes, digest, len(tail) // 4)
-    return Split(b"".join([head, *out, tail]), tuple(keys), tuple(parts), view.nbytes)
+    return Split(b"".join([head, *out, tail]), tuple(keys), tuple(parts), view.nbytes,
+                 None if offsets is None else tuple(offsets))
 
 
 def _runs(st: _Stream) -> npt.NDArray[np.void]:
@@ -357,9 +351,10 @@ def _encode_meta(st: _Stream, tokens: TokenArray | None) -> bytes:
 
 
 def _cut(b: _Block, order: IntArray, rest: IntArray, n_pages: int, page_size: int,
-         out: list[Buffer]) -> list[Buffer]:
+         out: list[Buffer]) -> tuple[list[Buffer], list[int] | None]:
     """Append the block's header and its unpaged cells to ``out``; its part of each
-    page (cells in position order)."""
+    page (cells in position order), and where each starts in the state (None: parts
+    copied out of it)."""
     out.append(b.head)
     row = b.row
     if not b.trans:
@@ -368,22 +363,22 @@ def _cut(b: _Block, order: IntArray, rest: IntArray, n_pages: int, page_size: in
         out.append(b.data[first * row:(first + rest.size) * row] if first is not None
                    else rows[rest].tobytes())
         if n_pages == 0:
-            return []
+            return [], []
         per = page_size * row
         first = _run_of(order)
         if first is not None:  # the usual case: no copy
-            return [b.data[(first * row) + i * per:(first * row) + (i + 1) * per]
-                    for i in range(n_pages)]
+            starts = [first * row + i * per for i in range(n_pages)]
+            return [b.data[at:at + per] for at in starts], [b.at + at for at in starts]
         flat = np.ascontiguousarray(rows[order]).data.cast("B")
-        return [flat[i * per:(i + 1) * per] for i in range(n_pages)]
+        return [flat[i * per:(i + 1) * per] for i in range(n_pages)], None
     cube = np.frombuffer(b.data, dtype=np.uint8).reshape(b.n_embd, -1, row)
     out.append(cube[:, rest, :].tobytes())
     if n_pages == 0:
-        return []
+        return [], []
     paged = cube[:, order, :].reshape(b.n_embd, n_pages, page_size, row).transpose(1, 0, 2, 3)
     flat = np.ascontiguousarray(paged).data.cast("B")
     per = b.n_embd * page_size * row
-    return [flat[i * per:(i + 1) * per] for i in range(n_pages)]
+    return [flat[i * per:(i + 1) * per] for i in range(n_pages)], None
 
 
 # -- assemble ----------------------------------------------------------------------------

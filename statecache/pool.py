@@ -607,7 +607,7 @@ class CheckpointPool:
             src = memoryview(data).cast("B")
             state = self._spare.take(src.nbytes)
             memoryview(state)[:] = src
-            parts = sp.moved(src, state)
+            parts = sp.moved(state)
             if parts is None:
                 self._spare.give(state)
             whole = None if parts is None else Whole(state, parts)

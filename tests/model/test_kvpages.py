@@ -64,6 +64,14 @@ def test_split_and_assemble_give_the_same_bytes(model: Model, kv: str) -> None:
         pages = [sp.page(i) for i in range(len(sp.keys))]
         assert len(sp.keys) == _expected_pages(mem.kind, n, mem.n_swa), mem.kind
         assert bytes(assemble(sp.rest, pages, tokens=arr)) == blob
+        # kept whole in RAM: the pages are views into a copy of the state (not where V
+        # is stored transposed, without flash attention: those are gathered, copies)
+        copy = bytearray(blob)
+        moved = sp.moved(copy)
+        assert (moved is None) == (fa == 0 and mem.kind is not MemoryKind.RECURRENT), kv
+        if moved is not None:
+            assert [b"".join(parts) for parts in moved] == pages
+            assert bytes(assemble(sp.rest, list(moved), tokens=arr)) == blob
         # the rest is the cells' metadata as runs, the last partial page, the recurrent
         # part: with the pages, no byte stored twice
         assert len(sp.rest) + sum(map(len, pages)) < len(blob) + 400

@@ -69,6 +69,13 @@ def round_trip(blob: bytes, sections: int, n: int) -> tuple:  # type: ignore[typ
     sp = split(blob, sections=sections, page_size=P, chain=chain(n))
     pages = [sp.page(i) for i in range(len(sp.keys))]
     assert bytes(assemble(sp.rest, pages)) == blob
+    # a copy of the state, its pages as views into it (a state kept whole in RAM)
+    copy = bytearray(blob)
+    moved = sp.moved(copy)
+    if moved is not None:
+        assert [b"".join(parts) for parts in moved] == pages
+        assert all(p.obj is copy for parts in moved for p in parts)
+        assert bytes(assemble(sp.rest, list(moved))) == blob
     return sp, pages
 
 
@@ -81,6 +88,8 @@ def test_in_order_cells_page_whole_pages_and_keep_the_rest(trans: bool, ext: boo
                  tail=rng.randbytes(100))
     sp, pages = round_trip(blob, 1, n)
     assert len(sp.keys) == 4 and len(set(sp.keys)) == 4
+    # pages of V stored transposed are gathered from every row: copies, not views
+    assert (sp.moved(bytes(blob)) is None) == trans
     # what the pages hold is gone from the rest: the rest is the headers, the cells'
     # metadata (runs, unless the extension is there), the 2 last cells and the tail
     assert len(sp.rest) < len(blob) - sum(map(len, pages)) + 64
@@ -137,6 +146,7 @@ def test_cells_out_of_order_holes_and_repeats() -> None:
     blob = state(kv_section(order, rng=rng))
     sp, _ = round_trip(blob, 1, n)
     assert len(sp.keys) == 5
+    assert sp.moved(bytes(blob)) is None  # gathered in position order: copies
     # the page content is in position order: the same keys as the cells in order
     in_order = _sorted_by_pos(blob)
     assert round_trip(in_order, 1, n)[0].keys == sp.keys
@@ -152,9 +162,11 @@ def test_two_sections_and_a_window() -> None:
     n = 30
     base = kv_section(list(range(n)), rng=rng)
     swa = kv_section(list(range(n - 10, n)), layers=3, rng=rng)
-    sp, _ = round_trip(state(base, swa), 2, n)
+    blob = state(base, swa)
+    sp, _ = round_trip(blob, 2, n)
     # 7 whole pages in the base; in the SWA cache positions 20..29: pages 5 and 6
     assert len(sp.keys) == 7 + 2
+    assert sp.moved(bytes(blob)) is not None
 
 
 def test_a_state_of_another_layout_is_kept_whole() -> None:
