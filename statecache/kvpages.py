@@ -259,7 +259,7 @@ def _run_of(order: IntArray) -> int | None:
 # -- split -------------------------------------------------------------------------------
 
 
-def split(state: Buffer, *, sections: int, page_size: int,
+def split(state: Buffer | mmap.mmap, *, sections: int, page_size: int,
           chain: Sequence[PageHash], tokens: TokenArray | None = None,
           logits: npt.NDArray[np.float32] | None = None) -> Split:
     """Cut ``state`` (a FULL sequence state whose memory writes ``sections`` KV caches

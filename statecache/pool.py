@@ -75,7 +75,7 @@ from statecache.kvpages import (
 from statecache.lease import Buffer, Lease
 from statecache.opendisk import open_disk
 from statecache.pages import PageChain, PageHash, TokenArray, Tokens, as_tokens, namespace_hash
-from statecache.ram import EvictionClass, Pin, RamTier, Whole, eviction_class
+from statecache.ram import EvictionClass, Pin, RamTier, State, Whole, eviction_class
 from statecache.records import (
     ROLE_STRENGTH,
     CheckpointRecord,
@@ -558,22 +558,51 @@ class CheckpointPool:
         lane: int | None,
         tokens: Tokens,
         role: Role,
-        data: Buffer,
+        data: Buffer | mmap.mmap,
         tenant: str = "",
         preview: str = "",
         keep_s: float = 0.0,
         logits: npt.NDArray[np.float32] | None = None,
+        owned: bool = False,
     ) -> Record | None:
         """Store a copy of ``data`` as the state after ``tokens``; its record (the head
         of one held on disk alone, if that state was there already), None if refused.
         ``logits``: the last row's after ``tokens``, kept with the state (a lease gives
         them back), so a prompt that ends there needs no token decoded again.
+        ``owned``: ``data`` is a buffer from ``state_buffer`` holding exactly the state,
+        handed over (the caller never touches it again): kept as it is, not copied,
+        where RAM keeps the state whole.
 
         A FULL state that RAM cannot take (a RAM budget smaller than the state) is
         written straight to disk, in this thread, without the lock. ``keep_s``: a client
         asked to keep it that long (a cache breakpoint): it is evicted after every entry
         that nobody asked to keep, until then.
         """
+        if owned and not isinstance(data, mmap.mmap):
+            raise TypeError("an owned state is a buffer from state_buffer")
+        kept: list[State] = []  # the buffer RAM keeps as the state, if any
+        try:
+            return self._insert(kind, owner, lane, tokens, role, data, tenant, preview,
+                                keep_s, logits, owned, kept)
+        finally:
+            if owned and not (kept and kept[0] is data):
+                self._spare.give(data)  # not kept: the next one is written into it
+
+    @property
+    def keeps_whole(self) -> bool:
+        """Whether RAM may keep a FULL state of the target whole (states are cut into
+        pages: the model has KV sections)."""
+        return self.kv_sections > 0
+
+    def state_buffer(self, nbytes: int) -> mmap.mmap:
+        """A buffer of ``nbytes`` for a FULL state to be inserted ``owned``: written
+        there by llama.cpp, kept whole by RAM without a copy."""
+        return self._spare.take(nbytes)
+
+    def _insert(self, kind: Kind, owner: Owner, lane: int | None, tokens: Tokens, role: Role,
+                data: Buffer | mmap.mmap, tenant: str, preview: str, keep_s: float,
+                logits: npt.NDArray[np.float32] | None, owned: bool, kept: list[State]
+                ) -> Record | None:
         now = self._clock()
         rec = new_record(
             kind=kind,
@@ -604,13 +633,27 @@ class CheckpointPool:
         with self._lock:
             host = self._paged(rec) and self._ram.would_host(sp.keys)
         if host:
-            src = memoryview(data).cast("B")
-            state = self._spare.take(src.nbytes)
-            memoryview(state)[:] = src
+            if owned:
+                assert isinstance(data, mmap.mmap)
+                state = data
+            else:  # into the spare: no page faults, unlike a new buffer
+                src = memoryview(data).cast("B")
+                state = self._spare.take(src.nbytes)
+                memoryview(state)[:] = src
             parts = sp.moved(state)
-            if parts is None:
-                self._spare.give(state)
             whole = None if parts is None else Whole(state, parts)
+            if whole is None and state is not data:
+                self._spare.give(state)
+        try:
+            return self._store(rec, sp, whole, now, keep_s, kept)
+        finally:
+            if whole is not None and not kept and whole.state is not data:
+                self._spare.give(whole.state)
+
+    def _store(self, rec: CheckpointRecord, sp: Split, whole: Whole | None, now: float,
+               keep_s: float, kept: list[State]) -> Record | None:
+        """``insert``'s second half: into RAM (``kept`` gets the whole state RAM keeps),
+        else straight to disk."""
         with self._lock:
             missing = [] if whole is not None else self._ram.missing(sp.keys)
         copies = {i: sp.page(i) for i in missing}
@@ -633,6 +676,8 @@ class CheckpointPool:
                 entry = _Entry(rec, EntryStats(last_used=now))
                 if self._ram.put(rec.id, sp.rest, cost, self._keep(entry, now + keep_s),
                                  sp.keys, sizes, source, whole):
+                    if whole is not None and self._ram.hosts(rec.id):
+                        kept.append(whole.state)
                     self._add(entry)
                     self._counts["inserts"] += 1
                     self._queue_write(entry)
@@ -670,7 +715,7 @@ class CheckpointPool:
         """Whether ``rec``'s state is cut into KV pages (a FULL state of the target)."""
         return rec.kind is Kind.FULL and rec.owner is Owner.TARGET and self.kv_sections > 0
 
-    def _split(self, rec: CheckpointRecord, data: Buffer,
+    def _split(self, rec: CheckpointRecord, data: Buffer | mmap.mmap,
                logits: npt.NDArray[np.float32] | None = None) -> Split:
         """A FULL state of the target cut into its rest and KV pages; any other state
         kept whole (a rest without pages). The logits go at the rest's end."""

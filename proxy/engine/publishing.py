@@ -24,6 +24,7 @@ Checkpoint policy by memory kind (docs/design.md facts 5-9):
 
 from __future__ import annotations
 
+import mmap
 import time
 
 import numpy as np
@@ -186,19 +187,33 @@ class Publisher:
             job.stats.checkpoints_added += 1
             job.stats.checkpoint_bytes += nbytes
 
-    def save(self, lane: Lane, role: Role, kind: Kind, keep_s: float = 0.0) -> int:
+    def save(self, lane: Lane, role: Role, kind: Kind, keep_s: float = 0.0,
+             older: bool = False) -> int:
         """Publish the lane's current state (with the logits of its last row where the
         lane kept them: a prompt's end); returns the bytes stored (0 if refused).
-        ``keep_s``: a client asked to keep it that long (a cache breakpoint)."""
+        ``keep_s``: a client asked to keep it that long (a cache breakpoint). A FULL
+        state is written into a buffer the pool keeps as it is (RAM keeps the newest
+        state of a conversation whole), unless it is ``older`` than one just saved."""
         p = self.p
         if p.pool is None or lane.n == 0:
             return 0
-        data = p.ctx.save(lane.id, FLAGS_PARTIAL if kind is Kind.PARTIAL else FLAGS_FULL)
+        flags = FLAGS_PARTIAL if kind is Kind.PARTIAL else FLAGS_FULL
+        owned = kind is Kind.FULL and not older and p.pool.keeps_whole
+        data: memoryview | mmap.mmap
+        if owned:
+            buf = p.pool.state_buffer(p.ctx.state_size(lane.id, flags))
+            n = p.ctx.save_into(lane.id, buf, flags)
+            if n != len(buf):
+                buf.resize(n)
+            data = buf
+        else:
+            data = p.ctx.save(lane.id, flags)
         preview = p.model.detokenize(lane.tokens[-PREVIEW_TOKENS:].tolist())
         rec = p.pool.insert(kind=kind, owner=Owner.TARGET,
                             lane=lane.id if kind is Kind.PARTIAL else None,
                             tokens=lane.tokens, role=role, data=data, tenant=lane.tenant,
-                            preview=preview, keep_s=keep_s, logits=lane.logits_at(lane.n))
+                            preview=preview, keep_s=keep_s, logits=lane.logits_at(lane.n),
+                            owned=owned)
         if rec is None:
             return 0
         p.meter.count("checkpoints_saved")
@@ -273,7 +288,7 @@ class Publisher:
                 lane.keep_logits(lease.logits)
             p.pool.drop_lane(lane.id, above=n)
             if role is Role.REPLAY:
-                self.save(lane, role, Kind.FULL)
+                self.save(lane, role, Kind.FULL, older=True)
                 converted += 1
             limit = n - 1
         lane.replay_saved = True

@@ -8,6 +8,8 @@ import mmap
 import random
 from pathlib import Path
 
+import pytest
+
 from statecache.kvpages import split
 from statecache.pages import PageChain, namespace_hash
 from statecache.records import Kind, Owner, Role
@@ -351,3 +353,37 @@ def test_random_conversations_keep_every_invariant(make_pool: PoolFactory) -> No
     s = pool.stats()
     assert s["evictions"] > 0 and s["hits_ram"] > 0 and s["disk_writes"] > 0
     assert s["hits_disk"] > 0
+
+
+def test_a_state_handed_over_is_kept_as_it_is(make_pool: PoolFactory) -> None:
+    # The engine asks the pool for a buffer, llama.cpp writes the state there, and the pool
+    # keeps that very buffer as the state kept whole: no copy. One it does not keep (an
+    # older state of a conversation) is the buffer of the next.
+    pool = make_pool(ram=1 << 20, disk=None, kv_sections=1)
+
+    def handed(conv: int, n: int) -> tuple[object, str]:
+        state = conversation_state(n, conv=conv)
+        buf = pool.state_buffer(len(state))
+        memoryview(buf)[:] = state
+        rec = pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None,
+                          tokens=tokens(conv, n), role=Role.REPLAY, data=buf, owned=True)
+        assert rec is not None
+        pool.sanity_check()
+        return buf, rec.id
+
+    buf32, a32 = handed(0, 32)
+    assert whole_ids(pool) == {a32}
+    with lease_of(pool, tokens(0, 32), 32) as lease:
+        assert lease.data.obj is buf32 and bytes(lease.data) == conversation_state(32)
+    buf16, a16 = handed(0, 16)  # older: RAM keeps its rest, the buffer comes back
+    assert whole_ids(pool) == {a32}
+    assert pool.state_buffer(8) is buf16
+    buf40, a40 = handed(0, 40)  # newer: takes A32's pages over, A32's buffer comes back
+    assert whole_ids(pool) == {a40}
+    assert pool.state_buffer(8) is buf32
+    for n in (16, 32, 40):
+        assert state_of(pool, 0, n) == conversation_state(n)
+    with pytest.raises(TypeError):
+        pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=tokens(1, 8),
+                    role=Role.REPLAY, data=conversation_state(8, conv=1), owned=True)
+    del a16

@@ -4,6 +4,7 @@ restore, and the ggml threadpool its decodes run on."""
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ import numpy as np
 from proxy.engine.binding.backend import FLAGS_FULL, FLAGS_PARTIAL, LlamaError, log
 from proxy.engine.binding.memory import MemoryInfo, MemoryKind
 from proxy.engine.binding.model import Model
+
+Writable = bytearray | mmap.mmap
 
 
 class Batch:
@@ -302,6 +305,19 @@ class Context:
         if n == 0 and size != 0:
             raise LlamaError(f"saving lane {lane} failed")
         return memoryview(b.array).cast("B")[:n]
+
+    def save_into(self, lane: int, dst: Writable, flags: int = FLAGS_FULL) -> int:
+        """Serialise one lane into ``dst`` (at least ``state_size`` bytes, writable: a
+        buffer the caller keeps); the bytes written."""
+        size = len(memoryview(dst))
+        arr = (ctypes.c_uint8 * size).from_buffer(dst)
+        try:
+            n = int(_ll.llama_state_seq_get_data_ext(self._ptr, arr, size, lane, flags))
+        finally:
+            del arr  # its view of ``dst`` goes with it
+        if n == 0 and size != 0:
+            raise LlamaError(f"saving lane {lane} failed")
+        return n
 
     def restore(self, lane: int, data: bytes | bytearray | memoryview,
                 flags: int = FLAGS_FULL) -> bool:
