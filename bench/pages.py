@@ -8,7 +8,7 @@ KV pages) and **pages** (this version: KV pages held once, zstd where it pays). 
 bytes held in RAM and on disk against the ideal (the longest prompt's state plus, for
 every other checkpoint, what does not grow with its length: a hybrid's recurrent state,
 an SWA model's window; the bytes a token adds measured between the last two states),
-insert time, the deepest checkpoint's
+insert time (save and insert, as the engine does them), the deepest checkpoint's
 restore time (lookup + assemble + ``set_data``) from RAM and from disk (page cache
 dropped), and how many such conversations a RAM budget holds.
 """
@@ -27,7 +27,7 @@ from typing import Any
 from proxy.engine.binding import FLAGS_FULL, Context, ContextParams, Model
 from statecache.config import CacheConfig
 from statecache.pool import CheckpointPool
-from statecache.records import Kind, Owner, Role
+from statecache.records import Kind, Owner, Record, Role
 from statecache.sizes import format_size, parse_size
 
 TEXT = Path(__file__).resolve().parents[1] / "README.md"
@@ -59,6 +59,21 @@ def _restore_s(pool: CheckpointPool, ctx: Context, tokens: list[int], n: int,
         times.append(time.perf_counter() - t0)
         ctx.clear_lane(1)
     return statistics.median(times), tier
+
+
+def _save(ctx: Context, pool: CheckpointPool, tokens: list[int]) -> Record | None:
+    """Lane 0's state into ``pool`` as the engine saves it (publishing.save): where RAM
+    keeps states whole, written into a buffer the pool keeps; else copied from the
+    context's buffer."""
+    if not pool.keeps_whole:
+        return pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=tokens,
+                           role=Role.PERIODIC, data=ctx.save(0, FLAGS_FULL))
+    buf = pool.state_buffer(ctx.state_size(0, FLAGS_FULL))
+    n = ctx.save_into(0, buf, FLAGS_FULL)
+    if n != len(buf):
+        buf.resize(n)
+    return pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=tokens,
+                       role=Role.PERIODIC, data=buf, owned=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,12 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             ctx.prefill(0, toks[pos:end], pos, logits_last=False)
             t_prefill += time.perf_counter() - t0
             pos = end
-            data = ctx.save(0, FLAGS_FULL)
-            sizes.append(len(data))
+            sizes.append(ctx.state_size(0, FLAGS_FULL))
             for name, pool in pools.items():
                 t0 = time.perf_counter()
-                rec = pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None,
-                                  tokens=toks[:end], role=Role.PERIODIC, data=data)
+                rec = _save(ctx, pool, toks[:end])
                 insert_s[name] += time.perf_counter() - t0
                 assert rec is not None
         last = sizes[-1]
