@@ -51,6 +51,7 @@ MISSES_TO_REST = 4  # steps in a row that found nothing to draft before a lane r
 PROBE_DRAFTS = 2  # drafts a probe verifies, whatever they are expected to yield
 MEASURE_ABOVE = 0.25  # how often a draft model makes drafts when asked, to be asked to measure
 PRIOR = 24.0  # drafts' worth of this model's record a new request starts from
+PROBE_CATCH_UP = 8  # tokens a probe of a draft model that rarely drafts may catch up
 LOOKUP, DRAFT = 0, 1  # the sources, as indexes of Drafting.accepted / rejected
 
 
@@ -129,7 +130,7 @@ class Speculation:
         it was."""
         spec, lane = job.spec, job.lane
         assert lane is not None
-        if spec.fresh or self._model_probe_due():
+        if spec.fresh or self._model_probe_due(job):
             return False
         known = np.append(lane.tokens, np.int32(job.out.pending))
         if self.lookup_on and len(self._lookup(job, known, 1)[0]):
@@ -256,7 +257,7 @@ class Speculation:
         if (spec.probing or untried) and not (k_model or k_look):
             if len(found):
                 k_look = min(len(found), PROBE_DRAFTS)
-            elif spec.probing and self._model_probe_due():
+            elif spec.probing and self._model_probe_due(job):
                 # the draft model catches up on what its lane rested through: probed
                 # for every lane at once, as rarely as it keeps not paying
                 self.model_since, self.model_rest = 0, min(self.model_rest * 2, MAX_REST)
@@ -284,10 +285,20 @@ class Speculation:
         return lookup(known, k, sc.lookup_max, sc.lookup_min,
                       self.history.get(job.req.tenant, job.req.session), job.spec.cursor)
 
-    def _model_probe_due(self) -> bool:
-        """Whether the draft model (if any) is due a probe: resting lanes decoded
-        ``model_rest`` tokens since its last."""
-        return self.p.draft is not None and self.model_since >= self.model_rest
+    def _model_probe_due(self, job: Job) -> bool:
+        """Whether the draft model (if any) is due a probe on ``job``'s lane: resting
+        lanes decoded ``model_rest`` tokens since its last, and the probe is worth its
+        catch-up. A probe first decodes what the draft lane lacks (the tokens it rested
+        through, a prompt that came from the cache): a model that, asked, rarely makes
+        drafts at all is probed only where its lane is nearly in step (a new request's
+        first steps), not after a rest, where that catch-up would cost as much as
+        following every token would have."""
+        draft, lane = self.p.draft, job.lane
+        if draft is None or self.model_since < self.model_rest:
+            return False
+        if (self.answers + 1.0) / (self.asks + 2.0) > MEASURE_ABOVE or lane is None:
+            return True
+        return draft.behind(lane.id, lane.tokens, lane.tenant) <= PROBE_CATCH_UP
 
     def _could_pay(self, k: int) -> bool:
         """Whether ``k`` drafts, every one accepted, would beat a step without them by
