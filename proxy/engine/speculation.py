@@ -20,7 +20,8 @@ fast path, not a planned step. The first drafts a lane's prompt lookup finds are
 a probe too: whether a copy goes on is the text's to say, which no earlier request
 measured. A draft model asked for drafts that made none (it stops where it is not
 sure) counts as rejected on the lane; one that keeps making none is not asked to
-measure what its drafts cost, only where its own time would pay.
+measure what its drafts cost, only where its own time would pay, and is probed only
+where its lane is nearly in step (a probe first decodes what the lane rested through).
 
 Nothing rejected is ever committed: a lane's tokens grow only by the tokens the target
 sampled. How a rejection leaves the lane depends on its memory (chosen once in
