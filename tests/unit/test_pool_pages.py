@@ -325,8 +325,14 @@ def test_random_conversations_keep_every_invariant(make_pool: PoolFactory) -> No
         n = rnd.randrange(1, 11) * 4 + rnd.choice([0, 0, 1, 3])
         r = rnd.random()
         if r < 0.45:
+            data: object = conversation_state(n, conv=conv)
+            owned = rnd.random() < 0.5  # as the engine saves: into a buffer handed over
+            if owned:
+                buf = pool.state_buffer(len(data))
+                memoryview(buf)[:] = data
+                data = buf
             pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=tokens(conv, n),
-                        role=rnd.choice(list(Role)), data=conversation_state(n, conv=conv))
+                        role=rnd.choice(list(Role)), data=data, owned=owned)
         elif r < 0.9:
             toks = tokens(conv, n) + [3]
             lease = pool.lookup(toks, pool.chain(toks), max_n=n)
@@ -352,7 +358,7 @@ def test_random_conversations_keep_every_invariant(make_pool: PoolFactory) -> No
         lease.close()
     s = pool.stats()
     assert s["evictions"] > 0 and s["hits_ram"] > 0 and s["disk_writes"] > 0
-    assert s["hits_disk"] > 0
+    assert s["hits_disk"] > 0 and s["ram_whole_states"] > 0
 
 
 def test_a_state_handed_over_is_kept_as_it_is(make_pool: PoolFactory) -> None:
