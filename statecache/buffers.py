@@ -2,12 +2,12 @@
 
 Two things need one: a RAM hit on a checkpoint kept as pages assembles the state into
 one (llama.cpp reads a state from one contiguous buffer), and a state kept whole in RAM
-is a copy of what llama.cpp wrote. A new buffer costs a page fault per 4 KiB the first
-time it is written: 250 MB took 177 ms to copy into a new ``bytes`` on these cores and
-26 ms into a buffer already touched. So a buffer comes from the spare when there is one
-(resized to the state's length: the kernel moves the mapping, nothing is copied, and
-only pages it grows by are faulted), else is mapped with its pages faulted in one call
-(MAP_POPULATE where the platform has it: 92 ms for the same copy).
+is what llama.cpp wrote. A new buffer costs a page fault per 4 KiB the first time it
+is written (``python -m bench.statebuf``: 250 MiB took 178 ms to copy into a new
+``bytes`` on these cores and 26 ms into a buffer already written). So a buffer comes
+from the spare when there is one (resized to the state's length: the kernel moves the
+mapping, nothing is copied, and only pages it grows by are faulted), else is mapped
+with its pages faulted in one call (MAP_POPULATE where the platform has it: 91 ms).
 
 A buffer is written only when nothing else can read it: CPython refuses to resize a
 map while any view of it (a memoryview, a numpy array) is alive, and ``take`` resizes
