@@ -69,9 +69,7 @@ def _save(ctx: Context, pool: CheckpointPool, tokens: list[int]) -> Record | Non
         return pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=tokens,
                            role=Role.PERIODIC, data=ctx.save(0, FLAGS_FULL))
     buf = pool.state_buffer(ctx.state_size(0, FLAGS_FULL))
-    n = ctx.save_into(0, buf, FLAGS_FULL)
-    if n != len(buf):
-        buf.resize(n)
+    ctx.save_into(0, buf, FLAGS_FULL)
     return pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=tokens,
                        role=Role.PERIODIC, data=buf, owned=True)
 

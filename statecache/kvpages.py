@@ -304,15 +304,15 @@ def _split(view: memoryview, sections: int, page_size: int, chain: Sequence[Page
             whole, order, rest = _covered(st.pos, page_size, len(chain))
             out += [struct.pack("<I", st.cells), _encode_meta(st, tokens), st.dims]
             per_block = [_cut(b, order, rest, whole.size, page_size, out) for b in st.blocks]
+            starts = [at for _, at in per_block if at is not None]
+            if len(starts) != len(per_block):
+                offsets = None  # parts copied while cutting: no offsets in the state
             for i, p in enumerate(whole):
-                page = tuple(pb[0][i] for pb in per_block)
+                page = tuple(pb[i] for pb, _ in per_block)
                 keys.append(page_key(chain[int(p)], s, page))
                 parts.append(page)
                 if offsets is not None:
-                    starts = [pb[1] for pb in per_block]
-                    offsets.append(tuple(a[i] for a in starts if a is not None))
-                    if len(offsets[-1]) != len(page):
-                        offsets = None
+                    offsets.append(tuple(at[i] for at in starts))
     out.append(r.buf[r.at:])  # a hybrid's recurrent part, verbatim
     head = _REST_HEAD.pack(REST_MAGIC, sections, page_size, len(chain), len(keys),
                            view.nbytes, digest, len(tail) // 4)
@@ -424,11 +424,14 @@ def rest_logits(rest: Buffer) -> npt.NDArray[np.float32] | None:
 def whole_state(rest: Buffer, state: Buffer | mmap.mmap) -> memoryview:
     """``state`` (a whole state kept beside ``rest``), checked as ``assemble`` checks
     what it writes: raises BadState unless it is the state that was cut."""
-    info = rest_info(rest)
-    view = memoryview(state).cast("B")
-    if view.nbytes != info.nbytes or xxhash.xxh3_128_digest(view) != info.digest:
+    return _saved(rest_info(rest), memoryview(state).cast("B"))
+
+
+def _saved(info: RestInfo, state: memoryview) -> memoryview:
+    """``state`` if it is the one the rest was cut from (its length and digest)."""
+    if state.nbytes != info.nbytes or xxhash.xxh3_128_digest(state) != info.digest:
         raise BadState("the state is not the one saved (length or digest)")
-    return view
+    return state
 
 
 def assemble(rest: Buffer, pages: Sequence[PageData], out: bytearray | mmap.mmap | None = None,
@@ -443,10 +446,7 @@ def assemble(rest: Buffer, pages: Sequence[PageData], out: bytearray | mmap.mmap
     body = memoryview(rest).cast("B")
     body = body[:body.nbytes - 4 * info.n_logits]  # the logits after it
     if info.sections == 0:  # kept whole: the state is the rest's body, not copied
-        whole = body[_REST_HEAD.size:]
-        if whole.nbytes != info.nbytes or xxhash.xxh3_128_digest(whole) != info.digest:
-            raise BadState("the state is not the one saved (length or digest)")
-        return whole
+        return _saved(info, body[_REST_HEAD.size:])
     if out is None or len(out) < info.nbytes:
         out = bytearray(info.nbytes)
     dst = memoryview(out)[:info.nbytes]

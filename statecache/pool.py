@@ -276,15 +276,8 @@ class CheckpointPool:
                     keys = disk.keys(rec.id)
                     local = self._ram_pages(unpack_keys(keys))
             tried.add(rec.id)
-            if pin is not None and state is not None:  # kept whole: no assembly
-                data = self._check_whole(whole, rest, state)
-                if data is not None:
-                    return Lease(self, whole, "ram", data, pin, None, rest_logits(rest))
-                self._release(pin)
-                self.remove(rec.id)
-                continue
             if pin is not None:
-                got = self._assemble(whole, rest, pages)
+                got = self._assemble(whole, rest, pages, state)
                 if got is not None:
                     return Lease(self, whole, "ram", got[0], pin, got[1], rest_logits(rest))
                 self._release(pin)
@@ -295,15 +288,20 @@ class CheckpointPool:
             if lease is not None:
                 return lease
 
-    def _assemble(self, rec: CheckpointRecord, rest: Buffer, pages: Sequence[PageData]
-                  ) -> tuple[memoryview, mmap.mmap | None] | None:
+    def _assemble(self, rec: CheckpointRecord, rest: Buffer, pages: Sequence[PageData],
+                  state: State | None = None) -> tuple[memoryview, mmap.mmap | None] | None:
         """The state llama.cpp reads back and the buffer it was assembled in (None: a
-        view of ``rest``, a state kept whole there), or None (logged, counted) if it is
-        not the one that was saved."""
+        view of ``rest``, a state kept whole there, or ``state``, one kept whole in RAM
+        and only checked), or None (logged, counted) if it is not the one that was
+        saved."""
         try:
+            if state is not None:
+                return whole_state(rest, state), None
             return self._assemble_checked(rec, rest, pages)
         except BadState as e:
-            self._bad_state(rec, e)
+            log.error("pool: checkpoint %s does not assemble (%s): a miss", rec.id, e)
+            with self._lock:
+                self._counts["bad_states"] += 1
             return None
 
     def _assemble_checked(self, rec: CheckpointRecord, rest: Buffer, pages: Sequence[PageData]
@@ -316,21 +314,6 @@ class CheckpointPool:
         except BadState:
             self._spare.give(buf)
             raise
-
-    def _check_whole(self, rec: CheckpointRecord, rest: Buffer, state: bytes | mmap.mmap
-                     ) -> memoryview | None:
-        """A state kept whole, checked as an assembled one is (None if it is not the
-        one that was saved)."""
-        try:
-            return whole_state(rest, state)
-        except BadState as e:
-            self._bad_state(rec, e)
-            return None
-
-    def _bad_state(self, rec: CheckpointRecord, e: BadState) -> None:
-        log.error("pool: checkpoint %s does not assemble (%s): a miss", rec.id, e)
-        with self._lock:
-            self._counts["bad_states"] += 1
 
     def _ram_pages(self, keys: tuple[PageKey, ...]) -> dict[int, PageData]:
         """The pages of ``keys`` the RAM tier holds, by index (lock held)."""
@@ -580,29 +563,6 @@ class CheckpointPool:
         """
         if owned and not isinstance(data, mmap.mmap):
             raise TypeError("an owned state is a buffer from state_buffer")
-        kept: list[State] = []  # the buffer RAM keeps as the state, if any
-        try:
-            return self._insert(kind, owner, lane, tokens, role, data, tenant, preview,
-                                keep_s, logits, owned, kept)
-        finally:
-            if owned and not (kept and kept[0] is data):
-                self._spare.give(data)  # not kept: the next one is written into it
-
-    @property
-    def keeps_whole(self) -> bool:
-        """Whether RAM may keep a FULL state of the target whole (states are cut into
-        pages: the model has KV sections)."""
-        return self.kv_sections > 0
-
-    def state_buffer(self, nbytes: int) -> mmap.mmap:
-        """A buffer of ``nbytes`` for a FULL state to be inserted ``owned``: written
-        there by llama.cpp, kept whole by RAM without a copy."""
-        return self._spare.take(nbytes)
-
-    def _insert(self, kind: Kind, owner: Owner, lane: int | None, tokens: Tokens, role: Role,
-                data: Buffer | mmap.mmap, tenant: str, preview: str, keep_s: float,
-                logits: npt.NDArray[np.float32] | None, owned: bool, kept: list[State]
-                ) -> Record | None:
         now = self._clock()
         rec = new_record(
             kind=kind,
@@ -618,42 +578,54 @@ class CheckpointPool:
             page_size=self.page_size,
             preview=preview,
         )
-        with self._lock:
-            entry = self._entries.get(rec.id)
-            if entry is not None:  # the same state again: nothing to cut or copy
-                self._expire_kept(now)
-                self._keep(entry, now + keep_s)
-                return self._refresh(entry, rec, now)
-        # Cut, hashed and copied before taking the lock: 16 MiB take milliseconds. A
-        # FULL state of the target is kept whole, its pages views into it (RAM hosts
-        # it: a lookup of it assembles nothing); else only the pages RAM lacks are copied.
-        sp = self._split(rec, data, logits)
-        rec = dataclasses.replace(rec, keys=key_bytes(sp.keys), rest_nbytes=len(sp.rest))
-        whole: Whole | None = None
-        with self._lock:
-            host = self._paged(rec) and self._ram.would_host(sp.keys)
-        if host:
-            if owned:
-                assert isinstance(data, mmap.mmap)
-                state = data
-            else:  # into the spare: no page faults, unlike a new buffer
-                src = memoryview(data).cast("B")
-                state = self._spare.take(src.nbytes)
-                memoryview(state)[:] = src
-            parts = sp.moved(state)
-            whole = None if parts is None else Whole(state, parts)
-            if whole is None and state is not data:
-                self._spare.give(state)
+        # a buffer RAM may keep as the whole state: the one handed over, or a copy
+        state: State | None = data if isinstance(data, mmap.mmap) and owned else None
         try:
-            return self._store(rec, sp, whole, now, keep_s, kept)
+            with self._lock:
+                entry = self._entries.get(rec.id)
+                if entry is not None:  # the same state again: nothing to cut or copy
+                    self._expire_kept(now)
+                    self._keep(entry, now + keep_s)
+                    return self._refresh(entry, rec, now)
+            # Cut, hashed and copied before taking the lock: 16 MiB take milliseconds. A
+            # FULL state of the target is kept whole, its pages views into it (RAM hosts
+            # it: a lookup of it assembles nothing); else only the pages RAM lacks are
+            # copied.
+            sp = self._split(rec, data, logits)
+            rec = dataclasses.replace(rec, keys=key_bytes(sp.keys), rest_nbytes=len(sp.rest))
+            whole: Whole | None = None
+            with self._lock:
+                host = self._paged(rec) and self._ram.would_host(sp.keys)
+            if host:
+                if state is None:  # into the spare: no page faults, unlike a new buffer
+                    src = memoryview(data).cast("B")
+                    state = self._spare.take(src.nbytes)
+                    memoryview(state)[:] = src
+                parts = sp.moved(state)
+                whole = None if parts is None else Whole(state, parts)
+            return self._store(rec, sp, whole, now, keep_s)
         finally:
-            if whole is not None and not kept and whole.state is not data:
-                self._spare.give(whole.state)
+            if state is not None:
+                with self._lock:
+                    kept = self._ram.whole_of(rec.id) is state
+                if not kept:
+                    self._spare.give(state)  # the next state is written into it
+
+    @property
+    def keeps_whole(self) -> bool:
+        """Whether RAM may keep a FULL state of the target whole (states are cut into
+        pages: the model has KV sections)."""
+        return self.kv_sections > 0
+
+    def state_buffer(self, nbytes: int) -> mmap.mmap:
+        """A buffer of ``nbytes`` for a FULL state to be inserted ``owned``: written
+        there by llama.cpp, kept whole by RAM without a copy."""
+        return self._spare.take(nbytes)
 
     def _store(self, rec: CheckpointRecord, sp: Split, whole: Whole | None, now: float,
-               keep_s: float, kept: list[State]) -> Record | None:
-        """``insert``'s second half: into RAM (``kept`` gets the whole state RAM keeps),
-        else straight to disk."""
+               keep_s: float) -> Record | None:
+        """``insert``'s second half: into RAM (keeping ``whole`` where it may), else
+        straight to disk."""
         with self._lock:
             missing = [] if whole is not None else self._ram.missing(sp.keys)
         copies = {i: sp.page(i) for i in missing}
@@ -676,8 +648,6 @@ class CheckpointPool:
                 entry = _Entry(rec, EntryStats(last_used=now))
                 if self._ram.put(rec.id, sp.rest, cost, self._keep(entry, now + keep_s),
                                  sp.keys, sizes, source, whole):
-                    if whole is not None and self._ram.hosts(rec.id):
-                        kept.append(whole.state)
                     self._add(entry)
                     self._counts["inserts"] += 1
                     self._queue_write(entry)
@@ -713,7 +683,7 @@ class CheckpointPool:
 
     def _paged(self, rec: CheckpointRecord) -> bool:
         """Whether ``rec``'s state is cut into KV pages (a FULL state of the target)."""
-        return rec.kind is Kind.FULL and rec.owner is Owner.TARGET and self.kv_sections > 0
+        return rec.kind is Kind.FULL and rec.owner is Owner.TARGET and self.keeps_whole
 
     def _split(self, rec: CheckpointRecord, data: Buffer | mmap.mmap,
                logits: npt.NDArray[np.float32] | None = None) -> Split:

@@ -98,6 +98,11 @@ class _Page:
     host: Pin | None = None  # the entry whose whole state ``data`` is a view into
 
 
+def _copy_out(page: _Page) -> None:
+    """A page that was a view into its host's state, copied out of it."""
+    page.data, page.host = bytes(page_bytes(page.data)), None
+
+
 # Told of each eviction; returns True to keep the bytes (the slot stays, doomed and
 # pinned once for the caller, who unpins it when done: the disk writer does so).
 EvictCallback = Callable[[Pin], bool]
@@ -154,19 +159,26 @@ class RamTier:
         page is freed)."""
         return self._pages[key].data
 
+    def whole_of(self, entry_id: str) -> State | None:
+        """The entry's whole state, where it keeps one."""
+        slot = self._slots.get(entry_id)
+        return None if slot is None else slot.whole
+
     def hosts(self, entry_id: str) -> bool:
         """Whether the entry keeps its whole state."""
-        slot = self._slots.get(entry_id)
-        return slot is not None and slot.whole is not None
+        return self.whole_of(entry_id) is not None
 
     def would_host(self, keys: Sequence[PageKey]) -> bool:
         """Whether a new entry naming ``keys`` would keep its whole state (room aside):
         it names pages, no host of them is pinned (a lease reads its state), and it is
         not an older state of one host (all its pages that host's, fewer than it has:
         the state a newer one holds, as a conversation's earlier points are)."""
+        return self._would_host(keys, self._hosts_of(keys))
+
+    def _would_host(self, keys: Sequence[PageKey], olds: set[Pin]) -> bool:
+        """``would_host``, given the hosts of ``keys``' pages."""
         if not keys:
             return False
-        olds = self._hosts_of(keys)
         if any(h.pins or h.doomed for h in olds):
             return False
         if len(olds) == 1:
@@ -206,7 +218,8 @@ class RamTier:
         if len(keys) != len(sizes) or len(set(keys)) != len(keys):
             raise RuntimeError("ram: page keys and sizes disagree, or a key repeats")
         olds = self._hosts_of(keys)
-        if whole is not None and (len(whole.parts) != len(keys) or not self.would_host(keys)):
+        if whole is not None and (len(whole.parts) != len(keys)
+                                  or not self._would_host(keys, olds)):
             whole = None
         new = cost
         pins = cost  # what the entry pins while it is being stored
@@ -353,7 +366,7 @@ class RamTier:
                     self.leaving -= page.size
             else:
                 if page.host is slot:  # others name it: out of the state that goes
-                    page.data, page.host = bytes(page_bytes(page.data)), None
+                    _copy_out(page)
                 if was_live and page.live == 0:
                     self.leaving += page.size  # only doomed entries hold it now
         self._drop_whole(slot)
@@ -364,7 +377,7 @@ class RamTier:
         for key in slot.keys:
             page = self._pages[key]
             if page.host is slot:
-                page.data, page.host = bytes(page_bytes(page.data)), None
+                _copy_out(page)
         self.used -= slot.extra
         slot.cost -= slot.extra
         slot.extra = 0

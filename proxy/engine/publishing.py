@@ -201,11 +201,8 @@ class Publisher:
         owned = kind is Kind.FULL and not older and p.pool.keeps_whole
         data: memoryview | mmap.mmap
         if owned:
-            buf = p.pool.state_buffer(p.ctx.state_size(lane.id, flags))
-            n = p.ctx.save_into(lane.id, buf, flags)
-            if n != len(buf):
-                buf.resize(n)
-            data = buf
+            data = p.pool.state_buffer(p.ctx.state_size(lane.id, flags))
+            p.ctx.save_into(lane.id, data, flags)
         else:
             data = p.ctx.save(lane.id, flags)
         preview = p.model.detokenize(lane.tokens[-PREVIEW_TOKENS:].tolist())

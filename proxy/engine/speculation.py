@@ -238,7 +238,7 @@ class Speculation:
             left = max(job.req.sampling.max_tokens - len(job.out.generated), 1)
             catch_up = max(behind, 0) * (timer.follow_s or per) / left
             p_model = acceptance(spec, DRAFT)
-            answers = (self.answers + 1.0) / (self.asks + 2.0)
+            answers = self._answer_rate()
 
             def model_cost(k: int) -> float | None:
                 # before any verification: worth one to measure, unless the model, asked
@@ -297,9 +297,13 @@ class Speculation:
         draft, lane = self.p.draft, job.lane
         if draft is None or self.model_since < self.model_rest:
             return False
-        if (self.answers + 1.0) / (self.asks + 2.0) > MEASURE_ABOVE or lane is None:
+        if self._answer_rate() > MEASURE_ABOVE or lane is None:
             return True
         return draft.behind(lane.id, lane.tokens, lane.tenant) <= PROBE_CATCH_UP
+
+    def _answer_rate(self) -> float:
+        """How often the draft model, asked for drafts, made any (from one in two)."""
+        return (self.answers + 1.0) / (self.asks + 2.0)
 
     def _could_pay(self, k: int) -> bool:
         """Whether ``k`` drafts, every one accepted, would beat a step without them by

@@ -18,8 +18,6 @@ from proxy.engine.binding.backend import FLAGS_FULL, FLAGS_PARTIAL, LlamaError, 
 from proxy.engine.binding.memory import MemoryInfo, MemoryKind
 from proxy.engine.binding.model import Model
 
-Writable = bytearray | mmap.mmap
-
 
 class Batch:
     """A preallocated llama_batch spanning any of the context's lanes."""
@@ -306,10 +304,10 @@ class Context:
             raise LlamaError(f"saving lane {lane} failed")
         return memoryview(b.array).cast("B")[:n]
 
-    def save_into(self, lane: int, dst: Writable, flags: int = FLAGS_FULL) -> int:
-        """Serialise one lane into ``dst`` (at least ``state_size`` bytes, writable: a
-        buffer the caller keeps); the bytes written."""
-        size = len(memoryview(dst))
+    def save_into(self, lane: int, dst: mmap.mmap, flags: int = FLAGS_FULL) -> None:
+        """Serialise one lane into ``dst`` (a map of at least ``state_size`` bytes that
+        the caller keeps), cut to the bytes written."""
+        size = len(dst)
         arr = (ctypes.c_uint8 * size).from_buffer(dst)
         try:
             n = int(_ll.llama_state_seq_get_data_ext(self._ptr, arr, size, lane, flags))
@@ -317,7 +315,8 @@ class Context:
             del arr  # its view of ``dst`` goes with it
         if n == 0 and size != 0:
             raise LlamaError(f"saving lane {lane} failed")
-        return n
+        if n != size:
+            dst.resize(n)
 
     def restore(self, lane: int, data: bytes | bytearray | memoryview,
                 flags: int = FLAGS_FULL) -> bool:
