@@ -30,12 +30,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import xxhash
@@ -67,10 +69,32 @@ log = logging.getLogger(__name__)
 
 QUARANTINE = "quarantine"
 PAGE_SUFFIX = ".kvp"
-# Page files are read and written by a few threads at once: a state of 2,400 pages is
-# 2,400 small reads and fdatasyncs, and one at a time each waits for the device.
+# Page files are written by a few threads at once: a state of 2,400 pages is 2,400 small
+# fdatasyncs, and one at a time each waits for the device.
 _IO_THREADS = 4
-_BATCH = 32  # pages a task
+_BATCH = 32  # pages a write task
+# Reads need no threads to keep the device busy: a reader opens its next _AHEAD files and
+# asks for them all (WILLNEED) before it reads one, so the kernel has them in flight. The
+# threads only share the MACs and decoding; on two cores one reader beats two, whose GIL
+# hand-offs cost more than the second core gives (bench.pages, hybrid-tiny: docs/design.md,
+# "Reading pages from disk").
+_READERS = max(1, (os.cpu_count() or 2) // 2)
+
+
+def _ahead() -> int:
+    """Files a reader opens at once: 128 (best measured), or a small share of a low
+    open-file limit (macOS shells start at 256)."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        soft = 1024
+    if soft == resource.RLIM_INFINITY:
+        return 128
+    return max(8, min(128, soft // (8 * _READERS)))
+
+
+_AHEAD = _ahead()
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 _io_lock = threading.Lock()
 _readers: ThreadPoolExecutor | None = None
 _writers: ThreadPoolExecutor | None = None
@@ -81,7 +105,7 @@ def _pool_of(kind: str) -> ThreadPoolExecutor:
     with _io_lock:
         if kind == "read":
             if _readers is None:
-                _readers = ThreadPoolExecutor(_IO_THREADS, "statecache-page-read")
+                _readers = ThreadPoolExecutor(_READERS, "statecache-page-read")
             return _readers
         if _writers is None:  # as low a priority as the disk writer that uses them
             _writers = ThreadPoolExecutor(_IO_THREADS, "statecache-page-write",
@@ -89,8 +113,8 @@ def _pool_of(kind: str) -> ThreadPoolExecutor:
         return _writers
 
 
-def _batches(items: list[int]) -> list[list[int]]:
-    return [items[i:i + _BATCH] for i in range(0, len(items), _BATCH)]
+def _batches(items: list[int], size: int = _BATCH) -> list[list[int]]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -534,36 +558,68 @@ class DiskTier:
         want = [i for i in range(len(pkeys)) if not (i < len(have) and have[i])]
 
         def read(batch: list[int]) -> list[tuple[int, Buffer]]:
-            return [(i, self.read_page(pkeys[i])) for i in batch]
+            return list(zip(batch, self.read_pages([pkeys[i] for i in batch]), strict=True))
 
-        for done in _pool_of("read").map(read, _batches(want)):
+        share = -(-len(want) // _READERS)  # one task a reader
+        for done in _pool_of("read").map(read, _batches(want, max(share, _BATCH))):
             for i, page in done:
                 pages[i] = page
         return Stored(whole, rest, pages)
 
     def read_page(self, key: PageKey) -> Buffer:
         """One page's raw bytes, authenticated; raises BadPageFile."""
+        return self.read_pages([key])[0]
+
+    def read_pages(self, keys: Sequence[PageKey]) -> list[Buffer]:
+        """Pages' raw bytes, authenticated; raises BadPageFile for the first bad one.
+        The next _AHEAD files are open and asked for before one is read."""
+        ahead: deque[tuple[PageKey, int, int]] = deque()  # key, fd, size
+        todo = iter(keys)
+        out: list[Buffer] = []
+        try:
+            while True:
+                # in groups: reads asked for together reach the device together
+                while not ahead and (group := list(islice(todo, _AHEAD))):
+                    for key in group:
+                        ahead.append(self._open_page(key, len(keys) > 1))
+                if not ahead:
+                    return out
+                key, fd, size = ahead.popleft()
+                try:
+                    blob = bytearray(size)
+                    view = memoryview(blob)
+                    got = 0
+                    while got < size:
+                        k = os.readv(fd, [view[got:]])
+                        if k == 0:
+                            break
+                        got += k
+                finally:
+                    os.close(fd)
+                try:
+                    out.append(decode_page(self._key, key, view[:got]))
+                except BadPage as e:
+                    raise BadPageFile(key, str(e)) from None
+        finally:
+            for _, fd, _ in ahead:
+                os.close(fd)
+
+    def _open_page(self, key: PageKey, willneed: bool) -> tuple[PageKey, int, int]:
+        """A page file open for reading, no bigger than the index holds it (a file put
+        in its place may be huge), its read started where ``willneed``."""
         try:
             fd, st = open_regular(page_file(self._pages_str, key))
         except FileNotFoundError:
             raise BadPageFile(key, "missing") from None
         except BadFile as e:
             raise BadPageFile(key, str(e)) from None
-        try:
-            blob = bytearray(st.st_size)
-            view = memoryview(blob)
-            got = 0
-            while got < st.st_size:
-                k = os.readv(fd, [view[got:]])
-                if k == 0:
-                    break
-                got += k
-        finally:
+        page = self._pages.get(key)
+        if page is None or st.st_size > page.size:
             os.close(fd)
-        try:
-            return decode_page(self._key, key, view[:got])
-        except BadPage as e:
-            raise BadPageFile(key, str(e)) from None
+            raise BadPageFile(key, f"{st.st_size} bytes, more than the index holds")
+        if willneed and _WILLNEED is not None:
+            os.posix_fadvise(fd, 0, 0, _WILLNEED)
+        return key, fd, st.st_size
 
     def quarantine_file(self, entry_id: str, reason: str) -> bool:
         return quarantine(self.path, self.path / file_name(entry_id), reason)

@@ -7,6 +7,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
+from statecache import disk
 from statecache.disk import PAGE_SUFFIX, pages_dir
 from tests.unit.conftest import FP, PoolFactory
 from tests.unit.kvstate import conversation_state
@@ -84,6 +87,37 @@ def test_a_bad_page_found_at_read_is_a_miss_for_every_record_that_needs_it(
     toks = list(range(1000, 1040)) + [1]
     with pool.lookup(toks, pool.chain(toks)) as lease:  # type: ignore[union-attr]
         assert lease.record.n == 8 and bytes(lease.data) == conversation_state(8)
+
+
+def test_a_page_file_grown_after_the_scan_is_refused_unread(make_pool: PoolFactory,
+                                                            tmp_path: Path) -> None:
+    recs = saved(make_pool)
+    victim = _page_of(tmp_path, recs[2], 4)
+    pool = make_pool(kv_sections=1)  # scanned at its true size
+    os.truncate(victim, 1 << 40)  # a sparse terabyte: reading it whole would not fit
+    fds = len(os.listdir("/proc/self/fd"))
+    assert state_of(pool, 0, 40) is None
+    assert len(os.listdir("/proc/self/fd")) == fds  # the batch's other files closed
+    assert pool.stats()["quarantined"] == 1 and not victim.exists()
+    assert state_of(pool, 0, 8) == conversation_state(8)
+
+
+@pytest.mark.parametrize("ahead", [1, 3, 128])
+def test_pages_read_in_groups_of_open_files_come_back_in_order(
+    make_pool: PoolFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ahead: int
+) -> None:
+    recs = saved(make_pool)
+    monkeypatch.setattr(disk, "_AHEAD", ahead)  # ten pages: groups of 1, of 3 and one
+    pool = make_pool(kv_sections=1)
+    assert state_of(pool, 0, 40) == conversation_state(40)
+    pool.close()
+    victim = _page_of(tmp_path, recs[2], 7)  # in the third group of three
+    victim.write_bytes(victim.read_bytes()[:-1])
+    pool = make_pool(kv_sections=1)
+    fds = len(os.listdir("/proc/self/fd"))
+    assert state_of(pool, 0, 40) is None
+    assert len(os.listdir("/proc/self/fd")) == fds  # the group's other files closed
+    assert pool.stats()["quarantined"] == 1
 
 
 def test_a_page_under_another_name_or_key_is_refused(make_pool: PoolFactory,
