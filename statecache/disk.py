@@ -84,10 +84,7 @@ _READERS = max(1, (os.cpu_count() or 2) // 2)
 def _ahead() -> int:
     """Files a reader opens at once: 128 (best measured), or a small share of a low
     open-file limit (macOS shells start at 256)."""
-    try:
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (OSError, ValueError):
-        soft = 1024
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         return 128
     return max(8, min(128, soft // (8 * _READERS)))
@@ -575,15 +572,14 @@ class DiskTier:
         The next _AHEAD files are open and asked for before one is read."""
         ahead: deque[tuple[PageKey, int, int]] = deque()  # key, fd, size
         todo = iter(keys)
+        willneed = len(keys) > 1
         out: list[Buffer] = []
         try:
             while True:
-                # in groups: reads asked for together reach the device together
-                while not ahead and (group := list(islice(todo, _AHEAD))):
-                    for key in group:
-                        ahead.append(self._open_page(key, len(keys) > 1))
-                if not ahead:
-                    return out
+                if not ahead:  # in groups: reads asked for together reach the device so
+                    ahead.extend(self._open_page(key, willneed) for key in islice(todo, _AHEAD))
+                    if not ahead:
+                        return out
                 key, fd, size = ahead.popleft()
                 try:
                     blob = bytearray(size)
