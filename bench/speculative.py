@@ -40,7 +40,10 @@ from bench.servers import ROOT, ModelSpec, Server, running, settle
 from statecache.config import SpeculativeConfig
 
 MODELS = ROOT / "models"
-CODE_FILE = ROOT / "statecache" / "pages.py"
+# the file of the code-edit turns: 65 lines of statecache/pages.py, frozen here so that a
+# turn asks the same of every commit, and holding the function the turns rename (an
+# edit of a function the file does not hold is not a copy: a small model writes new code)
+CODE_FILE = Path(__file__).parent / "texts" / "code_edit.py.txt"
 
 
 @dataclass(slots=True, frozen=True)
@@ -159,26 +162,29 @@ def _spec_counts(url: str) -> dict[str, float]:
     return {f"spec_{m[1]}": float(m[2]) for m in _METRIC.finditer(text)}
 
 
-def workloads(code_lines: int) -> dict[str, tuple[list[dict[str, str]], int]]:
-    code = "\n".join(CODE_FILE.read_text().splitlines()[:code_lines])
-    renamed = code.replace("common_prefix", "shared_prefix")
+def workloads(code_lines: int = 0) -> dict[str, tuple[list[dict[str, str]], int]]:
+    """The three turns; ``code_lines``: the code file's first lines only (0: all)."""
+    lines = CODE_FILE.read_text().splitlines()
+    code = "\n".join(lines[:code_lines] if code_lines else lines)
+    earlier = code.replace("as_tokens", "to_token_array")  # the assistant's, two turns back
     return {
         "chat": ([{"role": "user", "content": "Explain in a few paragraphs why a recurrent "
                    "state cannot be rolled back by truncating a cache, and what a "
                    "checkpoint does instead."}], 256),
         "code-edit": ([{"role": "user", "content": "Here is a Python file:\n\n```python\n"
                         + code + "\n```\n\nRewrite the whole file with the function "
-                        "common_prefix renamed to shared_prefix. Output only the code."}], 256),
+                        "as_tokens renamed to to_token_array. Output only the code."}], 256),
         # a file the assistant wrote two turns earlier, asked for again with one change
         "re-emit": ([
             {"role": "user", "content": "Write a Python module of page hashes for a prefix "
-             "cache, with a function shared_prefix."},
-            {"role": "assistant", "content": "```python\n" + renamed + "\n```"},
-            {"role": "user", "content": "What does shared_prefix return?"},
-            {"role": "assistant", "content": "The number of leading tokens two token "
-             "sequences have in common."},
+             "cache, with a function to_token_array."},
+            {"role": "assistant", "content": "```python\n" + earlier + "\n```"},
+            {"role": "user", "content": "Thanks. Does it handle lists as well as numpy "
+             "arrays?"},
+            {"role": "assistant", "content": "Yes: a list is converted with np.asarray and "
+             "checked."},
             {"role": "user", "content": "Output the module from your first answer again, "
-             "whole, with shared_prefix renamed to common_length. Output only the code."}],
+             "whole, with to_token_array renamed to as_int32_tokens. Output only the code."}],
             256),
     }
 
@@ -189,64 +195,77 @@ DEFAULT_SOURCES = ("off", "auto")
 
 
 def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
-    """Decode tokens/s of each source, its servers running side by side: each repeat runs
-    a workload on every source in turn, and a source's speedup is the median of its
-    ratios to "off" in the same repeat (the machine's drift cancels out)."""
+    """Decode tokens/s of each source, its servers running side by side, in rounds: each
+    round starts every source's server afresh and runs each workload once on every
+    source in turn (the order alternates), and a source's speedup is the median of its
+    ratios to "off" in the same round (the machine's drift cancels out). Fresh servers
+    each round, because a server's own start moves its rate: the same config started
+    five times decoded the tiny hybrid from 0.92x to 1.05x of the first start, and a
+    single pair of servers then decides a tiny model's cell (docs/benchmarks.md)."""
     sources = [s for s in args.sources if s != "draft" or t.draft is not None]
     out: dict[str, Any] = {"kind": t.label, "model": t.model.label}
-    with contextlib.ExitStack() as stack:
-        urls = {}
-        servers: list[Server] = []
+    turns = workloads(args.code_lines)
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {
+        name: {s: [] for s in sources} for name in turns}
+    # tokens drafted and accepted, and the draft model's tokens (following the prompt
+    # and catching up), over the measured turns
+    counted: dict[str, dict[str, dict[str, float]]] = {
+        name: {s: {} for s in sources} for name in turns}
+    rounds = 0
+    while True:
+        with contextlib.ExitStack() as stack:
+            urls = {}
+            servers: list[Server] = []
+            for source in sources:
+                extra = f'[speculative]\nsource = "{source}"\n'
+                if args.draft_max:
+                    extra += f"draft_max = {args.draft_max}\n"
+                flags = ("--draft", str(t.draft)) if source in ("draft", "auto") and t.draft \
+                    else ()
+                srv = stack.enter_context(running(
+                    "statecache", t.model, n_ctx=4096, lanes=1, log_dir=Path(args.log_dir),
+                    extra_config=extra, extra_args=flags, tag=f"-spec-{source}"))
+                urls[source] = srv.url
+                servers.append(srv)
+            for name, (messages, max_tokens) in turns.items():
+                before = {}
+                for source in sources:
+                    _chat(urls[source], messages, max_tokens)  # warm-up: the prompt cached
+                    before[source] = _spec_counts(urls[source])
+                for source in (sources if rounds % 2 == 0 else sources[::-1]):
+                    runs[name][source].append(_quiet_turn(servers, urls[source], messages,
+                                                          max_tokens))
+                for source in sources:
+                    after = _spec_counts(urls[source])
+                    acc = counted[name][source]
+                    for key, v in after.items():
+                        acc[key] = acc.get(key, 0.0) + v - before[source].get(key, 0.0)
+        rounds += 1
+        # at least --repeats rounds, more while a source has decoded a workload for less
+        # than --min-seconds (a tiny model decodes 256 tokens in a tenth of a second)
+        spent = min(sum(x["tokens"] / x["decode_tps"] for x in runs[name][s] if x["decode_tps"])
+                    for name in turns for s in sources)
+        if rounds >= args.repeats and (spent >= args.min_seconds or rounds >= 4 * args.repeats):
+            break
+    for name in turns:
         for source in sources:
-            extra = f'[speculative]\nsource = "{source}"\n'
-            if args.draft_max:
-                extra += f"draft_max = {args.draft_max}\n"
-            flags = ("--draft", str(t.draft)) if source in ("draft", "auto") and t.draft \
-                else ()
-            srv = stack.enter_context(running(
-                "statecache", t.model, n_ctx=4096, lanes=1, log_dir=Path(args.log_dir),
-                extra_config=extra, extra_args=flags, tag=f"-spec-{source}"))
-            urls[source] = srv.url
-            servers.append(srv)
-        for name, (messages, max_tokens) in workloads(args.code_lines).items():
-            runs: dict[str, list[dict[str, float]]] = {s: [] for s in sources}
-            counts = {}
-            for source in sources:
-                _chat(urls[source], messages, max_tokens)  # warm-up: the prompt cached
-                counts[source] = _spec_counts(urls[source])
-            # at least --repeats turns, more while a source has decoded for less than
-            # --min-seconds (a tiny model decodes 256 tokens in a tenth of a second, where
-            # a neighbour's burst of work weighs on one run); the order alternates
-            spent, r = 0.0, 0
-            while r < args.repeats or (spent < args.min_seconds and r < 10 * args.repeats):
-                for source in (sources if r % 2 == 0 else sources[::-1]):
-                    runs[source].append(_quiet_turn(servers, urls[source], messages,
-                                                    max_tokens))
-                spent += min(x["tokens"] / x["decode_tps"] if x["decode_tps"] else 0.0
-                             for x in (runs[s][-1] for s in sources))
-                r += 1
-            for source in sources:
-                after = _spec_counts(urls[source])
-                drafted = after.get("spec_drafted", 0) - counts[source].get("spec_drafted", 0)
-                accepted = after.get("spec_accepted", 0) - \
-                    counts[source].get("spec_accepted", 0)
-                # tokens the draft model decoded: following the prompt and catching up
-                followed = after.get("spec_tokens_decoded", 0) - \
-                    counts[source].get("spec_tokens_decoded", 0)
-                ratios = [r["decode_tps"] / b["decode_tps"]
-                          for r, b in zip(runs[source], runs["off"], strict=True)
-                          if b["decode_tps"]]
-                out.setdefault(source, {})[name] = {
-                    "decode_tps": statistics.median(r["decode_tps"] for r in runs[source]),
-                    "tokens": runs[source][0]["tokens"], "turns": len(runs[source]),
-                    "ratios": [round(x, 3) for x in ratios] if source != "off" else None,
-                    "drafted": drafted, "accepted": accepted, "draft_decoded": followed,
-                    "acceptance": accepted / drafted if drafted else None,
-                    "speedup": statistics.median(ratios) if source != "off" and ratios
-                    else None,
-                    # 95%, distribution-free (None under 6 turns)
-                    "interval": median_ci(ratios) if source != "off" and ratios else None,
-                }
+            c = counted[name][source]
+            drafted, accepted = c.get("spec_drafted", 0.0), c.get("spec_accepted", 0.0)
+            ratios = [r["decode_tps"] / b["decode_tps"]
+                      for r, b in zip(runs[name][source], runs[name]["off"], strict=True)
+                      if b["decode_tps"]]
+            out.setdefault(source, {})[name] = {
+                "decode_tps": statistics.median(r["decode_tps"] for r in runs[name][source]),
+                "tokens": runs[name][source][0]["tokens"], "turns": len(runs[name][source]),
+                "ratios": [round(x, 3) for x in ratios] if source != "off" else None,
+                "drafted": drafted, "accepted": accepted,
+                "draft_decoded": c.get("spec_tokens_decoded", 0.0),
+                "acceptance": accepted / drafted if drafted else None,
+                "speedup": statistics.median(ratios) if source != "off" and ratios else None,
+                # 95%, distribution-free (None under 6 rounds)
+                "interval": median_ci(ratios) if source != "off" and ratios else None,
+            }
+    out["rounds"] = rounds
     return out
 
 
@@ -405,14 +424,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="only the tiny hybrid and its pair")
     p.add_argument("--draft-max", type=int, default=0,
                    help="speculative.draft_max (0: the default config's)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds at least (each starts the servers afresh and runs every "
+                   "workload once on each)")
     p.add_argument("--min-seconds", type=float, default=6.0,
-                   help="turns go on (to 10 x --repeats) until each source decoded this long")
+                   help="rounds go on (to 4 x --repeats) until each source decoded each "
+                   "workload this long")
     p.add_argument("--sources", type=lambda v: tuple(v.split(",")), default=DEFAULT_SOURCES,
                    help="comma-separated: off (always measured), auto (the default "
                    "config), lookup, draft")
     p.add_argument("--only", default="", help="only the targets whose model label has this")
-    p.add_argument("--code-lines", type=int, default=40)
+    p.add_argument("--code-lines", type=int, default=0,
+                   help="the code file's first lines only (0: all 65)")
     p.add_argument("--log-dir", default="results/logs")
     p.add_argument("--rollback-check", action="store_true",
                    help="only: snapshots against staged rollback on a hybrid and its draft")

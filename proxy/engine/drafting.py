@@ -78,26 +78,29 @@ def lookup_draft(tokens: np.ndarray, k: int, n_max: int = 4, n_min: int = 2,
 
 
 def lookup(tokens: np.ndarray, k: int, n_max: int = 4, n_min: int = 2,
-           history: np.ndarray | None = None, cursor: int = -1) -> tuple[np.ndarray, int]:
-    """``lookup_draft``, and where in ``tokens`` its drafts start (-1: from ``history``
-    or none). ``cursor``: where in ``tokens`` the last drafts' copy goes on (the text a
+           history: np.ndarray | None = None, cursor: int = -1
+           ) -> tuple[np.ndarray, int, int]:
+    """``lookup_draft``, where in ``tokens`` its drafts start (-1: from ``history`` or
+    none), and how many tokens the match covers (``n_min`` for a cursor's copy, 0 for
+    none). ``cursor``: where in ``tokens`` the last drafts' copy goes on (the text a
     reply is copying, past what it accepted); while the copy holds there (its ``n_min``
     tokens before it end ``tokens`` too) the drafts come from there, whatever else
     matches: a file re-emitted line by line repeats short n-grams everywhere."""
     n_tok = len(tokens)
     if n_tok < n_min + 1 or k <= 0:
-        return NO_DRAFT, -1
+        return NO_DRAFT, -1, 0
     if n_min <= cursor < n_tok - 1 and \
             np.array_equal(tokens[cursor - n_min: cursor], tokens[n_tok - n_min:]):
-        return _repeat(tokens[cursor: cursor + k], k), cursor
+        return _repeat(tokens[cursor: cursor + k], k), cursor, n_min
     off = max(n_tok - LOOKUP_WINDOW, 0)
     hist = tokens[off:]
-    found, start = _follows(hist, len(hist) - 1, hist, k, n_max, n_min)
+    found, start, matched = _follows(hist, len(hist) - 1, hist, k, n_max, n_min)
     if len(found):  # (the lane's tokens hold no separator: shorter than k only at the end)
-        return _repeat(found, k), start + off
+        return _repeat(found, k), start + off, matched
     if history is not None and len(history):
-        return _follows(history, len(history), hist, k, n_max, n_min)[0], -1
-    return NO_DRAFT, -1
+        found, _, matched = _follows(history, len(history), hist, k, n_max, n_min)
+        return found, -1, matched
+    return NO_DRAFT, -1, 0
 
 
 NO_DRAFT = np.empty(0, dtype=np.int32)
@@ -114,9 +117,10 @@ def _repeat(copied: np.ndarray, k: int) -> np.ndarray:
 
 
 def _follows(hay: np.ndarray, n_ends: int, tail: np.ndarray, k: int, n_max: int,
-             n_min: int) -> tuple[np.ndarray, int]:
+             n_min: int) -> tuple[np.ndarray, int, int]:
     """Up to ``k`` tokens of ``hay`` after the latest of the longest matches (``n_min``
-    to ``n_max`` tokens) of ``tail``'s end that ends before ``hay[n_ends]``."""
+    to ``n_max`` tokens) of ``tail``'s end that ends before ``hay[n_ends]``, where they
+    start, and the match's length."""
     n_tail = len(tail)
     # positions holding the last token, then how far back each match reaches: a few
     # array operations, whatever the length
@@ -130,13 +134,14 @@ def _follows(hay: np.ndarray, n_ends: int, tail: np.ndarray, k: int, n_max: int,
         if not alive.any():
             break
         length += alive
-    if not ends.size or int(length.max()) < n_min:
-        return NO_DRAFT, -1
-    best = int(np.flatnonzero(length == length.max())[-1])  # the latest of the longest
+    longest = int(length.max()) if ends.size else 0
+    if longest < n_min:
+        return NO_DRAFT, -1, 0
+    best = int(np.flatnonzero(length == longest)[-1])  # the latest of the longest
     start = int(ends[best]) + 1
     out = hay[start: start + k]
     cut = np.flatnonzero(out < 0)  # History's separator: a reply's end
-    return (out[: cut[0]] if cut.size else out).astype(np.int32, copy=True), start
+    return (out[: cut[0]] if cut.size else out).astype(np.int32, copy=True), start, longest
 
 
 class History:

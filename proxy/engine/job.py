@@ -70,10 +70,10 @@ class Drafting:
     replay: np.ndarray = field(default_factory=lambda: NONE)
     staged: bytes | None = None  # the lane's partial state before this step's verification
     # what drafting has paid off on this lane (proxy/engine/speculation.py): per source
-    # (prompt lookup, the draft model), the drafts the target accepted and the
-    # rejections, both decaying
-    accepted: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    rejected: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    # (prompt lookup from a new match, the draft model, prompt lookup where its copy
+    # holds), the drafts the target accepted and the rejections, both decaying
+    accepted: list[float] = field(default_factory=lambda: [0.0] * 4)
+    rejected: list[float] = field(default_factory=lambda: [0.0] * 4)
     source: int = 0  # of this step's drafts
     fresh: bool = True  # its record not yet primed from the model's
     # prompt lookup: where in the lane's tokens this step's drafts start (-1: elsewhere),
@@ -85,6 +85,9 @@ class Drafting:
     since: int = 0  # tokens decoded since this lane rests
     misses: int = 0  # steps in a row that found nothing to draft
     probing: bool = False  # this step's drafts are a probe
+    # a resting lane's last lookup check (proxy/engine/speculation.py _worth_now): at
+    # which (tokens held, pending token), and whether it found drafts that pay
+    watched: tuple[tuple[int, int], bool] = ((-1, -1), False)
 
 
 @dataclass(slots=True)

@@ -2,25 +2,27 @@
 model's or prompt lookup's, proxy/engine/drafting.py), verified by the same
 ``llama_decode``, and rejected drafts taken back out of the lane's state.
 
-Drafting adapts per lane, by expected gain. A verification of ``k`` drafts yields
-``1 + p + ... + p^k`` tokens where each draft is accepted with probability ``p``
-(measured per lane and per source: the drafts accepted and rejected, decaying), and
-makes the step longer by what ``k`` drafts added to earlier steps (measured:
-``StepTimer.verify_s``, plus the draft model's own time per drafted token). A step of
-``n`` decoding lanes that takes ``S`` seconds yields ``n / S`` tokens a second; a lane
-drafts the ``k`` (0 to the source's maximum) that yields the most, from the source
-(prompt lookup, or the draft model where one is configured) that yields more. Where
-neither beats no drafts, or prompt lookup keeps finding nothing, the lane rests: it
-decodes as any other (a lone stream in its fast path; no lookup, no draft model) and
-probes once after ``PROBE_EVERY`` tokens, twice as long after each probe that did not
-pay (``MAX_REST`` at most; nor did one whose drafts were all accepted where even that
-loses to steps without them), so a pair where drafting loses pays a probe a few
-hundred tokens. A lone lane's probe that finds nothing to draft costs a lookup in its
-fast path, not a planned step. The first drafts a lane's prompt lookup finds are such
-a probe too: whether a copy goes on is the text's to say, which no earlier request
-measured. A draft model asked for drafts that made none (it stops where it is not
-sure) counts as rejected on the lane; one that keeps making none is not asked to
-measure what its drafts cost, only where its own time would pay, and is probed only
+Drafting adapts per lane, by expected gain. A verification of ``k`` drafts yields ``1 +
+p + ... + p^k`` tokens where each draft is accepted with probability ``p`` (measured per
+lane and per source: the drafts accepted and rejected, decaying; prompt lookup's drafts
+are three sources, a copy that holds, a long new match, a short one), and makes the step
+longer by what ``k`` drafts added to earlier steps (measured: ``StepTimer.verify_s``, as
+a share of a step, plus the draft model's own time per drafted token). A step of ``n``
+decoding lanes that takes ``S`` seconds yields ``n / S`` tokens a second; a lane drafts
+the ``k`` (0 to the source's maximum) that yields the most, from the source (prompt
+lookup, or the draft model where one is configured) that yields more. Where neither
+beats no drafts, or prompt lookup keeps finding nothing, the lane rests: it decodes as
+any other (a lone stream in its fast path; no draft model, and a lookup at each token
+only where one costs at most ``WATCH_SHARE`` of a step, drafting at once where it finds
+drafts that pay) and probes once after ``PROBE_EVERY`` tokens, twice as long after each
+probe that did not pay (``MAX_REST`` at most; nor did one whose drafts were all accepted
+where even that loses to steps without them), so a pair where drafting loses pays a
+probe a few hundred tokens. A lone lane's probe that finds nothing to draft costs a
+lookup in its fast path, not a planned step. The first drafts a lane's prompt lookup
+finds are such a probe too: whether a copy goes on is the text's to say, which no
+earlier request measured. A draft model asked for drafts that made none (it stops where
+it is not sure) counts as rejected on the lane; one that keeps making none is not asked
+to measure what its drafts cost, only where its own time would pay, and is probed only
 where its lane is nearly in step (a probe first decodes what the lane rested through).
 
 Nothing rejected is ever committed: a lane's tokens grow only by the tokens the target
@@ -44,7 +46,7 @@ from proxy.engine.drafting import DraftAsk, History, lookup
 from proxy.engine.job import NONE, Drafting, Job, Work
 from proxy.engine.timing import StepTimer
 
-DECAY = 0.9  # weight of a lane's earlier drafts against its last verification
+DECAY = 0.95  # weight of a lane's earlier drafts against its last verification
 MODEL_DECAY = 0.99  # ...and of every lane's, for the record a new request starts from
 PROBE_EVERY = 32  # tokens a lane rests before its first probe
 MAX_REST = 1024  # longest rest between two probes
@@ -53,7 +55,16 @@ PROBE_DRAFTS = 2  # drafts a probe verifies, whatever they are expected to yield
 MEASURE_ABOVE = 0.25  # how often a draft model makes drafts when asked, to be asked to measure
 PRIOR = 24.0  # drafts' worth of this model's record a new request starts from
 PROBE_CATCH_UP = 8  # tokens a probe of a draft model that rarely drafts may catch up
-LOOKUP, DRAFT = 0, 1  # the sources, as indexes of Drafting.accepted / rejected
+# a resting lane checks prompt lookup at every token while a lookup costs at most this
+# share of a step (a copy that starts again while the lane rests is drafted at once)
+WATCH_SHARE = 0.02
+# the sources, as indexes of Drafting.accepted / rejected: prompt lookup's drafts from a
+# new match of the shortest length (``lookup_min`` tokens), the draft model's, prompt
+# lookup's where the copy the last drafts came from goes on (all of them accepted), and
+# from a new match longer than the shortest. Each has a record of its own: a copy that
+# holds tends to go on holding, where a new match of two tokens is often a common pair
+# of words (docs/design.md, "Drafting from a copy")
+LOOKUP, DRAFT, COPY, LONG = 0, 1, 2, 3
 
 
 def acceptance(spec: Drafting, source: int) -> float:
@@ -99,9 +110,11 @@ class Speculation:
         # many it waits for (doubling while its probes do not pay)
         self.model_since, self.model_rest = 0, PROBE_EVERY
         self.lanes_decoding = 1  # in the step being planned (plan_step sets it)
+        self.lookup_s = 0.0  # what a prompt lookup costs, measured (moving average)
         self.model_s, self.model_asked = 0.0, 0  # the draft model's, this step
-        # every lane's record of the draft model, decaying slowly: where a request starts
-        self.accepted, self.rejected = [0.0, 0.0], [0.0, 0.0]
+        # every lane's record of the draft model and of copies that hold, decaying
+        # slowly: where a request starts
+        self.accepted, self.rejected = [0.0] * 4, [0.0] * 4
         # ...and how often, asked for drafts, it made any (it stops where it is not sure)
         self.asks, self.answers = 0.0, 0.0
 
@@ -119,9 +132,39 @@ class Speculation:
         return max(0, min(top, budget - n, left, ctx_left))
 
     def wants_step(self, job: Job) -> bool:
-        """Whether ``job`` drafts at its next step (a resting lane once a probe is due)."""
+        """Whether ``job`` drafts at its next step (a resting lane once a probe is due, or
+        where prompt lookup finds drafts worth verifying: ``_worth_now``)."""
         spec = job.spec
-        return spec.on and (not spec.resting or spec.since >= spec.rest)
+        if not spec.on:
+            return False
+        if not spec.resting or spec.since >= spec.rest:
+            return True
+        return self._worth_now(job)
+
+    def _worth_now(self, job: Job) -> bool:
+        """Whether prompt lookup finds drafts for a resting lane that its record says
+        pay, checked at every token where a lookup costs at most ``WATCH_SHARE`` of a
+        step (the check of a lone lane, in its fast path, costs no planned step): a lane
+        rests after the copy it drafted from broke off, or where a new match did not
+        pay, and a copy often starts again a few tokens later (a file re-emitted after
+        an edit, or after its opening line). No drafts are forced, as in a probe."""
+        spec, lane = job.spec, job.lane
+        step_s = self.timer.base_s(self.lanes_decoding)
+        if not self.lookup_on or lane is None or spec.fresh or len(spec.replay) or \
+                step_s <= 0 or self.lookup_s > WATCH_SHARE * step_s:
+            return False
+        at = (lane.n, job.out.pending)
+        if spec.watched[0] == at:  # asked already at this token
+            return spec.watched[1]
+        known = np.append(lane.tokens, np.int32(job.out.pending))
+        found, _, look = self._lookup(job, known, self.lookup_max)
+        worth = False
+        if len(found):
+            p = acceptance(spec, look)
+            worth = best_length(p, len(found), self.lanes_decoding, step_s,
+                                self.timer.verify_cost)[0] > 0
+        spec.watched = (at, worth)
+        return worth
 
     def quiet_probe(self, job: Job) -> bool:
         """A lone lane's due probe, checked in its fast path (``Executor.decode_alone``)
@@ -131,8 +174,8 @@ class Speculation:
         it was."""
         spec, lane = job.spec, job.lane
         assert lane is not None
-        if spec.fresh or self._model_probe_due(job):
-            return False
+        if spec.since < spec.rest or spec.fresh or self._model_probe_due(job):
+            return False  # (not yet due: ``_worth_now`` found drafts that pay)
         known = np.append(lane.tokens, np.int32(job.out.pending))
         if self.lookup_on and len(self._lookup(job, known, 1)[0]):
             return False
@@ -208,15 +251,16 @@ class Speculation:
         job, spec, sc, timer = w.job, w.job.spec, self.p.cfg.speculative, self.timer
         if spec.fresh:
             self._prime(spec)
-        if spec.resting:  # a probe is due
-            spec.resting, spec.probing = False, True
-            self.p.meter.count("spec_probes")
-        found, spec.start = NONE, -1
+        if spec.resting:  # a probe is due, or drafts that pay were found (_worth_now)
+            spec.resting, spec.probing = False, spec.since >= spec.rest
+            if spec.probing:
+                self.p.meter.count("spec_probes")
+        found, spec.start, look = NONE, -1, LOOKUP
         if self.lookup_on:
-            found, spec.start = self._lookup(job, known, min(w.room, self.lookup_max))
+            found, spec.start, look = self._lookup(job, known, min(w.room, self.lookup_max))
         if not sc.adaptive:  # every step, the longest a source proposes
             if len(found):
-                spec.source, spec.drafts = LOOKUP, found
+                spec.source, spec.drafts = look, found
                 return 0
             spec.source = DRAFT
             return min(w.room, sc.draft_max) if self.p.draft is not None else 0
@@ -224,7 +268,7 @@ class Speculation:
         step_s = timer.base_s(lanes)
         if step_s <= 0:
             return 0  # this step, without drafts, measures one
-        k_look, v_look = best_length(acceptance(spec, LOOKUP), len(found), lanes, step_s,
+        k_look, v_look = best_length(acceptance(spec, look), len(found), lanes, step_s,
                                      timer.verify_cost) if len(found) else (0, 0.0)
         k_model, v_model = 0, 0.0
         if self.p.draft is not None:
@@ -254,7 +298,7 @@ class Speculation:
         # (its record is only the prior then: the text, not the model, decides whether
         # a copy goes on, and a copy of the prompt often starts at the reply's first
         # token)
-        untried = spec.accepted[LOOKUP] + spec.rejected[LOOKUP] == 0
+        untried = spec.accepted[look] + spec.rejected[look] == 0
         if (spec.probing or untried) and not (k_model or k_look):
             if len(found):
                 k_look = min(len(found), PROBE_DRAFTS)
@@ -267,7 +311,7 @@ class Speculation:
             spec.source = DRAFT
             return k_model
         if k_look:
-            spec.source = LOOKUP
+            spec.source = look
             spec.drafts = found[:k_look]
             self._drafted(spec)
             return 0
@@ -279,12 +323,21 @@ class Speculation:
                 self._rest(spec)
         return 0
 
-    def _lookup(self, job: Job, known: np.ndarray, k: int) -> tuple[np.ndarray, int]:
-        """Prompt lookup's drafts for ``job`` whose lane will hold ``known``, and where
-        they start (``drafting.lookup``)."""
+    def _lookup(self, job: Job, known: np.ndarray, k: int) -> tuple[np.ndarray, int, int]:
+        """Prompt lookup's drafts for ``job`` whose lane will hold ``known``, where they
+        start (``drafting.lookup``), and their source: ``COPY`` where the copy the last
+        drafts came from holds, ``LONG`` from a new match longer than ``lookup_min``
+        tokens, else ``LOOKUP``."""
         sc = self.p.cfg.speculative
-        return lookup(known, k, sc.lookup_max, sc.lookup_min,
-                      self.history.get(job.req.tenant, job.req.session), job.spec.cursor)
+        t0 = time.perf_counter()
+        found, start, matched = lookup(known, k, sc.lookup_max, sc.lookup_min,
+                                       self.history.get(job.req.tenant, job.req.session),
+                                       job.spec.cursor)
+        dt = time.perf_counter() - t0
+        self.lookup_s = dt if not self.lookup_s else self.lookup_s + 0.2 * (dt - self.lookup_s)
+        if 0 <= job.spec.cursor == start:
+            return found, start, COPY
+        return found, start, LONG if matched > sc.lookup_min else LOOKUP
 
     def _model_probe_due(self, job: Job) -> bool:
         """Whether the draft model (if any) is due a probe on ``job``'s lane: resting
@@ -318,13 +371,16 @@ class Speculation:
         return best_length(1.0, k, lanes, step_s, self.timer.verify_cost)[0] > 0
 
     def _prime(self, spec: Drafting) -> None:
-        """A new request's record of the draft model: this model's, worth ``PRIOR``
-        drafts at most (how well a draft model agrees with its target is theirs, where
-        prompt lookup's is the text's: it starts from nothing)."""
+        """A new request's record of the draft model, of copies that hold and of long
+        new matches: every earlier request's, worth ``PRIOR`` drafts at most (how well a
+        draft model agrees with its target is theirs, and how long a copy goes on once
+        it holds is much the same from one reply to the next, where whether a match of
+        two tokens is right is the text's: that record starts from nothing)."""
         spec.fresh = False
-        a, r = self.accepted[DRAFT], self.rejected[DRAFT]
-        scale = min(1.0, PRIOR / (a + r)) if a + r > 0 else 0.0
-        spec.accepted[DRAFT], spec.rejected[DRAFT] = a * scale, r * scale
+        for src in (DRAFT, COPY, LONG):
+            a, r = self.accepted[src], self.rejected[src]
+            scale = min(1.0, PRIOR / (a + r)) if a + r > 0 else 0.0
+            spec.accepted[src], spec.rejected[src] = a * scale, r * scale
 
     def _drafted(self, spec: Drafting) -> None:
         """After a source drafted: a draft model that was asked for drafts and made
@@ -372,11 +428,11 @@ class Speculation:
         src = spec.source
         spec.accepted[src] = spec.accepted[src] * DECAY + accepted
         spec.rejected[src] = spec.rejected[src] * DECAY + (accepted < len(drafts))
-        if src == DRAFT:
+        if src != LOOKUP:
             self.accepted[src] = self.accepted[src] * MODEL_DECAY + accepted
             self.rejected[src] = self.rejected[src] * MODEL_DECAY + (accepted < len(drafts))
         probe, spec.probing = spec.probing, False  # a probe is in: the next step weighs it
-        if src == LOOKUP and spec.start >= 0:  # where the copy goes on, if it does
+        if src != DRAFT and spec.start >= 0:  # where the copy goes on, if it does
             spec.cursor = spec.start + accepted + 1
         if accepted == len(drafts):
             if self._could_pay(len(drafts)):  # drafting pays here: a rest starts short again

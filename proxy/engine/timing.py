@@ -29,6 +29,11 @@ class StepTimer:
     # staged save, a rollback), and the draft model's seconds per drafted token:
     # proxy/engine/speculation.py weighs them against the drafts it expects accepted
     verify_s: dict[int, float] = field(default_factory=dict)
+    # the step of one lane those costs go with (0: as they are). A draft costs about a
+    # share of a step, which grows with the lane's context (attention reads every token
+    # before it): measured on SmolLM2, a draft cost 0.50 of a 9.2 ms step on a short
+    # chat and 0.48-0.55 of 12-13.6 ms on a 500-token file, so the costs follow the step
+    verify_at: float = 0.0
     model_s: float = 0.0  # per token asked of it
     # per token it decodes to catch up with its lane (after a rest, or a prompt that was
     # cached, not prefilled: the draft did not follow it); 0 until measured
@@ -80,6 +85,11 @@ class StepTimer:
             return
         extra = max(seconds - drafts.model_s - a, 0.0) / drafts.lanes
         k = max(1, round(drafts.tokens / drafts.lanes))
+        one = self.base_s(1) or a
+        if self.verify_at and one != self.verify_at:  # the costs, as of this step's size
+            for j in self.verify_s:
+                self.verify_s[j] *= one / self.verify_at
+        self.verify_at = one
         self.verify_s[k] = steady(self.verify_s.get(k), extra)
         for j, old in self.verify_s.items():  # the other lengths, less, scaled: no length
             if j != k:  # keeps a cost that later steps never measure again
@@ -105,13 +115,15 @@ class StepTimer:
 
     def verify_cost(self, k: int) -> float | None:
         """What ``k`` drafts add to a step, per lane: measured at ``k``, else scaled from
-        the nearest length measured; None before any verification."""
-        if k in self.verify_s:
-            return self.verify_s[k]
+        the nearest length measured, both as a share of a one-lane step (``verify_at``);
+        None before any verification."""
         if not self.verify_s:
             return None
+        scale = (self.base_s(1) or self.verify_at) / self.verify_at if self.verify_at else 1.0
+        if k in self.verify_s:
+            return self.verify_s[k] * scale
         near = min(self.verify_s, key=lambda j: (abs(j - k), j))
-        return self.verify_s[near] * k / near
+        return self.verify_s[near] * scale * k / near
 
     def _per_token(self, x: float) -> None:
         self.per_token_s = x if not self.per_token_s else \

@@ -14,7 +14,7 @@ import numpy as np
 
 from proxy.engine.job import Job, StepDrafts, Work
 from proxy.engine.lanes import Lane
-from proxy.engine.speculation import Speculation
+from proxy.engine.speculation import LOOKUP, Speculation
 from proxy.engine.timing import StepTimer
 from proxy.meters import EngineMeter
 from statecache.config import load_config
@@ -32,8 +32,11 @@ def _reply(prompt: list[int], n: int) -> list[int]:
 
 def _run(prompt: list[int], reply: list[int], per_draft: float,
          timer: StepTimer | None = None, draft: Any = None,
-         spec: Speculation | None = None) -> tuple[Any, Job, Speculation]:
-    """One request; ``spec``: the controller of an earlier one (the server's, kept)."""
+         spec: Speculation | None = None, lookup_record: tuple[float, float] | None = None,
+         ) -> tuple[Any, Job, Speculation]:
+    """One request; ``spec``: the controller of an earlier one (the server's, kept);
+    ``lookup_record``: the lane's record of drafts from new short matches (accepted,
+    rejected) as the request starts."""
     if spec is None:
         cfg = load_config(None)  # "auto": prompt lookup, and the draft model if given
         parts: Any = SimpleNamespace(
@@ -48,6 +51,8 @@ def _run(prompt: list[int], reply: list[int], per_draft: float,
     job = Job(req=req, prompt=np.array(prompt, dtype=np.int32), use_cache=False,
               t_submit=0.0, lane=lane, pos=len(prompt))
     job.spec.on = True
+    if lookup_record is not None:
+        job.spec.accepted[LOOKUP], job.spec.rejected[LOOKUP] = lookup_record
 
     def take(j: Job, row: int) -> None:  # the target's next token, whatever was drafted
         tok = reply[len(j.out.generated)]
@@ -194,3 +199,62 @@ def test_a_probe_with_nothing_to_draft_stays_in_the_fast_path() -> None:
         assert spec.quiet_probe(job) is quiet
         assert job.spec.resting and job.spec.rest == (128 if quiet else 64)
         assert spec.wants_step(job) is not quiet
+
+
+def test_a_copy_that_holds_is_judged_apart_from_new_short_matches() -> None:
+    # on this lane, drafts from new matches of two tokens were rejected again and again
+    # (a reply that reuses its prompt's words in an order of its own): their record is
+    # poor. A reply that copies the prompt whole must still be drafted: drafts from a
+    # longer match, and from the copy while it holds, have records of their own
+    prompt = list(range(10, 130))
+    reply = (prompt * 2)[:160]
+    meter, job, _ = _run(prompt, reply, 0.005, _measured(), lookup_record=(0.0, 20.0))
+    assert job.out.generated == reply
+    assert meter.spec_tokens.get("accepted") >= 0.6 * len(reply), meter
+    assert meter.spec_verifications.get() < 0.4 * len(reply), meter
+
+
+def test_a_resting_lane_drafts_a_copy_as_soon_as_it_starts() -> None:
+    # the reply's first dozen tokens are its own: prompt lookup finds nothing, and the
+    # lane rests (a probe 32 tokens later). The copy of the prompt that follows is
+    # drafted within a few tokens (a lookup at every token costs far less than a step
+    # here), not after the rest
+    prompt = list(range(10, 130))
+    own = list(range(900, 912))
+    reply = own + prompt[:100]
+    verified_at: list[int] = []
+    timer = _measured()
+    cfg = load_config(None)
+    parts: Any = SimpleNamespace(
+        cfg=cfg, meter=EngineMeter(), draft=None, rs_snapshots=False, staging=False,
+        ctx=SimpleNamespace(n_ctx_seq=8192, seq_rm=lambda *a: True))
+    spec = Speculation(parts, timer)
+    verify = spec.verify
+
+    def noting(w: Work, take: Any) -> None:
+        if len(w.job.spec.drafts):
+            verified_at.append(len(w.job.out.generated))
+        verify(w, take)
+
+    spec.verify = noting  # type: ignore[method-assign]
+    meter, job, _ = _run(prompt, reply, 0.005, spec=spec)
+    assert job.out.generated == reply
+    assert meter.get("spec_rests") >= 1, meter  # it rested through its own words
+    assert verified_at and verified_at[0] <= len(own) + 4, verified_at
+
+
+def test_draft_costs_follow_the_step_as_the_context_grows() -> None:
+    # verifications measured on a short chat (a step of 9 ms); the lane then decodes a
+    # long file and a step takes 13.5 ms: a draft's cost grows with it (attention reads
+    # the longer context for every drafted token too), where a cost kept in seconds
+    # would make drafts look a third cheaper than they are
+    timer = StepTimer()
+    timer.record(0.009 * 10, 1, 0, steps=10, alone=True)
+    timer.record(0.009 + 3 * 0.0045, 1, 0, drafts=StepDrafts(tokens=3, lanes=1))
+    assert abs((timer.verify_cost(3) or 0) - 3 * 0.0045) < 1e-9
+    for _ in range(30):
+        timer.record(0.0135 * 25, 1, 0, steps=25, alone=True)
+    assert abs((timer.verify_cost(3) or 0) - 3 * 0.00675) < 1e-4
+    # measured again at the new size: kept as measured
+    timer.record(0.0135 + 3 * 0.0066, 1, 0, drafts=StepDrafts(tokens=3, lanes=1))
+    assert abs((timer.verify_cost(3) or 0) - 3 * 0.00673) < 1e-4

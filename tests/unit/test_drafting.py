@@ -31,8 +31,8 @@ def test_draft_is_cut_at_k_and_repeats_past_the_end() -> None:
     loop = _a(9, 8, 7, 5, 6, 5, 6, 5)
     assert lookup_draft(loop, 6, n_max=4, n_min=2).tolist() == [6, 5, 6, 5, 6, 5]
     # and the copy a cursor follows repeats too
-    drafts, start = lookup(loop, 5, n_max=4, n_min=2, cursor=6)
-    assert (drafts.tolist(), start) == ([6, 5, 6, 5, 6], 6)
+    drafts, start, matched = lookup(loop, 5, n_max=4, n_min=2, cursor=6)
+    assert (drafts.tolist(), start, matched) == ([6, 5, 6, 5, 6], 6, 2)
 
 
 def test_no_match_no_draft() -> None:
@@ -129,10 +129,20 @@ def test_the_cursor_follows_the_copy_past_a_later_match() -> None:
     # proposes 9, but a copy that was going on at position 2 goes on there
     toks = _a(1, 2, 3, 4, 5, 1, 2, 9, 0, 1, 2)
     assert lookup(toks, 3, n_max=2, n_min=2)[0].tolist() == [9, 0, 1]
-    drafts, start = lookup(toks, 3, n_max=2, n_min=2, cursor=2)
+    drafts, start, _ = lookup(toks, 3, n_max=2, n_min=2, cursor=2)
     assert drafts.tolist() == [3, 4, 5] and start == 2
     # a cursor where the copy does not hold any more is ignored
     assert lookup(toks, 3, n_max=2, n_min=2, cursor=4)[0].tolist() == [9, 0, 1]
+
+
+def test_lookup_says_how_long_its_match_is() -> None:
+    # "3 4 5" ends the tokens and occurred before (followed by 6): a match of three
+    # tokens where n_max allows four, and of two where n_max is two
+    toks = _a(1, 3, 4, 5, 6, 2, 3, 4, 5)
+    drafts, start, matched = lookup(toks, 2, n_max=4, n_min=2)
+    assert (drafts.tolist(), start, matched) == ([6, 2], 4, 3)
+    assert lookup(toks, 2, n_max=2, n_min=2)[2] == 2
+    assert lookup(_a(1, 2, 3), 2)[2] == 0  # no match
 
 
 def test_expected_tokens_and_best_length() -> None:
