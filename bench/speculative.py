@@ -340,10 +340,11 @@ def rollback_check(target: Path, draft: Path, n_out: int, repeats: int,
     return rows
 
 
-def verify_cost(model: Path, n_rs_seq: int, sizes: tuple[int, ...] = (1, 2, 3, 5)
-                ) -> list[dict[str, Any]]:
-    """What a verification costs the target on this machine: one lane decoding n tokens
-    at once (a last token and n - 1 drafts, logits for all), median ms of 8."""
+def verify_cost(model: Path, n_rs_seq: int, sizes: tuple[int, ...] = (1, 2, 3, 5),
+                context: int = 300) -> list[dict[str, Any]]:
+    """What a verification costs the target on this machine: one lane holding
+    ``context`` tokens decoding n tokens at once (a last token and n - 1 drafts, logits
+    for all), median ms of 8."""
     import numpy as np
 
     from proxy.engine.binding import Context, ContextParams, Model, init_backend
@@ -352,8 +353,8 @@ def verify_cost(model: Path, n_rs_seq: int, sizes: tuple[int, ...] = (1, 2, 3, 5
     rows = []
     with Model(model) as m, Context(m, ContextParams(n_ctx=4096, n_batch=512, n_ubatch=512,
                                                       n_rs_seq=n_rs_seq)) as ctx:
-        ctx.prefill(0, np.arange(300, dtype=np.int32) % 200 + 10, 0)
-        pos = 300
+        ctx.prefill(0, np.arange(context, dtype=np.int32) % 200 + 10, 0)
+        pos = context
         for n in sizes:
             times = []
             for _ in range(8):
@@ -365,7 +366,7 @@ def verify_cost(model: Path, n_rs_seq: int, sizes: tuple[int, ...] = (1, 2, 3, 5
                 if not ctx.seq_rm(0, pos + 1, -1):  # keep one token, as a rejection would
                     raise RuntimeError("seq_rm refused")
                 pos += 1
-            rows.append({"model": model.name, "tokens": n,
+            rows.append({"model": model.name, "tokens": n, "context": context,
                          "ms": 1000 * statistics.median(times)})
     return rows
 
@@ -398,13 +399,16 @@ def table(result: dict[str, Any]) -> list[str]:
                          f"{'yes' if r['drafting'] else 'no (speculative: false)'} | "
                          f"{r['decode_tps']:.1f} |")
     if result.get("verify"):
-        base = {r["model"]: r["ms"] for r in result["verify"] if r["tokens"] == 1}
-        lines += ["", "What a verification costs the target: one lane decoding n tokens at once "
-                  "(n_rs_seq snapshots on), median of 8:", "",
-                  "| model | tokens | ms | x one token |", "|---|---:|---:|---:|"]
+        base = {(r["model"], r.get("context", 300)): r["ms"] for r in result["verify"]
+                if r["tokens"] == 1}
+        lines += ["", "What a verification costs the target: one lane holding a context "
+                  "decoding n tokens at once (n_rs_seq snapshots on for the hybrid pairs), "
+                  "median of 8:", "",
+                  "| model | context | tokens | ms | x one token |", "|---|---:|---:|---:|---:|"]
         for r in result["verify"]:
-            lines.append(f"| {r['model']} | {r['tokens']} | {r['ms']:.1f} | "
-                         f"{r['ms'] / base[r['model']]:.2f} |")
+            ctx = r.get("context", 300)
+            lines.append(f"| {r['model']} | {ctx} | {r['tokens']} | {r['ms']:.1f} | "
+                         f"{r['ms'] / base[(r['model'], ctx)]:.2f} |")
     if not result["checkpoints"]:
         return lines
     lines += ["", "Draft checkpoints (one lane at the given length): full state, against what "
@@ -439,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", default="results/logs")
     p.add_argument("--rollback-check", action="store_true",
                    help="only: snapshots against staged rollback on a hybrid and its draft")
+    p.add_argument("--verify-only", action="store_true",
+                   help="only: what a verification costs each real model, beside 300 and "
+                   "800 tokens")
     p.add_argument("--pair", default="mid", choices=("mid", "bench"),
                    help="with --rollback-check: hybrid-mid or hybrid-bench and its draft")
     a = p.parse_args(argv)
@@ -448,6 +455,12 @@ def main(argv: list[str] | None = None) -> int:
                               MODELS / f"hybrid-{a.pair}-draft.gguf", 256, a.repeats,
                               dm)
         print("\n".join(table({"targets": [], "checkpoints": [], "rollback": rows})))
+        return 0
+    if a.verify_only:
+        rows = [r for t in targets(True) if t.draft is None and a.only in t.model.label
+                for ctx in (300, 800)
+                for r in verify_cost(t.model.path, 0, (1, 2, 4, 9, 17), ctx)]
+        print("\n".join(table({"targets": [], "checkpoints": [], "verify": rows})))
         return 0
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "draft_max": dm,
                               "targets": [], "checkpoints": []}
@@ -464,8 +477,9 @@ def main(argv: list[str] | None = None) -> int:
                         if t.draft is not None and t.label.startswith("hybrid")
                         and "jamba" not in t.label
                         for r in verify_cost(t.model.path, dm + 1)]
-    result["verify"] += [r for t in ts if t.draft is None  # the real models: prompt lookup
-                         for r in verify_cost(t.model.path, 0, (1, 2, 4, 9, 17))]
+    # the real models (prompt lookup), beside a short prompt and a file's length of one
+    result["verify"] += [r for t in ts if t.draft is None for ctx in (300, 800)
+                         for r in verify_cost(t.model.path, 0, (1, 2, 4, 9, 17), ctx)]
     mid = [t for t in ts if t.model.label == "hybrid-mid"]
     if mid and mid[0].draft is not None:
         result["rollback"] = rollback_check(mid[0].model.path, mid[0].draft, 256, a.repeats,

@@ -294,6 +294,8 @@ class Speculation:
                 return (verify or 0.0) + per * k + catch_up * expected_tokens(p_model, k)
             k_model, v_model = best_length(p_model, min(w.room, sc.draft_max), lanes,
                                            step_s, model_cost)
+            if k_model and self._model_loses():
+                k_model, v_model = 0, 0.0
         # a probe measures what drafts yield now; so does the first a lane's lookup finds
         # (its record is only the prior then: the text, not the model, decides whether
         # a copy goes on, and a copy of the prompt often starts at the reply's first
@@ -344,15 +346,26 @@ class Speculation:
         lanes decoded ``model_rest`` tokens since its last, and the probe is worth its
         catch-up. A probe first decodes what the draft lane lacks (the tokens it rested
         through, a prompt that came from the cache): a model that, asked, rarely makes
-        drafts at all is probed only where its lane is nearly in step (a new request's
-        first steps), not after a rest, where that catch-up would cost as much as
+        drafts at all, or whose steps were measured to lose (``_model_loses``), is
+        probed only where its lane is nearly in step (a new request's first steps), not
+        after a rest, where that catch-up would cost as much as
         following every token would have."""
         draft, lane = self.p.draft, job.lane
         if draft is None or self.model_since < self.model_rest:
             return False
-        if self._answer_rate() > MEASURE_ABOVE or lane is None:
+        if (self._answer_rate() > MEASURE_ABOVE and not self._model_loses()) or lane is None:
             return True
         return draft.behind(lane.id, lane.tokens, lane.tenant) <= PROBE_CATCH_UP
+
+    def _model_loses(self) -> bool:
+        """Whether a lone lane got its tokens slower from steps that asked the draft model
+        than from steps without it (``StepTimer.model_yield_s`` against ``alone_s``): the
+        whole of what asking it costs, measured, where the estimate from its parts can
+        miss some (a model that often declines to draft, a planned step's own cost,
+        as hybrid-mid's pair on these cores, bench.speculative). It is then asked only
+        in probes."""
+        t = self.timer
+        return self.lanes_decoding == 1 and t.alone_s > 0 and t.model_yield_s > t.alone_s
 
     def _answer_rate(self) -> float:
         """How often the draft model, asked for drafts, made any (from one in two)."""
@@ -437,7 +450,7 @@ class Speculation:
         if accepted == len(drafts):
             if self._could_pay(len(drafts)):  # drafting pays here: a rest starts short again
                 spec.rest = PROBE_EVERY // 2
-                if src == DRAFT:  # ...and the draft model's next probe is soon again
+                if src == DRAFT and not self._model_loses():  # ...and the model's probe
                     self.model_rest = PROBE_EVERY
             elif probe:  # even drafts all accepted lose to steps without them: rest now
                 self._rest(spec)

@@ -141,6 +141,7 @@ class Stepper:
         if n_prefill:
             self.write(active, flush=True)  # a prefill makes the step long
         if works:
+            made = sum(len(w.job.out.generated) for w in works if not w.job.prefilling)
             t0 = time.perf_counter()
             try:
                 drafts = self.exec.run_step(works)
@@ -151,7 +152,9 @@ class Stepper:
                     w.job.fail(exc)
             else:
                 dt = time.perf_counter() - t0
-                self.timer.record(dt, n_decode, n_prefill, drafts=drafts)
+                yielded = sum(len(w.job.out.generated) for w in works
+                              if not w.job.prefilling) - made
+                self.timer.record(dt, n_decode, n_prefill, drafts=drafts, yielded=yielded)
                 if self.p.pool is not None and not n_decode:  # the planner's prefill rate
                     self.p.pool.costs.note_prefill(n_prefill, dt)
                 count = self.p.meter.count

@@ -29,10 +29,9 @@ class StepTimer:
     # staged save, a rollback), and the draft model's seconds per drafted token:
     # proxy/engine/speculation.py weighs them against the drafts it expects accepted
     verify_s: dict[int, float] = field(default_factory=dict)
-    # the step of one lane those costs go with (0: as they are). A draft costs about a
-    # share of a step, which grows with the lane's context (attention reads every token
-    # before it): measured on SmolLM2, a draft cost 0.50 of a 9.2 ms step on a short
-    # chat and 0.48-0.55 of 12-13.6 ms on a 500-token file, so the costs follow the step
+    # the step of one lane those costs go with (0: as they are): a draft costs about a
+    # share of a step, and both grow with the lane's context (docs/design.md fact 17),
+    # so the costs follow the step
     verify_at: float = 0.0
     model_s: float = 0.0  # per token asked of it
     # per token it decodes to catch up with its lane (after a rest, or a prompt that was
@@ -41,6 +40,11 @@ class StepTimer:
     # a token of a lone stream in its own run of steps (Stepper._decode_alone: no step
     # planned): what a lone lane's drafts compete with
     alone_s: float = 0.0
+    # seconds per token a lone lane got from steps that asked the draft model, everything
+    # in (its following, its drafts, what it declined to draft, their verification, the
+    # planned step): what using it yields, against alone_s, where its parts' estimates
+    # may miss a cost
+    model_yield_s: float = 0.0
     per_token_s: float = 0.0  # b; 0 until measured
     steps: int = 0
     share: float = 0.5  # of the time, the streams' while a long prompt prefills
@@ -48,11 +52,16 @@ class StepTimer:
     burst: bool = False  # the step planned last carries a burst
 
     def record(self, seconds: float, n_decode: int, n_prefill: int, *, steps: int = 1,
-               drafts: StepDrafts | None = None, alone: bool = False) -> None:
+               drafts: StepDrafts | None = None, alone: bool = False,
+               yielded: int = 0) -> None:
         """``steps`` alike took ``seconds`` in all; ``drafts``: what the step drafted;
-        ``alone``: a lone stream's run of steps."""
+        ``alone``: a lone stream's run of steps; ``yielded``: the tokens its decoding
+        lanes got."""
         if alone and steps:
             self.alone_s = steady(self.alone_s or None, seconds / steps)
+        if drafts is not None and drafts.model_asked and n_decode == 1 and not n_prefill \
+                and yielded > 0:
+            self.model_yield_s = steady(self.model_yield_s or None, seconds / yielded)
         if drafts is not None and drafts.tokens:
             self._verified(seconds, n_decode, n_prefill, drafts)
             self.steps += steps

@@ -258,3 +258,54 @@ def test_draft_costs_follow_the_step_as_the_context_grows() -> None:
     # measured again at the new size: kept as measured
     timer.record(0.0135 + 3 * 0.0066, 1, 0, drafts=StepDrafts(tokens=3, lanes=1))
     assert abs((timer.verify_cost(3) or 0) - 3 * 0.00673) < 1e-4
+
+
+class _RightDraft:
+    """A draft model that drafts exactly the reply's next tokens, in no time."""
+
+    def __init__(self, prompt: list[int], reply: list[int]) -> None:
+        self.n_prompt, self.reply = len(prompt), reply
+        self.asked = 0
+        self.followed = 0
+
+    def behind(self, lane_id: int, tokens: np.ndarray, tenant: str) -> int:
+        return 0
+
+    def propose(self, asks: list[Any]) -> dict[int, np.ndarray]:
+        out = {}
+        for a in asks:
+            if a.want:
+                self.asked += a.want
+                at = len(a.tokens) - self.n_prompt  # the reply's tokens the lane will hold
+                out[a.lane] = np.array(self.reply[at: at + a.want], dtype=np.int32)
+        return out
+
+
+def test_a_draft_model_whose_steps_lose_is_asked_only_in_probes() -> None:
+    # each part of asking the draft model looks cheap (its time, the verification), and
+    # its drafts are all accepted; but the steps that asked it yielded a lone lane's
+    # tokens three times slower than steps without it (what hybrid-mid's pair did here:
+    # costs its parts' estimates missed). It is then asked only in a probe; measured
+    # to pay, it drafts the reply
+    prompt = list(range(10, 130))
+    reply = [900 + i for i in range(200)]  # nothing prompt lookup could find
+    asked = {}
+    for yield_s in (3 * STEP, STEP / 2):
+        timer = StepTimer(decode_s={1: STEP}, alone_s=STEP, verify_s={1: PER_DRAFT},
+                          model_yield_s=yield_s)
+        draft = _RightDraft(prompt, reply)
+        _, job, _ = _run(prompt, reply, PER_DRAFT, timer, draft=draft)
+        assert job.out.generated == reply
+        asked[yield_s] = draft.asked
+    assert asked[3 * STEP] <= 4, asked
+    assert asked[STEP / 2] >= 100, asked
+
+
+def test_steps_that_ask_the_draft_model_measure_what_a_lone_lane_got() -> None:
+    timer = StepTimer()
+    asked = StepDrafts(tokens=1, lanes=1, model_asked=1, model_s=0.004)
+    timer.record(0.010, 1, 0, drafts=asked, yielded=2)
+    assert abs(timer.model_yield_s - 0.005) < 1e-12
+    timer.record(0.010, 2, 0, drafts=asked, yielded=3)  # two lanes: not a lone lane's
+    timer.record(0.010, 1, 0, drafts=StepDrafts(tokens=1, lanes=1), yielded=2)  # lookup's
+    assert abs(timer.model_yield_s - 0.005) < 1e-12
