@@ -201,7 +201,7 @@ def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
     ratios to "off" in the same round (the machine's drift cancels out). Fresh servers
     each round, because a server's own start moves its rate: the same config started
     five times decoded the tiny hybrid from 0.92x to 1.05x of the first start, and a
-    single pair of servers then decides a tiny model's cell (docs/benchmarks.md)."""
+    single pair of servers then decides a tiny model's cell (README, Speculative decoding)."""
     sources = [s for s in args.sources if s != "draft" or t.draft is not None]
     out: dict[str, Any] = {"kind": t.label, "model": t.model.label}
     turns = workloads(args.code_lines)

@@ -249,7 +249,8 @@ class Speculation:
         """This step's drafts for a decoding lane, by expected gain: prompt lookup's (set
         here), or the draft model's (returns how many to ask it for), or none."""
         job, spec, sc, timer = w.job, w.job.spec, self.p.cfg.speculative, self.timer
-        if spec.fresh:
+        first = spec.fresh  # the request's first decode step
+        if first:
             self._prime(spec)
         if spec.resting:  # a probe is due, or drafts that pay were found (_worth_now)
             spec.resting, spec.probing = False, spec.since >= spec.rest
@@ -301,12 +302,14 @@ class Speculation:
         # a copy goes on, and a copy of the prompt often starts at the reply's first
         # token)
         untried = spec.accepted[look] + spec.rejected[look] == 0
-        if (spec.probing or untried) and not (k_model or k_look):
-            if len(found):
+        if (spec.probing or untried or first) and not (k_model or k_look):
+            if len(found) and (spec.probing or untried):
                 k_look = min(len(found), PROBE_DRAFTS)
-            elif spec.probing and self._model_probe_due(job):
-                # the draft model catches up on what its lane rested through: probed
-                # for every lane at once, as rarely as it keeps not paying
+            elif (spec.probing or first) and self._model_probe_due(job):
+                # the draft model catches up on what its lane rested through (nothing,
+                # at a request's first step: it followed the prefill): probed for every
+                # lane at once, as rarely as it keeps not paying, so a model measured
+                # to lose is measured again
                 self.model_since, self.model_rest = 0, min(self.model_rest * 2, MAX_REST)
                 k_model, v_model = min(w.room, PROBE_DRAFTS), 1.0
         if k_model and v_model > v_look:

@@ -182,7 +182,9 @@ def test_a_draft_model_that_drafts_nothing_is_not_asked_by_each_new_request() ->
         assert job.out.generated == reply
         asked.append(draft.asked - before)
     assert asked[0] > 0, asked
-    assert asked[1:] == [0, 0], asked
+    # at most a probe (two drafts, at a request's first step, as rarely as probes keep
+    # not paying): a model measured to lose is measured again now and then
+    assert all(n <= 2 for n in asked[1:]) and sum(asked[1:]) < asked[0], asked
 
 
 def test_a_probe_with_nothing_to_draft_stays_in_the_fast_path() -> None:
