@@ -110,7 +110,6 @@ class Speculation:
         # many it waits for (doubling while its probes do not pay)
         self.model_since, self.model_rest = 0, PROBE_EVERY
         self.lanes_decoding = 1  # in the step being planned (plan_step sets it)
-        self.lookup_s = 0.0  # what a prompt lookup costs, measured (moving average)
         self.model_s, self.model_asked = 0.0, 0  # the draft model's, this step
         # every lane's record of the draft model and of copies that hold, decaying
         # slowly: where a request starts
@@ -151,7 +150,7 @@ class Speculation:
         spec, lane = job.spec, job.lane
         step_s = self.timer.base_s(self.lanes_decoding)
         if not self.lookup_on or lane is None or spec.fresh or len(spec.replay) or \
-                step_s <= 0 or self.lookup_s > WATCH_SHARE * step_s:
+                step_s <= 0 or self.timer.lookup_s > WATCH_SHARE * step_s:
             return False
         at = (lane.n, job.out.pending)
         if spec.watched[0] == at:  # asked already at this token
@@ -338,8 +337,7 @@ class Speculation:
         found, start, matched = lookup(known, k, sc.lookup_max, sc.lookup_min,
                                        self.history.get(job.req.tenant, job.req.session),
                                        job.spec.cursor)
-        dt = time.perf_counter() - t0
-        self.lookup_s = dt if not self.lookup_s else self.lookup_s + 0.2 * (dt - self.lookup_s)
+        self.timer.looked(time.perf_counter() - t0)
         if 0 <= job.spec.cursor == start:
             return found, start, COPY
         return found, start, LONG if matched > sc.lookup_min else LOOKUP

@@ -46,6 +46,7 @@ class StepTimer:
     # may miss a cost
     model_yield_s: float = 0.0
     per_token_s: float = 0.0  # b; 0 until measured
+    lookup_s: float = 0.0  # what a prompt lookup costs (proxy/engine/speculation.py)
     steps: int = 0
     share: float = 0.5  # of the time, the streams' while a long prompt prefills
     owed_s: float = 0.0  # time the streams get before the next burst
@@ -135,8 +136,11 @@ class StepTimer:
         return self.verify_s[near] * scale * k / near
 
     def _per_token(self, x: float) -> None:
-        self.per_token_s = x if not self.per_token_s else \
-            self.per_token_s + ALPHA * (x - self.per_token_s)
+        self.per_token_s = average(self.per_token_s, x)
+
+    def looked(self, seconds: float) -> None:
+        """A prompt lookup took ``seconds``."""
+        self.lookup_s = average(self.lookup_s, seconds)
 
     def burst_tokens(self, pause_s: float, min_chunk: int, budget: int, beside: int) -> int:
         """Prefill tokens of one burst: what fits in ``pause_s`` at the measured rate,
@@ -149,6 +153,11 @@ class StepTimer:
         if fit >= CHUNK + beside:
             fit = (fit - beside) // CHUNK * CHUNK + beside
         return min(max(fit, min_chunk), budget)
+
+
+def average(old: float, x: float) -> float:
+    """A moving average (0: nothing measured yet)."""
+    return x if not old else old + ALPHA * (x - old)
 
 
 def steady(old: float | None, x: float, alpha: float = ALPHA) -> float:
