@@ -40,11 +40,12 @@ class StepTimer:
     # a token of a lone stream in its own run of steps (Stepper._decode_alone: no step
     # planned): what a lone lane's drafts compete with
     alone_s: float = 0.0
-    # seconds per token a lone lane got from steps that asked the draft model, everything
-    # in (its following, its drafts, what it declined to draft, their verification, the
-    # planned step): what using it yields, against alone_s, where its parts' estimates
-    # may miss a cost
-    model_yield_s: float = 0.0
+    # what a lone lane's steps that asked the draft model took, and the tokens they
+    # yielded (moving averages of each): everything in (its following, its drafts, what
+    # it declined to draft, their verification, the planned step), against alone_s,
+    # where its parts' estimates may miss a cost (``model_yield_s``)
+    model_step_s: float = 0.0
+    model_yielded: float = 0.0
     per_token_s: float = 0.0  # b; 0 until measured
     lookup_s: float = 0.0  # what a prompt lookup costs (proxy/engine/speculation.py)
     steps: int = 0
@@ -62,7 +63,8 @@ class StepTimer:
             self.alone_s = steady(self.alone_s or None, seconds / steps)
         if drafts is not None and drafts.model_asked and n_decode == 1 and not n_prefill \
                 and yielded > 0:
-            self.model_yield_s = steady(self.model_yield_s or None, seconds / yielded)
+            self.model_step_s = steady(self.model_step_s or None, seconds)
+            self.model_yielded = average(self.model_yielded, float(yielded))
         if drafts is not None and drafts.tokens:
             self._verified(seconds, n_decode, n_prefill, drafts)
             self.steps += steps
@@ -115,6 +117,15 @@ class StepTimer:
         """The draft model decoded ``tokens`` to catch up (and drafted) in ``seconds``."""
         if tokens > 0:
             self.follow_s = steady(self.follow_s or None, seconds / tokens)
+
+    @property
+    def model_yield_s(self) -> float:
+        """Seconds per token a lone lane got from steps that asked the draft model (0:
+        none measured): the average step over the average tokens it yielded, not an
+        average of each step's seconds per token, which counts a step that yielded one
+        token as much as one that yielded four and so makes drafts that pay look as if
+        they lost (mean of ratios against ratio of means)."""
+        return self.model_step_s / self.model_yielded if self.model_yielded else 0.0
 
     def base_s(self, lanes: int) -> float:
         """What a step of ``lanes`` decoding lanes costs without drafts (a lone lane: a

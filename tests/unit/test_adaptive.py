@@ -294,7 +294,7 @@ def test_a_draft_model_whose_steps_lose_is_asked_only_in_probes() -> None:
     asked = {}
     for yield_s in (3 * STEP, STEP / 2):
         timer = StepTimer(decode_s={1: STEP}, alone_s=STEP, verify_s={1: PER_DRAFT},
-                          model_yield_s=yield_s)
+                          model_step_s=yield_s, model_yielded=1.0)
         draft = _RightDraft(prompt, reply)
         _, job, _ = _run(prompt, reply, PER_DRAFT, timer, draft=draft)
         assert job.out.generated == reply
@@ -311,3 +311,16 @@ def test_steps_that_ask_the_draft_model_measure_what_a_lone_lane_got() -> None:
     timer.record(0.010, 2, 0, drafts=asked, yielded=3)  # two lanes: not a lone lane's
     timer.record(0.010, 1, 0, drafts=StepDrafts(tokens=1, lanes=1), yielded=2)  # lookup's
     assert abs(timer.model_yield_s - 0.005) < 1e-12
+
+
+def test_what_the_draft_model_yields_is_total_time_over_total_tokens() -> None:
+    # steps that asked the draft model alternately declined to draft (12 ms, one token)
+    # and had four drafts accepted (24 ms, five tokens): 36 ms for six tokens, 6 ms a
+    # token, which beats lone steps of 7 ms. An average of each step's seconds per
+    # token (12 ms and 4.8 ms) says the model loses
+    timer = StepTimer(alone_s=0.007)
+    asked = StepDrafts(tokens=4, lanes=1, model_asked=4, model_s=0.002)
+    for i in range(200):
+        timer.record(0.024 if i % 2 else 0.012, 1, 0, drafts=asked, yielded=5 if i % 2 else 1)
+        if i > 40:
+            assert 0.0054 < timer.model_yield_s < timer.alone_s, (i, timer.model_yield_s)
