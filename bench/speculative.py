@@ -90,7 +90,7 @@ def targets(full: bool, quick: bool = False) -> list[Target]:
     return out
 
 
-def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, float]:
+def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     # a conversation of its own every time: a repeat of a request must not draft from the
     # reply remembered for the last one (proxy/engine/drafting.py History)
     body = {"model": "bench", "messages": messages, "stream": True, "temperature": 0.0,
@@ -100,6 +100,7 @@ def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str
     t_first = 0.0
     usage: dict[str, Any] = {}
     rid = ""
+    text: list[str] = []
     for line in _sse_lines(url, body, "/v1/chat/completions"):
         if not line.startswith("data:") or line[5:].strip() == "[DONE]":
             continue
@@ -108,6 +109,7 @@ def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str
         usage = obj.get("usage") or usage
         for ch in obj.get("choices") or []:
             d = ch.get("delta") or {}
+            text.append(d.get("content") or "")
             if not t_first and (d.get("content") or d.get("reasoning_content")):
                 t_first = time.perf_counter()
     t_end = time.perf_counter()
@@ -115,17 +117,17 @@ def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str
     span = t_end - (t_first or t0)
     return {"tokens": n, "ttft_s": (t_first or t_end) - t0,
             "client_tps": (n - 1) / span if n > 1 and span > 0 else 0.0,
-            "decode_tps": _engine_rate(url, rid)}
+            "decode_tps": _engine_rate(url, rid), "text": "".join(text)}
 
 
 def _quiet_turn(servers: list[Server], url: str, messages: list[dict[str, str]],
-                max_tokens: int, tries: int = 4) -> dict[str, float]:
+                max_tokens: int, tries: int = 4) -> dict[str, Any]:
     """One turn on ``url`` while the other servers stay idle: each starts idle (the last
     one's disk writes are not in this decode), and a turn during which another worked
     more than 2% of its time (an idle lane's save, a timer) is run again."""
     me = next(s for s in servers if s.url == url)
     others = [s for s in servers if s is not me]
-    got: dict[str, float] = {}
+    got: dict[str, Any] = {}
     for _ in range(tries):
         settle(servers)
         before = [s.cpu_ns() for s in others]
@@ -205,7 +207,7 @@ def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
     sources = [s for s in args.sources if s != "draft" or t.draft is not None]
     out: dict[str, Any] = {"kind": t.label, "model": t.model.label}
     turns = workloads(args.code_lines)
-    runs: dict[str, dict[str, list[dict[str, float]]]] = {
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         name: {s: [] for s in sources} for name in turns}
     # tokens drafted and accepted, and the draft model's tokens (following the prompt
     # and catching up), over the measured turns
@@ -264,6 +266,12 @@ def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
                 "speedup": statistics.median(ratios) if source != "off" and ratios else None,
                 # 95%, distribution-free (None under 6 rounds)
                 "interval": median_ci(ratios) if source != "off" and ratios else None,
+                # what the model wrote (the first round's), and in how many rounds the
+                # reply was "off"'s, character for character (greedy: a reply may leave
+                # it only after a near-tie, README "Is a greedy reply with drafting...")
+                "reply": runs[name][source][0]["text"],
+                "same_as_off": sum(r["text"] == b["text"] for r, b in zip(
+                    runs[name][source], runs[name]["off"], strict=True)),
             }
     out["rounds"] = rounds
     return out
@@ -357,12 +365,15 @@ def verify_cost(model: Path, n_rs_seq: int, sizes: tuple[int, ...] = (1, 2, 3, 5
         pos = context
         for n in sizes:
             times = []
-            for _ in range(8):
+            # three untimed first: a decode of a new size builds its graph (llama.cpp
+            # reuses it while the size stays), as a stream's own run of steps does not
+            for i in range(11):
                 ctx.batch.clear()
                 ctx.batch.add(0, list(range(20, 20 + n)), pos, logits_last=True, logits_from=0)
                 t0 = time.perf_counter()
                 ctx.decode()
-                times.append(time.perf_counter() - t0)
+                if i >= 3:
+                    times.append(time.perf_counter() - t0)
                 if not ctx.seq_rm(0, pos + 1, -1):  # keep one token, as a rejection would
                     raise RuntimeError("seq_rm refused")
                 pos += 1
@@ -373,11 +384,11 @@ def verify_cost(model: Path, n_rs_seq: int, sizes: tuple[int, ...] = (1, 2, 3, 5
 
 def table(result: dict[str, Any]) -> list[str]:
     lines = ["| target (memory) | model | workload | source | decode tok/s | vs off | "
-             "95% interval | drafted | accepted | acceptance |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"] if result["targets"] else []
+             "95% interval | drafted | accepted | acceptance | reply as off's |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"] if result["targets"] else []
     for t in result["targets"]:
         if "error" in t:
-            lines.append(f"| {t['kind']} | {t['model']} | failed: {t['error'][:80]} |||||||")
+            lines.append(f"| {t['kind']} | {t['model']} | failed: {t['error'][:80]} ||||||||")
             continue
         for source in ("off", "auto", "lookup", "draft"):
             if source not in t:
@@ -387,9 +398,11 @@ def table(result: dict[str, Any]) -> list[str]:
                 sp = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
                 ci = r.get("interval")
                 band = f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-"
+                same = f"{r['same_as_off']}/{r['turns']}" if source != "off" and \
+                    "same_as_off" in r else "-"
                 lines.append(f"| {t['kind']} | {t['model']} | {name} | {source} | "
                              f"{r['decode_tps']:.1f} | {sp} | {band} | {int(r['drafted'])} | "
-                             f"{int(r['accepted'])} | {acc} |")
+                             f"{int(r['accepted'])} | {acc} | {same} |")
     if result.get("rollback"):
         lines += ["", "Rolling back a hybrid target with a draft model (in process, one "
                   "stream): per-token snapshots (n_rs_seq) against a staged partial state:",
@@ -421,6 +434,11 @@ def table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _picked(only: str, label: str) -> bool:
+    """Whether ``--only`` picks a target: its label holds any comma-separated part."""
+    return any(part in label for part in only.split(","))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.speculative")
     p.add_argument("--json", default="results/speculative.json")
@@ -437,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sources", type=lambda v: tuple(v.split(",")), default=DEFAULT_SOURCES,
                    help="comma-separated: off (always measured), auto (the default "
                    "config), lookup, draft")
-    p.add_argument("--only", default="", help="only the targets whose model label has this")
+    p.add_argument("--only", default="",
+                   help="only the targets whose model label has this (or, comma-separated, "
+                   "any of these)")
     p.add_argument("--code-lines", type=int, default=0,
                    help="the code file's first lines only (0: all 65)")
     p.add_argument("--log-dir", default="results/logs")
@@ -457,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(table({"targets": [], "checkpoints": [], "rollback": rows})))
         return 0
     if a.verify_only:
-        rows = [r for t in targets(True) if t.draft is None and a.only in t.model.label
+        rows = [r for t in targets(True) if t.draft is None and _picked(a.only, t.model.label)
                 for ctx in (300, 800)
                 for r in verify_cost(t.model.path, 0, (1, 2, 4, 9, 17), ctx)]
         print("\n".join(table({"targets": [], "checkpoints": [], "verify": rows})))
@@ -466,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                               "targets": [], "checkpoints": []}
     if "off" not in a.sources:
         a.sources = ("off", *a.sources)
-    ts = [t for t in targets(a.full, a.quick) if a.only in t.model.label]
+    ts = [t for t in targets(a.full, a.quick) if _picked(a.only, t.model.label)]
     for t in ts:
         try:
             result["targets"].append(run_target(t, a))
