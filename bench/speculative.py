@@ -365,8 +365,8 @@ def verify_cost(model: Path, n_rs_seq: int, sizes: tuple[int, ...] = (1, 2, 3, 5
         pos = context
         for n in sizes:
             times = []
-            # three untimed first: a decode of a new size builds its graph (llama.cpp
-            # reuses it while the size stays), as a stream's own run of steps does not
+            # three untimed first: a decode of a new size builds its graph, which llama.cpp
+            # then reuses while the size stays (as in a stream's own run of steps)
             for i in range(11):
                 ctx.batch.clear()
                 ctx.batch.add(0, list(range(20, 20 + n)), pos, logits_last=True, logits_from=0)

@@ -13,10 +13,12 @@ Three runs of the same tokens after the same prompt, each in a fresh context:
 
 On both models the next token after a rollback is bitwise what a context that never
 held the rejected cells computes: the rollback leaves no trace (where the freed cells
-are reused changes no sum). The verification rows are another matter: SmolLM2 (Q4_1)
-computes each row of a batch as it computes a row alone, bitwise, while Gemma 3's batch
-is another matrix product whose logits differ by up to a few units (docs/design.md
-fact 16). ``python -m tests.model.test_verification_arithmetic`` prints the figures.
+are reused changes no sum). The verification rows are another matter: beside a short
+prompt SmolLM2 (Q4_1) computes each row of a batch as it computes a row alone, bitwise,
+but beside a long one (measured: bitwise at 200 cached tokens, not at 300) its rows
+differ too, while Gemma 3's batch is another matrix product whose logits differ by up to
+a few units at either length (docs/design.md fact 16).
+``python -m tests.model.test_verification_arithmetic`` prints the figures.
 """
 
 from __future__ import annotations
@@ -100,8 +102,8 @@ def test_a_rollback_leaves_no_trace_and_a_batch_is_another_product(
     # where a rolled-back lane's next token lands changes nothing: bitwise
     assert got["rollback_vs_never"] == 0.0, got
     # the verification batch: SmolLM2's rows are bitwise its one-by-one logits beside a
-    # short context only (beside more than about 256 cached tokens, a batch's attention
-    # is summed in another order); Gemma 3's are arithmetic of their own at any length
+    # short context only (beside 300 or more cached tokens, a batch's attention over the
+    # cache is summed in another order); Gemma 3's are arithmetic of their own at any length
     # (if either changes, docs/design.md fact 16 and the README's note on equality are
     # stale)
     if which == "smollm2" and repeats == SHORT:
