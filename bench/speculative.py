@@ -411,6 +411,11 @@ def table(result: dict[str, Any]) -> list[str]:
             lines.append(f"| {r['rollback']} | {r['n_rs_seq']} | "
                          f"{'yes' if r['drafting'] else 'no (speculative: false)'} | "
                          f"{r['decode_tps']:.1f} |")
+    if result.get("ceiling"):
+        from bench.ceiling import table as ceiling_table
+        lines += ["", "What prompt lookup could make of each undrafted reply at best, each "
+                  "step priced by the verification costs measured here (bench.ceiling):",
+                  "", *ceiling_table(result["ceiling"])]
     if result.get("verify"):
         base = {(r["model"], r.get("context", 300)): r["ms"] for r in result["verify"]
                 if r["tokens"] == 1}
@@ -466,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verify-only", action="store_true",
                    help="only: what a verification costs each real model, beside 300 and "
                    "800 tokens")
+    p.add_argument("--verify-model", action="append", default=[], metavar="GGUF",
+                   help="with --verify-only: this model too (repeatable), e.g. SmolLM2 "
+                   "quantized otherwise with llama-quantize")
     p.add_argument("--pair", default="mid", choices=("mid", "bench"),
                    help="with --rollback-check: hybrid-mid or hybrid-bench and its draft")
     a = p.parse_args(argv)
@@ -477,9 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(table({"targets": [], "checkpoints": [], "rollback": rows})))
         return 0
     if a.verify_only:
-        rows = [r for t in targets(True) if t.draft is None and _picked(a.only, t.model.label)
-                for ctx in (300, 800)
-                for r in verify_cost(t.model.path, 0, (1, 2, 4, 9, 17), ctx)]
+        paths = [t.model.path for t in targets(True)
+                 if t.draft is None and _picked(a.only, t.model.label)]
+        rows = [r for path in paths + [Path(m) for m in a.verify_model] for ctx in (300, 800)
+                for r in verify_cost(path, 0, (1, 2, 4, 9, 17), ctx)]
         print("\n".join(table({"targets": [], "checkpoints": [], "verify": rows})))
         return 0
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "draft_max": dm,
@@ -504,6 +513,10 @@ def main(argv: list[str] | None = None) -> int:
     if mid and mid[0].draft is not None:
         result["rollback"] = rollback_check(mid[0].model.path, mid[0].draft, 256, a.repeats,
                                             dm)
+    # how much of each real model's speedup lookup could reach here at best (bench.ceiling)
+    if any(t.draft is None for t in ts):
+        from bench.ceiling import measure as ceiling
+        result["ceiling"] = ceiling(result, a.only)
     for t in ts:
         if t.draft is not None:
             for n in (2000, 8000):
