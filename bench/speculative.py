@@ -196,6 +196,17 @@ def workloads(code_lines: int = 0) -> dict[str, tuple[list[dict[str, str]], int]
 DEFAULT_SOURCES = ("off", "auto")
 
 
+def source_config(source: str) -> str:
+    """The [speculative] section a source runs with: ``off``, ``auto``, ``lookup`` or
+    ``draft`` as ``speculative.source``; ``fixedN``: prompt lookup drafting what it
+    finds, up to N tokens, at every step (no adaptive rule), to set the rule against."""
+    fixed = re.fullmatch(r"fixed(\d+)", source)
+    if fixed:
+        return (f'[speculative]\nsource = "lookup"\nadaptive = false\n'
+                f"lookup_draft_max = {int(fixed.group(1))}\n")
+    return f'[speculative]\nsource = "{source}"\n'
+
+
 def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
     """Decode tokens/s of each source, its servers running side by side, in rounds: each
     round starts every source's server afresh and runs each workload once on every
@@ -219,7 +230,7 @@ def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
             urls = {}
             servers: list[Server] = []
             for source in sources:
-                extra = f'[speculative]\nsource = "{source}"\n'
+                extra = source_config(source)
                 if args.draft_max:
                     extra += f"draft_max = {args.draft_max}\n"
                 flags = ("--draft", str(t.draft)) if source in ("draft", "auto") and t.draft \
@@ -390,7 +401,8 @@ def table(result: dict[str, Any]) -> list[str]:
         if "error" in t:
             lines.append(f"| {t['kind']} | {t['model']} | failed: {t['error'][:80]} ||||||||")
             continue
-        for source in ("off", "auto", "lookup", "draft"):
+        for source in ("off", "auto", "lookup", "draft", *sorted(
+                (k for k in t if k.startswith("fixed")), key=lambda k: int(k[5:]))):
             if source not in t:
                 continue
             for name, r in t[source].items():
@@ -459,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
                    "workload this long")
     p.add_argument("--sources", type=lambda v: tuple(v.split(",")), default=DEFAULT_SOURCES,
                    help="comma-separated: off (always measured), auto (the default "
-                   "config), lookup, draft")
+                   "config), lookup, draft, fixedN (lookup's drafts up to N at every "
+                   "step, no adaptive rule)")
     p.add_argument("--only", default="",
                    help="only the targets whose model label has this (or, comma-separated, "
                    "any of these)")
