@@ -111,8 +111,8 @@ class Speculation:
         self.model_since, self.model_rest = 0, PROBE_EVERY
         self.lanes_decoding = 1  # in the step being planned (plan_step sets it)
         self.model_s, self.model_asked = 0.0, 0  # the draft model's, this step
-        # every lane's record of the draft model and of copies that hold, decaying
-        # slowly: where a request starts
+        # every lane's record of each source (the draft model, copies that hold, new
+        # matches long and short), decaying slowly: where a request starts
         self.accepted, self.rejected = [0.0] * 4, [0.0] * 4
         # ...and how often, asked for drafts, it made any (it stops where it is not sure)
         self.asks, self.answers = 0.0, 0.0
@@ -385,16 +385,19 @@ class Speculation:
         return best_length(1.0, k, lanes, step_s, self.timer.verify_cost)[0] > 0
 
     def _prime(self, spec: Drafting) -> None:
-        """A new request's record of the draft model, of copies that hold and of long
-        new matches: every earlier request's, worth ``PRIOR`` drafts at most (how well a
-        draft model agrees with its target is theirs, and how long a copy goes on once
-        it holds is much the same from one reply to the next, where whether a match of
-        two tokens is right is the text's: that record starts from nothing)."""
+        """A new request's record of each source: every earlier request's, worth
+        ``PRIOR`` drafts at most (how well a draft model agrees with its target is
+        theirs, how long a copy goes on once it holds is much the same from one reply
+        to the next, and so is how often a new short match starts one). A short
+        match's record that started from nothing fell, at a reply's first rejected
+        match, to where no later one was drafted on a model whose draft costs most of
+        a step (README, "Speculative decoding": SmolLM2's code-edit turn)."""
         spec.fresh = False
-        for src in (DRAFT, COPY, LONG):
+        for src in (DRAFT, COPY, LONG, LOOKUP):
             a, r = self.accepted[src], self.rejected[src]
             scale = min(1.0, PRIOR / (a + r)) if a + r > 0 else 0.0
-            spec.accepted[src], spec.rejected[src] = a * scale, r * scale
+            spec.accepted[src] += a * scale  # (a new lane's own record: nothing yet)
+            spec.rejected[src] += r * scale
 
     def _drafted(self, spec: Drafting) -> None:
         """After a source drafted: a draft model that was asked for drafts and made
@@ -442,9 +445,8 @@ class Speculation:
         src = spec.source
         spec.accepted[src] = spec.accepted[src] * DECAY + accepted
         spec.rejected[src] = spec.rejected[src] * DECAY + (accepted < len(drafts))
-        if src != LOOKUP:
-            self.accepted[src] = self.accepted[src] * MODEL_DECAY + accepted
-            self.rejected[src] = self.rejected[src] * MODEL_DECAY + (accepted < len(drafts))
+        self.accepted[src] = self.accepted[src] * MODEL_DECAY + accepted
+        self.rejected[src] = self.rejected[src] * MODEL_DECAY + (accepted < len(drafts))
         probe, spec.probing = spec.probing, False  # a probe is in: the next step weighs it
         if src != DRAFT and spec.start >= 0:  # where the copy goes on, if it does
             spec.cursor = spec.start + accepted + 1

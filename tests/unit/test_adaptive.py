@@ -324,3 +324,33 @@ def test_what_the_draft_model_yields_is_total_time_over_total_tokens() -> None:
         timer.record(0.024 if i % 2 else 0.012, 1, 0, drafts=asked, yielded=5 if i % 2 else 1)
         if i > 40:
             assert 0.0054 < timer.model_yield_s < timer.alone_s, (i, timer.model_yield_s)
+
+
+def _segments(prompt: list[int], first: int, n: int) -> list[int]:
+    """A reply of ``n`` pieces of the prompt, each after a word of its own: each copy
+    starts where the last two tokens match the prompt (a new short match, LOOKUP), never
+    a longer one."""
+    out: list[int] = []
+    for i in range(n):
+        s = 20 * i
+        out += [first + i] + prompt[s: s + 12]
+    return out
+
+
+def test_a_new_request_judges_short_matches_by_earlier_requests() -> None:
+    # where a draft costs most of a step (SmolLM2 here), a short match pays only if it
+    # is likely right. The second request's first short match is rejected (its opening
+    # words); judged by that alone it would decline every later one, and each copy of
+    # the prompt would wait for a probe. Earlier requests' short matches, mostly
+    # accepted, are its prior, as a copy's and a long match's are (speculation._prime)
+    prompt = list(range(10, 250))
+    per_draft = 0.008  # of a 12.7 ms step
+    first = _segments(prompt, 900, 12)
+    meter, _, spec = _run(prompt, first, per_draft, _measured())
+    assert spec.accepted[LOOKUP] > 4 * spec.rejected[LOOKUP], spec.accepted
+    before = meter.spec_tokens.get("accepted")
+    second = [prompt[100], prompt[101], 950] + _segments(prompt, 960, 12)
+    meter, job, _ = _run(prompt, second, per_draft, spec=spec)
+    assert job.out.generated == second
+    # judged by its own first rejection, the lane accepted 89 drafts here
+    assert meter.spec_tokens.get("accepted") - before >= 0.6 * len(second), meter
