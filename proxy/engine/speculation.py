@@ -116,6 +116,9 @@ class Speculation:
         self.accepted, self.rejected = [0.0] * 4, [0.0] * 4
         # ...and how often, asked for drafts, it made any (it stops where it is not sure)
         self.asks, self.answers = 0.0, 0.0
+        # where the last request that ended rested: its rest and the tokens it rested
+        # through (None: it did not), for a new one on a model where no drafts pay
+        self.rested: tuple[int, int] | None = None
 
     def room(self, job: Job, n: int, budget: int) -> int:
         """Drafts a decoding job may carry this step (``propose`` decides how many it
@@ -189,9 +192,13 @@ class Speculation:
             self.model_since += n
 
     def remember(self, job: Job) -> None:
-        """A request's reply, for later requests of its conversation to draft from."""
-        if job.spec.on:
+        """A request's reply, for later requests of its conversation to draft from, and
+        where its lane rested, for the next request to go on resting from
+        (``_rests_from_start``)."""
+        spec = job.spec
+        if spec.on:
             self.history.add(job.req.tenant, job.req.session, job.out.generated)
+            self.rested = (spec.rest, spec.since) if spec.resting else None
 
     def _rest(self, spec: Drafting) -> None:
         """Drafting does not pay on this lane now: probe again later."""
@@ -251,6 +258,8 @@ class Speculation:
         first = spec.fresh  # the request's first decode step
         if first:
             self._prime(spec)
+            if sc.adaptive and self._rests_from_start(job):
+                return 0
         if spec.resting:  # a probe is due, or drafts that pay were found (_worth_now)
             spec.resting, spec.probing = False, spec.since >= spec.rest
             if spec.probing:
@@ -371,6 +380,23 @@ class Speculation:
     def _answer_rate(self) -> float:
         """How often the draft model, asked for drafts, made any (from one in two)."""
         return (self.answers + 1.0) / (self.asks + 2.0)
+
+    def _rests_from_start(self, job: Job) -> bool:
+        """Whether a new request rests from its first step: on a model where no drafts
+        pay even were every one accepted (by the costs measured: a tiny model whose step
+        of a few tokens costs more than as many steps of one), after a request that
+        ended resting, it goes on from that rest and the tokens rested through, so
+        probes stay as far apart across requests as along one, where each request
+        started over: it planned its first steps, verified the first drafts it found,
+        and probed at its 32nd, 96th and 224th tokens. A probe that is due, or one of the
+        draft model, is this step."""
+        spec, carried = job.spec, self.rested
+        if carried is None or self._could_pay(self.lookup_max) or \
+                self._model_probe_due(job):
+            return False
+        spec.rest, spec.since = carried
+        spec.resting = True  # (a probe due: planned below, as a lane's after its rest)
+        return spec.since < spec.rest
 
     def _could_pay(self, k: int) -> bool:
         """Whether ``k`` drafts, every one accepted, would beat a step without them by

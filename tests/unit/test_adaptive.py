@@ -72,6 +72,7 @@ def _run(prompt: list[int], reply: list[int], per_draft: float,
         else:
             timer.record(STEP, 1, 0)
         spec.verify(w, take)
+    spec.remember(job)  # as the engine does when a request ends
     return meter, job, spec
 
 
@@ -99,6 +100,22 @@ def test_drafts_that_cost_more_than_they_yield_rest() -> None:
     assert job.out.generated == reply
     assert meter.get("spec_rests") >= 1, meter
     assert meter.spec_tokens.get("drafted") < 0.5 * len(reply), meter
+
+
+def test_a_new_request_where_no_drafts_pay_goes_on_resting() -> None:
+    # each draft costs more than a step (the tiny synthetic targets on these cores): no
+    # draft pays, even accepted. The requests after the first go on from the rest the
+    # last one reached, not each from the start: verifying the first drafts found, then
+    # probing at its 32nd, 96th and 224th tokens
+    prompt = list(range(10, 130))
+    reply = _reply(prompt, 240)
+    meter, _, spec = _run(prompt, reply, STEP * 1.2)
+    assert meter.get("spec_rests") >= 1, meter
+    before = meter.spec_verifications.get()
+    for _ in range(4):
+        meter, job, _ = _run(prompt, reply, STEP * 1.2, spec=spec)
+        assert job.out.generated == reply
+    assert meter.spec_verifications.get() - before <= 3, meter
 
 
 def _measured() -> StepTimer:
