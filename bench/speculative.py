@@ -363,7 +363,10 @@ def verify_cost(model: Path, n_rs_seq: int, sizes: tuple[int, ...] = (1, 2, 3, 5
                 context: int = 300) -> list[dict[str, Any]]:
     """What a verification costs the target on this machine: one lane holding
     ``context`` tokens decoding n tokens at once (a last token and n - 1 drafts, logits
-    for all), median ms of 8."""
+    for all), median ms of 8, each size in a run of its own (``ms``: llama.cpp reuses the
+    graph of the step before), and for n > 1 with steps of one token between
+    (``after_one_ms``, and ``one_after_ms`` for those steps of one: every step a graph
+    built anew, as where a lane drafts at one step and not at the next)."""
     import numpy as np
 
     from proxy.engine.binding import Context, ContextParams, Model, init_backend
@@ -388,8 +391,25 @@ def verify_cost(model: Path, n_rs_seq: int, sizes: tuple[int, ...] = (1, 2, 3, 5
                 if not ctx.seq_rm(0, pos + 1, -1):  # keep one token, as a rejection would
                     raise RuntimeError("seq_rm refused")
                 pos += 1
-            rows.append({"model": model.name, "tokens": n, "context": context,
-                         "ms": 1000 * statistics.median(times)})
+            row = {"model": model.name, "tokens": n, "context": context,
+                   "ms": 1000 * statistics.median(times)}
+            if n > 1:
+                timed: dict[int, list[float]] = {1: [], n: []}
+                for i in range(11):
+                    for size in (1, n):
+                        ctx.batch.clear()
+                        ctx.batch.add(0, list(range(20, 20 + size)), pos, logits_last=True,
+                                      logits_from=0)
+                        t0 = time.perf_counter()
+                        ctx.decode()
+                        if i >= 3:
+                            timed[size].append(time.perf_counter() - t0)
+                        if not ctx.seq_rm(0, pos + 1, -1):
+                            raise RuntimeError("seq_rm refused")
+                        pos += 1
+                row["after_one_ms"] = 1000 * statistics.median(timed[n])
+                row["one_after_ms"] = 1000 * statistics.median(timed[1])
+            rows.append(row)
     return rows
 
 
@@ -433,12 +453,16 @@ def table(result: dict[str, Any]) -> list[str]:
                 if r["tokens"] == 1}
         lines += ["", "What a verification costs the target: one lane holding a context "
                   "decoding n tokens at once (n_rs_seq snapshots on for the hybrid pairs), "
-                  "median of 8:", "",
-                  "| model | context | tokens | ms | x one token |", "|---|---:|---:|---:|---:|"]
+                  "median of 8; each size in a run of its own, then alternating with steps "
+                  "of one token (each step's graph built anew: the n-token step, and the "
+                  "one-token step after it):", "",
+                  "| model | context | tokens | ms | x one token | alternating: ms | "
+                  "one token after it: ms |", "|---|---:|---:|---:|---:|---:|---:|"]
         for r in result["verify"]:
             ctx = r.get("context", 300)
+            alt = [f"{r[k]:.1f}" if k in r else "-" for k in ("after_one_ms", "one_after_ms")]
             lines.append(f"| {r['model']} | {ctx} | {r['tokens']} | {r['ms']:.1f} | "
-                         f"{r['ms'] / base[(r['model'], ctx)]:.2f} |")
+                         f"{r['ms'] / base[(r['model'], ctx)]:.2f} | {alt[0]} | {alt[1]} |")
     if not result["checkpoints"]:
         return lines
     lines += ["", "Draft checkpoints (one lane at the given length): full state, against what "

@@ -3,7 +3,7 @@ verification cost curve, bounds what drafting could make of it."""
 
 import pytest
 
-from bench.ceiling import ceilings, interpolate, replay
+from bench.ceiling import ceilings, interpolate, replay, switch_ms
 
 PROMPT = list(range(100, 400))  # no n-gram twice: a lookup finds one place only
 
@@ -59,3 +59,25 @@ def test_foresight_bounds_every_fixed_length_on_an_edited_copy():
     assert got["foresight"] >= got["fixed"]
     # a rejected draft costs its share of a step: foresight, which drafts none, gains more
     assert got["foresight"] > got["fixed"] > 1.0
+
+
+def test_a_step_of_another_size_pays_for_its_graph():
+    # drafts cost a third of a step, and a step of another size than the last one's
+    # half a step more: a copy broken by edits changes size at each break, and pays it
+    cost = interpolate([(1, 3.0), (2, 4.0), (9, 11.0)])
+    for k in (2, 4, 8):
+        free = replay(PROMPT, edited_copy(), cost, k)["speedup"]
+        assert replay(PROMPT, edited_copy(), cost, k, switch=1.5)["speedup"] < free
+    # a reply that copies nothing never changes size: no graph is built anew
+    own = list(range(1000, 1080))
+    assert replay(PROMPT, own, cost, None, switch=1.5)["speedup"] == pytest.approx(1.0)
+
+
+def test_what_a_graph_built_anew_costs_is_read_from_alternating_steps():
+    curve = [{"tokens": 1, "ms": 10.0},
+             {"tokens": 2, "ms": 14.0, "after_one_ms": 15.0, "one_after_ms": 11.0},
+             {"tokens": 4, "ms": 25.0, "after_one_ms": 27.0, "one_after_ms": 12.0},
+             {"tokens": 9, "ms": 50.0, "after_one_ms": 49.0, "one_after_ms": 10.0}]
+    assert switch_ms(curve) == pytest.approx(1.0)  # the median of 1.0, 2.0 and -0.5
+    assert switch_ms(curve[:1]) == 0.0
+    assert switch_ms([curve[0], {**curve[3], "after_one_ms": 45.0}]) == 0.0
