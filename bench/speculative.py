@@ -377,38 +377,32 @@ def verify_cost(model: Path, n_rs_seq: int, sizes: tuple[int, ...] = (1, 2, 3, 5
                                                       n_rs_seq=n_rs_seq)) as ctx:
         ctx.prefill(0, np.arange(context, dtype=np.int32) % 200 + 10, 0)
         pos = context
-        for n in sizes:
-            times = []
-            # three untimed first: a decode of a new size builds its graph, which llama.cpp
-            # then reuses while the size stays (as in a stream's own run of steps)
+
+        def timed(pattern: tuple[int, ...]) -> dict[int, float]:
+            """Median ms of each size, decoded in ``pattern`` 11 times over, the first
+            three untimed: a decode of a new size builds its graph, which llama.cpp then
+            reuses while the size stays (as in a stream's own run of steps)."""
+            nonlocal pos
+            times: dict[int, list[float]] = {size: [] for size in pattern}
             for i in range(11):
-                ctx.batch.clear()
-                ctx.batch.add(0, list(range(20, 20 + n)), pos, logits_last=True, logits_from=0)
-                t0 = time.perf_counter()
-                ctx.decode()
-                if i >= 3:
-                    times.append(time.perf_counter() - t0)
-                if not ctx.seq_rm(0, pos + 1, -1):  # keep one token, as a rejection would
-                    raise RuntimeError("seq_rm refused")
-                pos += 1
-            row = {"model": model.name, "tokens": n, "context": context,
-                   "ms": 1000 * statistics.median(times)}
+                for size in pattern:
+                    ctx.batch.clear()
+                    ctx.batch.add(0, list(range(20, 20 + size)), pos, logits_last=True,
+                                  logits_from=0)
+                    t0 = time.perf_counter()
+                    ctx.decode()
+                    if i >= 3:
+                        times[size].append(time.perf_counter() - t0)
+                    if not ctx.seq_rm(0, pos + 1, -1):  # keep one token, as a rejection would
+                        raise RuntimeError("seq_rm refused")
+                    pos += 1
+            return {size: 1000 * statistics.median(t) for size, t in times.items()}
+
+        for n in sizes:
+            row = {"model": model.name, "tokens": n, "context": context, "ms": timed((n,))[n]}
             if n > 1:
-                timed: dict[int, list[float]] = {1: [], n: []}
-                for i in range(11):
-                    for size in (1, n):
-                        ctx.batch.clear()
-                        ctx.batch.add(0, list(range(20, 20 + size)), pos, logits_last=True,
-                                      logits_from=0)
-                        t0 = time.perf_counter()
-                        ctx.decode()
-                        if i >= 3:
-                            timed[size].append(time.perf_counter() - t0)
-                        if not ctx.seq_rm(0, pos + 1, -1):
-                            raise RuntimeError("seq_rm refused")
-                        pos += 1
-                row["after_one_ms"] = 1000 * statistics.median(timed[n])
-                row["one_after_ms"] = 1000 * statistics.median(timed[1])
+                both = timed((1, n))
+                row["after_one_ms"], row["one_after_ms"] = both[n], both[1]
             rows.append(row)
     return rows
 
