@@ -56,13 +56,14 @@ def usage_json(u: Usage) -> JSON:
 
 def stop_reason(fin: FinishEvent, tool_calls: bool, window: bool = False) -> str:
     """``window``: ``max_tokens`` was cut to the context's room, so a reply cut by the
-    limit ran out of context, not out of the client's budget."""
+    limit ran out of context, not out of the client's budget. A reply the limit cut
+    says so even where it holds tool calls (the last one may be cut short)."""
+    if fin.reason == "length":
+        return "model_context_window_exceeded" if window else "max_tokens"
     if tool_calls:
         return "tool_use"
     if fin.stop_sequence is not None:
         return "stop_sequence"
-    if fin.reason == "length":
-        return "model_context_window_exceeded" if window else "max_tokens"
     return "end_turn"
 
 

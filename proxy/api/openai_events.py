@@ -21,6 +21,17 @@ def error_body(status: int, message: str, *, param: str | None = None,
 _END = b"data: [DONE]\n\n"
 
 
+def finish_reason(fin: FinishEvent, tool_calls: bool) -> str:
+    """A chat completion's ``finish_reason``: ``tool_calls`` where the reply ended with
+    calls, but ``length`` where the token limit cut it, calls or not (a call may be cut
+    short in the text; the client must know the reply is not whole), as llama-server
+    and OpenAI's API say; the Responses API says ``incomplete``, Anthropic's
+    ``max_tokens`` (proxy/api/anthropic_events.py)."""
+    if tool_calls and fin.reason != "length":
+        return "tool_calls"
+    return fin.reason
+
+
 class ChatChunks:
     """``chat.completion.chunk`` events, the text split by a ``StreamParser`` (the
     ``Chunks`` protocol of proxy/api/streaming.py)."""
@@ -66,7 +77,7 @@ class ChatChunks:
 
     def finish(self, fin: FinishEvent) -> list[JSON]:
         out = self._deltas(self._parser.finish())
-        out.append(self._chunk({}, "tool_calls" if self._n_calls else fin.reason))
+        out.append(self._chunk({}, finish_reason(fin, self._n_calls > 0)))
         if self._usage:
             out.append({**self._head, "choices": [], "usage": fin.usage.to_json()})
         return out
@@ -84,7 +95,7 @@ class ChatChunks:
             message["reasoning_content"] = reply.reasoning
         if reply.tool_calls:
             message["tool_calls"] = [c.to_json() for c in reply.tool_calls]
-        reason = "tool_calls" if reply.tool_calls else fin.reason
+        reason = finish_reason(fin, bool(reply.tool_calls))
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": model,
                 "choices": [{"index": 0, "message": message,

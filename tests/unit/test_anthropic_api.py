@@ -12,6 +12,7 @@ from proxy.api.anthropic import parse_messages_request
 from proxy.api.anthropic_events import MessageEvents, error_body, message_body
 from proxy.api.chat import ChatMessage, ToolCall
 from proxy.api.fields import ApiError
+from proxy.api.openai_events import ChatChunks
 from proxy.api.generation import fit_max_tokens
 from proxy.api.openai import parse_chat_request
 from proxy.api.render import VENDOR_TEMPLATES, ChatTemplate, render_chat
@@ -228,3 +229,38 @@ def test_message_body_blocks_and_stop_reasons() -> None:
     assert plain["stop_reason"] == "max_tokens"
     assert message_body("m", "m", parse_reply("Hi"), FinishEvent(
         reason="stop", usage=Usage()))["stop_reason"] == "end_turn"
+
+
+# a whole call, then one the token limit cut inside its closing tag (as a constrained
+# reply of a random model did on a GPU, where its text ran longer than on these cores)
+CUT_CALLS = ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "f", "arguments": {"a": 2}}\n</tool_')
+CUT = FinishEvent(reason="length", usage=Usage(prompt_tokens=5, completion_tokens=40))
+
+
+def test_a_reply_the_limit_cut_says_so_though_it_holds_tool_calls() -> None:
+    reply = parse_reply(CUT_CALLS)
+    assert [c.arguments for c in reply.tool_calls] == ['{"a": 1}']  # the whole one
+    assert ChatChunks.completion("c", "m", reply, CUT)["choices"][0]["finish_reason"] == \
+        "length"
+    assert message_body("m", "m", reply, CUT)["stop_reason"] == "max_tokens"
+    def parser() -> StreamParser:
+        n = iter(range(100))
+        return StreamParser(starts_in_reasoning=False, make_id=lambda: f"call_{next(n)}")
+
+    chunks = ChatChunks("c", "m", parser(), include_usage=False)
+    events = MessageEvents("m", "m", parser(), prompt_tokens=5)
+    out, evs = [], events.start()
+    for ch in CUT_CALLS:
+        out += chunks.text(ch)
+        evs += events.text(ch)
+    out += chunks.finish(CUT)
+    evs += events.finish(CUT)
+    assert any(c["choices"][0]["delta"].get("tool_calls") for c in out)
+    assert out[-1]["choices"][0]["finish_reason"] == "length"
+    assert evs[-2]["delta"]["stop_reason"] == "max_tokens"
+    # ...and one that ended with its calls says tool_calls / tool_use, as before
+    whole = CUT_CALLS.rsplit("<tool_call>", 1)[0]
+    assert ChatChunks.completion("c", "m", parse_reply(whole), FIN)["choices"][0][
+        "finish_reason"] == "tool_calls"
+    assert message_body("m", "m", parse_reply(whole), FIN)["stop_reason"] == "tool_use"
