@@ -44,6 +44,9 @@ def _serve(args: argparse.Namespace) -> int:
     }
     config = load_config(args.config, {k: v for k, v in flags.items() if v is not None})
     try:
+        # llama.cpp's libraries before aiohttp's: on a CUDA machine a process that had
+        # loaded frozenlist (aiohttp's) first died loading the model (docs/gpu.md)
+        import proxy.engine.binding  # noqa: F401
         from proxy.server import serve
     except ImportError as e:
         print(f"statecache: error: the proxy is not available ({e})", file=sys.stderr)

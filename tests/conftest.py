@@ -6,6 +6,10 @@ from pathlib import Path
 
 import pytest
 
+# llama.cpp's libraries before the clients' and aiohttp's (docs/gpu.md: on a CUDA
+# machine, a process that had loaded frozenlist first died loading a model)
+import proxy.engine.binding  # noqa: F401  isort: skip
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
 

@@ -12,9 +12,9 @@ from proxy.api.anthropic import parse_messages_request
 from proxy.api.anthropic_events import MessageEvents, error_body, message_body
 from proxy.api.chat import ChatMessage, ToolCall
 from proxy.api.fields import ApiError
-from proxy.api.openai_events import ChatChunks
 from proxy.api.generation import fit_max_tokens
 from proxy.api.openai import parse_chat_request
+from proxy.api.openai_events import ChatChunks
 from proxy.api.render import VENDOR_TEMPLATES, ChatTemplate, render_chat
 from proxy.api.reply import StreamParser, parse_reply
 from proxy.engine.types import FinishEvent, Usage
