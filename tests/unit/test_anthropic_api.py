@@ -180,9 +180,10 @@ FIN = FinishEvent(reason="stop", usage=Usage(prompt_tokens=100, completion_token
 REPLY = 'Think.</think>\n\nHello.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
 
 
-def _ids() -> StreamParser:
+def _ids(starts_in_reasoning: bool = True) -> StreamParser:
     n = iter(range(100))
-    return StreamParser(starts_in_reasoning=True, make_id=lambda: f"toolu_{next(n)}")
+    return StreamParser(starts_in_reasoning=starts_in_reasoning,
+                        make_id=lambda: f"toolu_{next(n)}")
 
 
 def test_stream_events_follow_the_sdk_order() -> None:
@@ -244,12 +245,8 @@ def test_a_reply_the_limit_cut_says_so_though_it_holds_tool_calls() -> None:
     assert ChatChunks.completion("c", "m", reply, CUT)["choices"][0]["finish_reason"] == \
         "length"
     assert message_body("m", "m", reply, CUT)["stop_reason"] == "max_tokens"
-    def parser() -> StreamParser:
-        n = iter(range(100))
-        return StreamParser(starts_in_reasoning=False, make_id=lambda: f"call_{next(n)}")
-
-    chunks = ChatChunks("c", "m", parser(), include_usage=False)
-    events = MessageEvents("m", "m", parser(), prompt_tokens=5)
+    chunks = ChatChunks("c", "m", _ids(False), include_usage=False)
+    events = MessageEvents("m", "m", _ids(False), prompt_tokens=5)
     out, evs = [], events.start()
     for ch in CUT_CALLS:
         out += chunks.text(ch)

@@ -6,7 +6,19 @@
 # beyond that machine's image. tools/gpu/check.sh runs there.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-VERSION=0.3.36
+# the versions pyproject.toml pins: llama-cpp-python's, and those of what the tests import
+# that the machine's image lacks (the rest, numpy, aiohttp, msgpack..., are the image's)
+pins() {
+    .venv/bin/python - "$@" <<'PY'
+import re, sys, tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+specs = p["dependencies"] + p["optional-dependencies"]["test"]
+names = {n: s.split(";")[0].strip() for s in specs
+         for n in [re.split(r"[=<>;\[ ]", s, maxsplit=1)[0]]}
+print(" ".join(names[n] for n in sys.argv[1:]))
+PY
+}
+VERSION=$(pins llama-cpp-python | cut -d= -f3)
 OUT=.gpu
 mkdir -p $OUT/wheels
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -22,7 +34,7 @@ tar czf $OUT/llama-src.tgz -C "$tmp" src
 .venv/bin/pip download -q -d $OUT/wheels --python-version 3.12 --only-binary=:all: \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux_2_28_x86_64 --platform any \
-    gguf==0.19.0 zstandard==0.25.0 redis==8.1.0 pytest-asyncio==1.5.0 openai==3.57.0 \
-    anthropic==2.14.0 jsonschema==4.26.0 diskcache==5.6.3 pytest==9.2.0
+    $(pins gguf zstandard redis pytest pytest-asyncio openai anthropic jsonschema) \
+    diskcache==5.6.3  # llama-cpp-python's own (it is built --no-deps there)
 rm -f $OUT/wheels/numpy-*  # the image's own
 du -sh $OUT
