@@ -268,7 +268,13 @@ async def test_anthropic_and_responses_equivalents(hybrid_path: Path, tmp_path: 
                 model="m", max_tokens=600, messages=ASK, tools=tools,  # type: ignore[arg-type]
                 tool_choice=seed_choice, thinking={"type": "disabled"})  # type: ignore[arg-type]
             uses = [b for b in msg.content if b.type == "tool_use"]
-            assert uses and msg.stop_reason == "tool_use"
+            # Anthropic's API takes no seed, so these replies are sampled afresh each run.
+            # With parallel calls allowed a random model may keep writing calls until the
+            # limit cuts it (about one reply in twelve): then it says max_tokens and lists
+            # the calls it completed. A call (under 100 tokens) never alone reaches 600.
+            assert uses and msg.stop_reason in ("tool_use", "max_tokens"), msg
+            if msg.stop_reason == "max_tokens":
+                assert msg.usage.output_tokens == 600 and len(uses) > 1, msg
             for b in uses:
                 jsonschema.validate(b.input, PARAMS[b.name])
             if seed_choice.get("type") == "tool":
