@@ -35,8 +35,9 @@ bench: install models
 	$(PY) -m tools.synth_gguf mid mid-draft --out models
 	$(PY) -m bench.run $(BENCH_ARGS)
 
-# Claude Code and the Codex CLI (pinned, from npm into build/agents/npm) against statecache on
-# SmolLM2 and Gemma 3: one row per request they make (tools/agents.py; not part of `make test`).
+# Claude Code, the Codex CLI and opencode (pinned, from npm into build/agents/npm) against
+# statecache on SmolLM2 and Gemma 3: one row per request they make (tools/agents.py; not part
+# of `make test`).
 AGENTS_ARGS ?=
 .PHONY: agents
 agents: install

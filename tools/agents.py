@@ -1,20 +1,25 @@
-"""Claude Code and the Codex CLI, pinned, against statecache: every HTTP request they make.
+"""Claude Code, the Codex CLI and opencode, pinned, against statecache: every HTTP request
+they make.
 
 ``make agents`` (not part of ``make test``; it needs npm and takes minutes):
 
-1. installs ``@anthropic-ai/claude-code`` and ``@openai/codex`` at the versions below into
-   ``<scratch>/npm`` (npm's ``--prefix``; reused when those versions are there);
+1. installs ``@anthropic-ai/claude-code``, ``@openai/codex`` and ``opencode-ai`` at the
+   versions below into ``<scratch>/npm`` (npm's ``--prefix``; reused when those versions
+   are there);
 2. serves the bundled SmolLM2-135M-Instruct (8,192 tokens) and then Gemma 3 270M (32,768),
    each with ``statecache serve`` on a free 127.0.0.1 port and its own checkpoint directory
    and key under ``<scratch>/servers`` (emptied first; nothing in ~/.local/state);
 3. in a fresh git repository (one file, one commit) per agent and model, runs each agent
    non-interactively: a first turn, a second turn of the same session (``claude -p
-   --continue``, ``codex exec resume --last``) and a new session in the same repository,
+   --continue``, ``codex exec resume --last``, ``opencode run --continue``) and a new
+   session in the same repository,
    each with a scratch HOME, telemetry, updates and error reporting off, 127.0.0.1 as the
    only server, and a time limit. Claude Code's prompt with its tools does not fit
-   SmolLM2's context, so it runs on Gemma 3 only (``--claude-min-ctx``); Codex runs on both
-   when its prompt fits (a refusal of its first request for the context's size is said,
-   not failed), with its default tools, web_search included;
+   SmolLM2's context, so it runs on Gemma 3 only (``--claude-min-ctx``); Codex and opencode
+   run on both when their prompt fits (a refusal of a first request for the context's size
+   is said, not failed), Codex with its default tools, web_search included, and opencode
+   with a chat-completions provider of its own config (opencode installs its plugin SDK
+   from npm into its config folder when it first starts);
 4. reads the server's ``GET /admin/requests`` and prints one row per request the agents
    made, by agent, model and turn: status, prompt, cached and prefilled tokens, output,
    TTFT and the miss reason or error; then what each turn 2 and new session reused.
@@ -22,7 +27,7 @@
 Exit status 1 when a request got a non-2xx status (the server's reason is printed) or a
 turn reached no server, after the whole table.
 
-    python -m tools.agents [--agents claude,codex] [--models smollm2,gemma3] [--timeout 900]
+    python -m tools.agents [--agents claude,codex,opencode] [--models smollm2,gemma3]
 """
 
 from __future__ import annotations
@@ -60,7 +65,11 @@ class Cli:
 
 CLAUDE = Cli("claude", "@anthropic-ai/claude-code", "2.1.197")
 CODEX = Cli("codex", "@openai/codex", "0.171.0")
-CLIS = {c.name: c for c in (CLAUDE, CODEX)}
+OPENCODE = Cli("opencode", "opencode-ai", "1.18.33")
+CLIS = {c.name: c for c in (CLAUDE, CODEX, OPENCODE)}
+# The script each package's postinstall runs to put its native binary over a stub.
+NATIVE_INSTALLERS = {CLAUDE.package: ("bin/claude.exe", "install.cjs"),
+                     OPENCODE.package: ("bin/opencode.exe", "postinstall.mjs")}
 # Claude Code 2.1.197's first request is ~19,600 Gemma 3 tokens (system prompt, 24 tools,
 # the agent list): below this context it is not run (--claude-min-ctx). SmolLM2's own chat
 # template leaves the tools out of the prompt (~3,200 tokens then).
@@ -282,17 +291,21 @@ def install_clis(prefix: Path, clis: Sequence[Cli]) -> dict[str, Path]:
         got = installed_version(prefix, c.package)
         if got != c.version:
             raise RuntimeError(f"{c.package}: npm installed {got}, not {c.version}")
-    _place_claude_binary(prefix)
+    for c in clis:
+        _place_native_binary(prefix, c)
     return {c.name: prefix / "node_modules" / ".bin" / c.name for c in clis}
 
 
-def _place_claude_binary(prefix: Path) -> None:
-    """Claude Code's postinstall puts the native binary over a stub; an npm that skips
-    install scripts leaves the stub, so run it here."""
-    pkg = prefix / "node_modules" / CLAUDE.package
-    exe = pkg / "bin" / "claude.exe"
+def _place_native_binary(prefix: Path, cli: Cli) -> None:
+    """Claude Code's and opencode's postinstall scripts put the native binary over a stub;
+    an npm that skips install scripts leaves the stub, so run the script here."""
+    if cli.package not in NATIVE_INSTALLERS:
+        return
+    binary, script = NATIVE_INSTALLERS[cli.package]
+    pkg = prefix / "node_modules" / cli.package
+    exe = pkg / binary
     if pkg.is_dir() and exe.is_file() and exe.stat().st_size < 4096:
-        subprocess.run(["node", "install.cjs"], cwd=pkg, check=True)
+        subprocess.run(["node", script], cwd=pkg, check=True)
 
 
 def base_env(home: Path) -> dict[str, str]:
@@ -370,6 +383,46 @@ def codex_argvs(exe: Path) -> dict[str, list[str]]:
             "turn 2": [str(exe), "exec", "resume", "--strict-config", "--last",
                        PROMPTS["turn 2"]],
             "new session": [str(exe), "exec", "--strict-config", PROMPTS["new session"]]}
+
+
+def opencode_config(port: int, n_ctx: int, max_output: int) -> dict[str, Any]:
+    """A chat-completions provider on the server (the model's context and reply limit, which
+    opencode sends as max_tokens); no sharing, no update."""
+    return {
+        "$schema": "https://opencode.ai/config.json",
+        "autoupdate": False,
+        "share": "disabled",
+        "model": "statecache/local",
+        "provider": {"statecache": {
+            "npm": "@ai-sdk/openai-compatible",
+            "name": "statecache",
+            "options": {"baseURL": f"http://127.0.0.1:{port}/v1", "apiKey": "statecache"},
+            "models": {"local": {"name": "local",
+                                 "limit": {"context": n_ctx, "output": max_output}}},
+        }},
+    }
+
+
+def opencode_env(home: Path, port: int, n_ctx: int, max_output: int) -> dict[str, str]:
+    config = home / "opencode.json"
+    home.mkdir(parents=True, exist_ok=True)
+    config.write_text(json.dumps(opencode_config(port, n_ctx, max_output), indent=2))
+    return {
+        **base_env(home),
+        "OPENCODE_CONFIG": str(config),
+        "OPENCODE_DISABLE_AUTOUPDATE": "1",
+        "OPENCODE_DISABLE_MODELS_FETCH": "1",  # models.dev's catalogue
+        "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+        "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+        "OPENCODE_DISABLE_SHARE": "1",
+        "OPENCODE_DISABLE_CLAUDE_CODE": "1",  # no reading of ~/.claude
+    }
+
+
+def opencode_argvs(exe: Path) -> dict[str, list[str]]:
+    return {"turn 1": [str(exe), "run", PROMPTS["turn 1"]],
+            "turn 2": [str(exe), "run", "--continue", PROMPTS["turn 2"]],
+            "new session": [str(exe), "run", PROMPTS["new session"]]}
 
 
 def make_repo(path: Path) -> Path:
@@ -527,11 +580,13 @@ class Options:
     claude_min_ctx: int
 
 
-def agent_plan(agent: str, exe: Path, home: Path, port: int, opts: Options
+def agent_plan(agent: str, exe: Path, home: Path, port: int, n_ctx: int, opts: Options
                ) -> tuple[dict[str, str], dict[str, list[str]]]:
     if agent == CLAUDE.name:
         return (claude_env(home, port, opts.max_output),
                 claude_argvs(exe, opts.claude_model, opts.max_turns))
+    if agent == OPENCODE.name:
+        return opencode_env(home, port, n_ctx, opts.max_output), opencode_argvs(exe)
     return codex_env(home, port), codex_argvs(exe)
 
 
@@ -549,7 +604,7 @@ def run_session(agent: str, exe: Path, spec: ModelSpec, server: Server, opts: Op
     where = opts.scratch / "runs" / f"{agent}-{spec.name}"
     shutil.rmtree(where, ignore_errors=True)
     repo = make_repo(where / "repo")
-    env, argvs = agent_plan(agent, exe, where / "home", server.port, opts)
+    env, argvs = agent_plan(agent, exe, where / "home", server.port, spec.n_ctx, opts)
     log = where / "agent.log"
     for turn, argv in argvs.items():
         start = time.time()
@@ -613,8 +668,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=900.0,
                     help="seconds each agent invocation may run")
     ap.add_argument("--max-output", type=int, default=32,
-                    help="reply tokens: Claude Code's CLAUDE_CODE_MAX_OUTPUT_TOKENS and the "
-                         "server's max_tokens_default (Codex sends none)")
+                    help="reply tokens: Claude Code's CLAUDE_CODE_MAX_OUTPUT_TOKENS, "
+                         "opencode's output limit and the server's max_tokens_default "
+                         "(Codex sends none)")
     ap.add_argument("--max-turns", type=int, default=3, help="claude --max-turns")
     ap.add_argument("--claude-model", default=CLAUDE_MODEL,
                     help="claude --model ('' for Claude Code's own choice)")

@@ -3,10 +3,20 @@ lists them) by turn, their rows, and the exit status."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any
 
-from tools.agents import ServerRun, Step, assign, codex_config, format_report
+from tools.agents import (
+    ServerRun,
+    Step,
+    assign,
+    codex_config,
+    format_report,
+    opencode_argvs,
+    opencode_env,
+)
 
 
 def req(t: float, status: int = 200, path: str = "/v1/messages", **kw: Any) -> dict[str, Any]:
@@ -122,6 +132,20 @@ def test_codex_keeps_its_default_tools_web_search_included() -> None:
     assert 'base_url = "http://127.0.0.1:8123/v1"' in config
     assert 'wire_api = "responses"' in config
     assert "web_search" not in config
+
+
+def test_opencode_talks_to_the_server_alone_with_its_limits(tmp_path: Path) -> None:
+    env = opencode_env(tmp_path / "home", 8123, 8192, 32)
+    config = json.loads(Path(env["OPENCODE_CONFIG"]).read_text())
+    provider = config["provider"]["statecache"]
+    assert config["model"] == "statecache/local" and list(config["provider"]) == ["statecache"]
+    assert provider["options"]["baseURL"] == "http://127.0.0.1:8123/v1"
+    assert provider["models"]["local"]["limit"] == {"context": 8192, "output": 32}
+    assert env["HOME"] == str(tmp_path / "home") and env["OPENCODE_DISABLE_MODELS_FETCH"] == "1"
+    assert not {k for k in env if "KEY" in k or "BASE_URL" in k}
+    argvs = opencode_argvs(Path("opencode"))
+    assert argvs["turn 2"][1:3] == ["run", "--continue"]
+    assert "--continue" not in argvs["new session"]
 
 
 def test_a_new_session_says_what_share_of_the_shared_prefix_it_reused() -> None:
