@@ -210,7 +210,14 @@ def table(rows: Sequence[tuple[str, ...]]) -> list[str]:
 
 
 def _first_generation(reqs: Sequence[Request]) -> Request | None:
-    return next((r for r in reqs if r.get("prompt_tokens") is not None), None)
+    """The turn's first request that carries the agent's prompt: a side request under half
+    the turn's largest prompt (opencode asks for a session's title in a conversation of
+    its own, first or beside it) is passed over."""
+    gens = [r for r in reqs if isinstance(r.get("prompt_tokens"), int)]
+    if not gens:
+        return None
+    largest = max(int(r["prompt_tokens"]) for r in gens)
+    return next(r for r in gens if 2 * int(r["prompt_tokens"]) >= largest)
 
 
 def step_line(step: Step, reqs: Sequence[Request]) -> str:

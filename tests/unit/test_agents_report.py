@@ -148,6 +148,18 @@ def test_opencode_talks_to_the_server_alone_with_its_limits(tmp_path: Path) -> N
     assert "--continue" not in argvs["new session"]
 
 
+def test_a_side_request_beside_the_agents_prompt_is_passed_over() -> None:
+    """opencode's title request (590 tokens) ends first; the turn's line is about its
+    prompt (2,237 tokens)."""
+    steps = [Step("opencode", "smollm2", "new session", 100.0, 200.0)]
+    reqs = [gen(110.0, 590, 577, 0.3, shared=577), gen(120.0, 2237, 2224, 0.2, shared=2224),
+            gen(130.0, 2300, 2237, 0.2)]
+    line = next(ln for ln in format_report([ServerRun("smollm2", steps, reqs)]).lines
+                if "new session:" in ln)
+    assert line.endswith("3 request(s); first request reused 2,224 of 2,237 tokens, 100.0% "
+                         "of the 2,224 an earlier request held")
+
+
 def test_a_new_session_says_what_share_of_the_shared_prefix_it_reused() -> None:
     reqs = [gen(350.0, 19650, 18150, 10.5, shared=18160)]
     report = format_report([ServerRun("gemma3", STEPS, reqs)])
