@@ -61,15 +61,15 @@ class Cli:
     name: str
     package: str
     version: str
+    # where the package keeps a stub that its postinstall script replaces with the native
+    # binary, and that script (None: no native binary)
+    native: tuple[str, str] | None = None
 
 
-CLAUDE = Cli("claude", "@anthropic-ai/claude-code", "2.1.197")
+CLAUDE = Cli("claude", "@anthropic-ai/claude-code", "2.1.197", ("bin/claude.exe", "install.cjs"))
 CODEX = Cli("codex", "@openai/codex", "0.171.0")
-OPENCODE = Cli("opencode", "opencode-ai", "1.18.33")
+OPENCODE = Cli("opencode", "opencode-ai", "1.18.33", ("bin/opencode.exe", "postinstall.mjs"))
 CLIS = {c.name: c for c in (CLAUDE, CODEX, OPENCODE)}
-# The script each package's postinstall runs to put its native binary over a stub.
-NATIVE_INSTALLERS = {CLAUDE.package: ("bin/claude.exe", "install.cjs"),
-                     OPENCODE.package: ("bin/opencode.exe", "postinstall.mjs")}
 # Claude Code 2.1.197's first request is ~19,600 Gemma 3 tokens (system prompt, 24 tools,
 # the agent list): below this context it is not run (--claude-min-ctx). SmolLM2's own chat
 # template leaves the tools out of the prompt (~3,200 tokens then).
@@ -306,9 +306,9 @@ def install_clis(prefix: Path, clis: Sequence[Cli]) -> dict[str, Path]:
 def _place_native_binary(prefix: Path, cli: Cli) -> None:
     """Claude Code's and opencode's postinstall scripts put the native binary over a stub;
     an npm that skips install scripts leaves the stub, so run the script here."""
-    if cli.package not in NATIVE_INSTALLERS:
+    if cli.native is None:
         return
-    binary, script = NATIVE_INSTALLERS[cli.package]
+    binary, script = cli.native
     pkg = prefix / "node_modules" / cli.package
     exe = pkg / binary
     if pkg.is_dir() and exe.is_file() and exe.stat().st_size < 4096:
@@ -411,11 +411,11 @@ def opencode_config(port: int, n_ctx: int, max_output: int) -> dict[str, Any]:
 
 
 def opencode_env(home: Path, port: int, n_ctx: int, max_output: int) -> dict[str, str]:
+    env = base_env(home)  # makes home
     config = home / "opencode.json"
-    home.mkdir(parents=True, exist_ok=True)
     config.write_text(json.dumps(opencode_config(port, n_ctx, max_output), indent=2))
     return {
-        **base_env(home),
+        **env,
         "OPENCODE_CONFIG": str(config),
         "OPENCODE_DISABLE_AUTOUPDATE": "1",
         "OPENCODE_DISABLE_MODELS_FETCH": "1",  # models.dev's catalogue

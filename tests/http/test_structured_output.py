@@ -270,7 +270,7 @@ async def test_anthropic_and_responses_equivalents(hybrid_path: Path, tmp_path: 
             uses = [b for b in msg.content if b.type == "tool_use"]
             # Anthropic's API takes no seed, so these replies are sampled afresh each run.
             # With parallel calls allowed a random model may keep writing calls until the
-            # limit cuts it (about one reply in twelve): then it says max_tokens and lists
+            # limit cuts it (8 replies of 60 here): then it says max_tokens and lists
             # the calls it completed. A call (under 100 tokens) never alone reaches 600.
             assert uses and msg.stop_reason in ("tool_use", "max_tokens"), msg
             if msg.stop_reason == "max_tokens":
