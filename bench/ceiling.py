@@ -14,7 +14,8 @@ alongside, ``switch_ms``). Two policies, no controller's mistakes in either:
     python -m bench.ceiling results/speculative-real.json [--only smollm2]
 
 It says whether a target speedup is within reach of the model's verification costs on
-this machine before any policy is blamed (README, "Speculative decoding").
+this machine before any policy is blamed (docs/speculative.md, "How far could any
+policy take these replies?").
 """
 
 from __future__ import annotations

@@ -214,7 +214,8 @@ def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
     ratios to "off" in the same round (the machine's drift cancels out). Fresh servers
     each round, because a server's own start moves its rate: the same config started
     five times decoded the tiny hybrid from 0.92x to 1.05x of the first start, and a
-    single pair of servers then decides a tiny model's cell (README, Speculative decoding)."""
+    single pair of servers then decides a tiny model's cell (docs/speculative.md, "Why
+    fresh servers each round")."""
     sources = [s for s in args.sources if s != "draft" or t.draft is not None]
     out: dict[str, Any] = {"kind": t.label, "model": t.model.label}
     turns = workloads(args.code_lines)
@@ -279,7 +280,8 @@ def run_target(t: Target, args: argparse.Namespace) -> dict[str, Any]:
                 "interval": median_ci(ratios) if source != "off" and ratios else None,
                 # what the model wrote (the first round's), and in how many rounds the
                 # reply was "off"'s, character for character (greedy: a reply may leave
-                # it only after a near-tie, README "Is a greedy reply with drafting...")
+                # it only after a near-tie: docs/speculative.md, "Is a greedy reply
+                # with drafting the reply without it?")
                 "reply": runs[name][source][0]["text"],
                 "same_as_off": sum(r["text"] == b["text"] for r, b in zip(
                     runs[name][source], runs[name]["off"], strict=True)),

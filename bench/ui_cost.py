@@ -161,7 +161,8 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float:
 def table(res: dict[str, Any], max_others: float) -> str:
     """The means of each kind of phase, leaving out the phases during which other
     processes took more than ``max_others`` CPU s/s (on 2 cores one busy neighbour cuts
-    a 4-stream decode to a few tokens/s: README, `model.threads`)."""
+    a 4-stream decode to a few tokens/s: docs/configuration.md, "Threads on a busy
+    machine")."""
     clean = [r for r in res["phases"] if r["others_cpu_per_s"] <= max_others]
     lines = [f"{res['model']}, {res['streams']} streams decoding, {res['cores']} cores, "
              f"phases of {res['seconds']:.0f} s",

@@ -13,7 +13,7 @@ LLAMA_VERSION=0.3.36
 # GGML_OPENMP=OFF on Linux: ggml's own threadpool instead of OpenMP's. OpenMP's workers
 # spin between decodes and take the cores the event loop needs to hand each token on;
 # one stream through the proxy decoded at half the binding's rate with OpenMP and at
-# about 0.9 of it without (README, "One batch per step"; python -m bench.batching).
+# about 0.9 of it without (docs/engine.md, "Threads"; python -m bench.batching).
 if [[ -z "${CMAKE_ARGS+x}" ]]; then
     case "$(uname -s)-$(uname -m)" in
         Linux-x86_64)

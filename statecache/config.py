@@ -55,7 +55,7 @@ class VolatileRule:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
-    lanes: int = 4  # one batch per step makes concurrent lanes cheap (README, "One batch per step")
+    lanes: int = 4  # one batch per step makes lanes cheap (docs/engine.md, "One batch per step")
     queue_size: int = 16
     request_timeout: float = 600.0
     max_tokens_default: int = 512
@@ -64,14 +64,14 @@ class ServerConfig:
     # A stream is written at most once per this long: tokens that come sooner go with
     # the next write (its first and last tokens go at once, and none waits through a
     # step that prefills or saves). 32: as often as Ink, the terminal UI that Claude Code
-    # draws with, redraws. 0: every step's tokens at once. README, "One batch per step".
+    # draws with, redraws. 0: every step's tokens at once. docs/engine.md, "Writes on a clock".
     stream_interval_ms: float = 32.0
     # API key -> tenant. Set: every request needs a known key, whose tenant it gets.
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)
     admin_key: str = field(default="", repr=False)  # the admin routes need it once any key is set
     admin: bool = True  # false: no admin routes at all
     volatile: tuple[VolatileRule, ...] = ()  # [[server.volatile]]: rewrites of message text
-    # A system or developer message after the first (README, "Coding agents"): "auto"
+    # A system or developer message after the first (docs/agents.md): "auto"
     # keeps it in place where the chat template renders it there, else folds it into the
     # conversation as marked user text; "fold": always; "keep": as sent (a template that
     # refuses it makes the request a 400)

@@ -30,7 +30,7 @@ Buffer = bytes | bytearray | memoryview
 # How much the background writers (this one, the shared store's) yield to the engine:
 # their MAC, copies and writes of tens of MB otherwise take a core from the decode of
 # the request that comes right after a turn, while that turn's checkpoints are written
-# (README, "Looking at the cache", has what it changed in the full bench).
+# (docs/cache.md, "Writes behind the engine", has what it changed in the full bench).
 BACKGROUND_NICE = 10
 
 

@@ -513,8 +513,9 @@ lanes = 2
 max_tokens_default = {max_tokens}
 
 # Claude Code's first system block is a billing line whose suffix changes with each
-# session's first prompt: the rule of configs/hybrid-agent.toml (README, "Why did it
-# miss?") takes it out, so a new session shares the system prompt and tools
+# session's first prompt: the rule of configs/hybrid-agent.toml (docs/cache.md, "Text
+# that changes on every request") takes it out, so a new session shares the system
+# prompt and tools
 [[server.volatile]]
 name = "claude-code-billing"
 pattern = '(?m)^x-anthropic-billing-header:[^\\n]*\\n?'

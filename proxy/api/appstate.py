@@ -26,7 +26,7 @@ APP_LOG = "proxy.api.app"
 MAX_BODY = 8 * 1024 * 1024
 DEFAULT_MAX_TOKENS = 2048
 TENANT_HEADER = "X-Statecache-Tenant"
-# Routing by conversation (README, "Several machines"): a load balancer hashes this
+# Routing by conversation (docs/several-machines.md): a load balancer hashes this
 # header, which clients set to a stable id per conversation; every response echoes it
 # and names the proxy that answered.
 SESSION_HEADER = "X-Statecache-Session"

@@ -417,7 +417,8 @@ class Speculation:
         to the next, and so is how often a new short match starts one). A short
         match's record that started from nothing fell, at a reply's first rejected
         match, to where no later one was drafted on a model whose draft costs most of
-        a step (README, "Speculative decoding": SmolLM2's code-edit turn)."""
+        a step (SmolLM2's code-edit turn: docs/speculative.md, "Through the server: the
+        rule against fixed lengths")."""
         spec.fresh = False
         for src in (DRAFT, COPY, LONG, LOOKUP):
             a, r = self.accepted[src], self.rejected[src]

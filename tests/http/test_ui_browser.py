@@ -2,7 +2,7 @@
 served an agent session with a subagent, runs the page's own JavaScript, and the DOM it
 leaves must show both conversations parting from one shared prefix, the cached tokens
 each request was told, and why the edited turn missed. It also saves a screenshot
-(``STATECACHE_UI_SCREENSHOT=docs/ui.png`` keeps it there: the README shows it).
+(``STATECACHE_UI_SCREENSHOT=docs/ui.png`` keeps it there: docs/operations.md shows it).
 
 Skipped, saying why, where no Chromium or Chrome is installed; CI installs Debian's
 (``.ci/run``) and sets ``STATECACHE_REQUIRE_BROWSER``, which makes a missing browser a

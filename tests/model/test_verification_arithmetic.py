@@ -104,8 +104,8 @@ def test_a_rollback_leaves_no_trace_and_a_batch_is_another_product(
     # the verification batch: SmolLM2's rows are bitwise its one-by-one logits beside a
     # short context only (beside 300 or more cached tokens, a batch's attention over the
     # cache is summed in another order); Gemma 3's are arithmetic of their own at any length
-    # (if either changes, docs/design.md fact 16 and the README's note on equality are
-    # stale)
+    # (if either changes, docs/design.md fact 16 and docs/speculative.md, "Is a greedy
+    # reply with drafting the reply without it?" are stale)
     if which == "smollm2" and repeats == SHORT:
         assert got["batch_vs_one_by_one"] == 0.0, got
     else:
