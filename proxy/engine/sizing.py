@@ -6,8 +6,8 @@ from __future__ import annotations
 import xxhash
 
 from proxy.engine.binding import LLAMA_CPP_VERSION, Context, ContextParams, Model
+from statecache.budgets import DEFAULT_TRAINING_CONTEXT, lane_context
 from statecache.config import Config
-from statecache.sizes import format_size
 
 
 def state_format(ctx_params: ContextParams) -> int:
@@ -22,18 +22,9 @@ def choose_n_ctx(model: Model, cfg: Config) -> tuple[int, str]:
     """Tokens per lane, and why: the configured value, or the model's training context
     capped so that the KV of all lanes fits ``model.kv_budget``."""
     mc, lanes = cfg.model, cfg.server.lanes
-    train = model.n_ctx_train or 8192
     if mc.n_ctx:
-        return min(mc.n_ctx, train), "configured"
+        return min(mc.n_ctx, model.n_ctx_train or DEFAULT_TRAINING_CONTEXT), "configured"
     probe = ContextParams(n_ctx=512, n_seq_max=1, n_batch=64, n_ubatch=64, threads=1)
     with Context(model, probe) as ctx:
-        per_token = max(ctx.describe_memory().bytes_per_token, 1)
-    fit = mc.kv_budget // (lanes * per_token)
-    n = int(min(train, fit)) // 256 * 256
-    if n < 512:
-        raise ValueError(f"model.kv_budget {format_size(mc.kv_budget)} holds only {fit} tokens "
-                         f"per lane at {format_size(per_token)} a token; raise it or set n_ctx")
-    why = (f"training context {train:,}" if n >= train else
-           f"kv_budget {format_size(mc.kv_budget)} / {lanes} lanes / {format_size(per_token)} "
-           "a token")
-    return n, why
+        per_token = ctx.describe_memory().bytes_per_token
+    return lane_context(model.n_ctx_train, per_token, mc.kv_budget, lanes)
