@@ -15,7 +15,10 @@ from statecache.cli import main as storage_main
 def _serve_args(s: argparse.ArgumentParser) -> None:
     """run the proxy"""
     s.add_argument("--config", metavar="FILE", help="TOML config file")
-    s.add_argument("--model", metavar="PATH", help="GGUF model (overrides model.path)")
+    s.add_argument("--model", metavar="MODEL",
+                   help="a GGUF path, or a model name: Ollama's (qwen3.5:27b), LM Studio's "
+                        "(publisher/repo[/file]) or Hugging Face's (org/repo[:quant], "
+                        "downloaded if not cached); overrides model.path")
     s.add_argument("--host", help="overrides server.host")
     s.add_argument("--port", type=int, help="overrides server.port")
     s.add_argument("--lanes", type=int, help="overrides server.lanes")

@@ -16,7 +16,7 @@ from proxy.api.app import ENGINE, Limits, create_app
 from proxy.api.auth import Access
 from proxy.api.transport import JsonErrorRunner
 from proxy.engine.engine import Engine
-from proxy.models import resolve_model
+from proxy.models.names import resolve_model
 from statecache.config import Config
 
 log = logging.getLogger("statecache")
@@ -33,14 +33,16 @@ def setup_logging(level: str) -> None:
 
 def build_app(cfg: Config) -> web.Application:
     """The app with an engine whose lifetime is the app's (closed on shutdown)."""
-    engine = Engine(cfg, resolve_model(cfg.model.path))
+    model = resolve_model(cfg.model.path, kv_budget=cfg.model.kv_budget)
+    engine = Engine(cfg, model.path, name=model.name)
     sc = cfg.server
     limits = Limits(default_max_tokens=sc.max_tokens_default,
                     request_timeout=sc.request_timeout or None, max_body=sc.max_body,
                     parse_concurrency=sc.parse_concurrency)
     access = Access(api_keys=MappingProxyType(dict(sc.api_keys)), admin_key=sc.admin_key,
                     admin_routes=sc.admin)
-    app = create_app(engine, template_path=cfg.model.chat_template or None, limits=limits,
+    app = create_app(engine, template_path=cfg.model.chat_template or model.chat_template,
+                     limits=limits,
                      access=access, volatile=cfg.server.volatile, page_size=cfg.cache.page_size,
                      inner_system=sc.inner_system, hosted_tools=sc.hosted_tools)
 
@@ -57,7 +59,7 @@ def serve(cfg: Config) -> int:
     setup_logging(cfg.log.level)
     try:
         app = build_app(cfg)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError) as e:  # no such model, a bad file, a refusal
         log.error("%s", e)
         return 1
     if not _is_loopback(cfg.server.host) and not cfg.server.api_keys:

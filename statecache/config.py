@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import tomllib
 from collections.abc import Mapping
@@ -28,7 +29,8 @@ class ConfigError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class ModelConfig:
-    path: str = ""  # empty: the bundled SmolLM2-135M-Instruct
+    # a GGUF path or a model's name (proxy/models/names.py); empty: the bundled SmolLM2
+    path: str = ""
     draft_path: str = ""
     n_ctx: int = 0  # tokens per lane; 0: chosen from the training context and kv_budget
     kv_budget: int = field(default=4 << 30, metadata=_SIZE)  # for n_ctx = 0: KV of all lanes
@@ -468,7 +470,9 @@ def load_config(
             if key in _PATHS:
                 v = values.get(f.name, f.default)
                 if isinstance(v, str) and v:
-                    values[f.name] = str(Path(v).expanduser())
+                    # model.path may be a model's name (qwen3.5:27b, org/repo): kept as typed
+                    values[f.name] = os.path.expanduser(v) if key == "model.path" else \
+                        str(Path(v).expanduser())
         sections[name] = cls(**values)
     cfg = Config(**sections)
     _validate(cfg)

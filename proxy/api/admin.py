@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from aiohttp import web
 
 from proxy.api.appstate import ENGINE, METER, RECENT, STARTED, VOLATILE
@@ -20,8 +22,11 @@ from proxy.meter import CONTENT_TYPE, render
 
 
 def _model_card(request: web.Request) -> dict[str, object]:
-    return {"id": request.app[ENGINE].model_name, "object": "model",
-            "created": request.app[STARTED], "owned_by": "statecache"}
+    """The model as the user asked for it (``id``: what a client sends back as ``model``)
+    and the file it is."""
+    engine = request.app[ENGINE]
+    return {"id": engine.model_name, "object": "model", "created": request.app[STARTED],
+            "owned_by": "statecache", "file": engine.model_file}
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -29,7 +34,8 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def get_model(request: web.Request) -> web.Response:
-    if request.match_info["model"] != request.app[ENGINE].model_name:
+    engine = request.app[ENGINE]
+    if request.match_info["model"] not in (engine.model_name, Path(engine.model_file).name):
         return error_response(404, f"no such model: {request.match_info['model']}",
                               param="model", code="model_not_found")
     return web.json_response(_model_card(request))

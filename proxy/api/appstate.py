@@ -38,7 +38,8 @@ CLAUDE_SESSION_HEADER = "X-Claude-Code-Session-Id"
 
 
 class EngineLike(Protocol):
-    model_name: str
+    model_name: str  # as the user asked for it (a name, or the GGUF's file name)
+    model_file: str  # the GGUF's path
     n_ctx: int
     chat_template: str | None
     bos_token: str

@@ -102,6 +102,7 @@ async def ui_data(request: web.Request) -> web.Response:
     stats = tiers.get("stats", {})
     body = {
         "time": now, "started": app[STARTED], "model": engine.model_name,
+        "model_file": engine.model_file,
         "n_ctx": engine.n_ctx, "queue": engine.queue(),
         "lanes": [{k: v for k, v in lane.items() if k != "pages"} for lane in lanes],
         "tree": tree,

@@ -66,7 +66,8 @@ class EngineDead(RuntimeError):
 
 
 class Engine:
-    def __init__(self, cfg: Config, model_path: Path) -> None:
+    def __init__(self, cfg: Config, model_path: Path, name: str | None = None) -> None:
+        """``name``: the model as the user asked for it (default: the file's name)."""
         self.cfg = cfg
         p = self.parts = build(cfg, model_path)
         self.model, self.ctx, self.memory, self.pool, self.draft = (
@@ -89,7 +90,8 @@ class Engine:
                                self.accounting, self.tokenizer, self.timer,
                                Streams(cfg.server.stream_interval_ms / 1000))
         self.check_steps = cfg.engine.sanity_checks  # engine.sanity_check() after each step
-        self.model_name = model_path.name
+        self.model_name = name or model_path.name
+        self.model_file = str(model_path)
         self.chat_template = self.model.chat_template()
         self.bos_token = self.model.token_text(self.model.bos) if self.model.bos >= 0 else ""
         self.eos_token = self.model.token_text(self.model.eos) if self.model.eos >= 0 else ""
@@ -99,7 +101,8 @@ class Engine:
         self._ui_chains: dict[int, PageChain] = {}  # describe_lanes: each lane's last chain
         self._thread = threading.Thread(target=self._run, name="statecache-engine", daemon=True)
         self._thread.start()
-        log_started(p, self.model_name)
+        log_started(p, self.model_name if self.model_name == model_path.name
+                    else f"{self.model_name} ({model_path})")
 
     # -- the HTTP side ----------------------------------------------------------------
 

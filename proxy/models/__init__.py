@@ -22,9 +22,8 @@ from proxy.models.bundled import (
     default_model_path,
     gemma_model_path,
     models_dir,
-    resolve_model,
     smollm2_path,
 )
 
 __all__ = ["GEMMA_FILE", "SMOLLM2_FILE", "default_model_path", "gemma_model_path",
-           "models_dir", "resolve_model", "smollm2_path"]
+           "models_dir", "smollm2_path"]

@@ -64,16 +64,6 @@ def gemma_model_path() -> Path:
     return target
 
 
-def resolve_model(path: str) -> Path:
-    """A configured model path, or the bundled model when it is empty."""
-    if not path:
-        return default_model_path()
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"model file not found: {p}")
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     which = {"default": default_model_path, "gemma": gemma_model_path}
