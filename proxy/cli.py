@@ -1,12 +1,14 @@
-"""The `statecache` command: ``serve`` here, the storage commands from ``statecache.cli``.
+"""The `statecache` command: ``serve`` and ``models`` here, the storage commands from
+``statecache.cli``.
 
 The proxy loads only inside ``serve``, so ``statecache inspect`` starts at once and
-works without a model.
+works without a model; ``models`` reads GGUF headers and never loads llama.cpp.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from statecache.cli import EXIT_PROBLEMS, Command
 from statecache.cli import main as storage_main
@@ -57,7 +59,27 @@ def _serve(args: argparse.Namespace) -> int:
     return int(serve(config))
 
 
-COMMANDS: dict[str, Command] = {"serve": (_serve_args, _serve)}
+def _models_args(s: argparse.ArgumentParser) -> None:
+    """list the models on disk: Ollama, LM Studio, the Hugging Face cache, --dir"""
+    s.add_argument("--dir", metavar="DIR", type=Path, action="append", default=[],
+                   help="also list the GGUFs in DIR (repeatable)")
+    s.add_argument("--config", metavar="FILE",
+                   help="TOML config (model.kv_budget, server.lanes, cache.ram_budget)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--no-header-cache", action="store_true",
+                   help="read every header again (not ~/.cache/statecache/gguf-headers.json)")
+
+
+def _models(args: argparse.Namespace) -> int:
+    from proxy.models.headercache import default_path
+    from proxy.models.listing import run
+    from statecache.config import load_config
+
+    cache = None if args.no_header_cache else default_path()
+    return run(args.dir, load_config(args.config), args.json, cache)
+
+
+COMMANDS: dict[str, Command] = {"serve": (_serve_args, _serve), "models": (_models_args, _models)}
 
 
 def main(argv: list[str] | None = None) -> int:

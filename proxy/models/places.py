@@ -5,6 +5,7 @@ into a problem to report instead of an exception."""
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,8 +27,9 @@ class Found:
 
     @property
     def qualified(self) -> str:
-        """The name with its place, which no other place can answer: ``ollama:qwen3.5``."""
-        return f"{self.source}:{self.name}"
+        """The name with its place, which no other place can answer: ``ollama:qwen3.5``
+        (a file of a ``--dir`` folder: its path)."""
+        return self.name if self.source == "dir" else f"{self.source}:{self.name}"
 
 
 @dataclass(slots=True)
@@ -57,16 +59,17 @@ def entries(path: Path | os.DirEntry[str], problems: list[str]) -> list[os.DirEn
         return []
 
 
-def is_dir(e: os.DirEntry[str]) -> bool:
-    try:
-        return e.is_dir()
-    except OSError:
-        return False
-
-
 def subdirs(path: Path | os.DirEntry[str], problems: list[str]) -> list[os.DirEntry[str]]:
-    """The directories in ``path`` (symlinks to directories included)."""
-    return [e for e in entries(path, problems) if is_dir(e)]
+    """The directories in ``path`` (through symlinks); an entry that cannot be followed (a
+    symlink loop, a link into a folder we may not read) is a problem."""
+    out = []
+    for e in entries(path, problems):
+        try:
+            if stat.S_ISDIR(os.stat(e.path).st_mode):
+                out.append(e)
+        except OSError as err:
+            problems.append(f"cannot read {e.path}: {err.strerror or err}")
+    return out
 
 
 def file_size(path: Path) -> int | None:

@@ -71,3 +71,16 @@ def test_not_a_model_header(tmp_path: Path, data: bytes, why: str) -> None:
     with pytest.raises(BadGGUF, match=why) as e:
         read_header(path)
     assert str(path) in str(e.value)
+
+
+def test_skimming_finds_what_the_listing_needs(hybrid_path: Path, tmp_path: Path) -> None:
+    from tests.model_layouts import header_gguf
+
+    full, skim = read_header(hybrid_path), read_header(hybrid_path, skim=True)
+    assert skim.chat_template == full.chat_template
+    assert "tokenizer.ggml.tokens" not in skim.fields  # the vocabulary was never walked
+    assert {k: v for k, v in full.fields.items() if k.startswith("qwen35.")} == \
+        {k: v for k, v in skim.fields.items() if k.startswith("qwen35.")}
+    # no template near the vocabulary: read in full, to the last key
+    bare = header_gguf(tmp_path / "bare.gguf", "llama", {"block_count": 2}, vocab=500)
+    assert read_header(bare, skim=True).fields == read_header(bare).fields
