@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,9 +47,11 @@ class Proc:
 
 
 @contextmanager
-def serve_process(model: Path, tmp: Path, config: str = "", *extra: str) -> Iterator[Proc]:
+def serve_process(model: Path | str, tmp: Path, config: str = "", *extra: str,
+                  env: Mapping[str, str] | None = None) -> Iterator[Proc]:
     """Start ``python -m proxy serve`` on a free port with ``config`` (TOML) appended to
-    a config that puts the checkpoints under ``tmp``; wait until /health answers."""
+    a config that puts the checkpoints under ``tmp``; wait until /health answers.
+    ``model``: a path or a name; ``env``: variables set for the process."""
     port = free_port()
     ckpt = tmp / "ckpt"
     cfg = tmp / "statecache.toml"
@@ -59,7 +61,7 @@ def serve_process(model: Path, tmp: Path, config: str = "", *extra: str) -> Iter
         [sys.executable, "-m", "proxy", "serve", "--config", str(cfg), "--model", str(model),
          "--port", str(port), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + 120
         while True:
