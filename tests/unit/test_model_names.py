@@ -5,7 +5,6 @@ mistake is a clear error that says what and where."""
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import pytest
@@ -52,6 +51,15 @@ def test_ollama_names(home: Path, hybrid_path: Path, draft_path: Path) -> None:
     assert "ollama:qwen3.5:27b" in str(e.value) and "ollama:qwen3.5:9b" in str(e.value)
     with pytest.raises(ModelNotFound, match=r"no manifest qwen3.5:4b; it has 27b, 9b"):
         resolve_model("qwen3.5:4b")
+
+
+def test_older_ollama_blob_names(home: Path, hybrid_path: Path) -> None:
+    ollama_model(home, hybrid_path, "old", "1b")
+    blobs = home / ".ollama" / "models" / "blobs"
+    for blob in blobs.glob("sha256-*"):  # older Ollama versions: sha256:<hex>
+        blob.rename(blobs / blob.name.replace("sha256-", "sha256:"))
+    got = resolve_model("old:1b").path
+    assert got.name.startswith("sha256:") and got.stat().st_size == hybrid_path.stat().st_size
 
 
 def test_a_manifest_naming_a_missing_blob(home: Path, hybrid_path: Path) -> None:
@@ -209,14 +217,11 @@ def test_download_a_split_model_with_a_token(home: Path, hybrid_path: Path, draf
             resolve_model("org/Nothing-GGUF")
 
 
-def test_no_hub_reached_offline(home: Path) -> None:
-    os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"  # would refuse: never asked
-    try:
-        with pytest.raises(ModelNotFound) as e:
-            resolve_model("org/Tiny-GGUF")
-        assert "the Hub" not in str(e.value)
-    finally:
-        del os.environ["HF_ENDPOINT"]
+def test_no_hub_reached_offline(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # would refuse: never asked
+    with pytest.raises(ModelNotFound) as e:
+        resolve_model("org/Tiny-GGUF")
+    assert "the Hub" not in str(e.value)
 
 
 def test_the_quant_rule() -> None:
