@@ -49,6 +49,9 @@ def _one_request(p: Proc, asked: str, file: Path) -> None:
     assert (card["id"], card["file"]) == (asked, str(file))
     with urllib.request.urlopen(f"{p.url}/v1/models/{file.name}", timeout=10) as r:
         assert json.load(r)["id"] == asked  # the file's name finds it too
+    with urllib.request.urlopen(f"{p.url}/admin/ui.json", timeout=10) as r:  # the live page
+        page = json.load(r)
+    assert (page["model"], page["model_file"]) == (asked, str(file))
 
 
 def test_ollama_lmstudio_and_hf_cache_names_serve(home: Path, tmp_path: Path,
