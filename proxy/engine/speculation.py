@@ -233,7 +233,8 @@ class Speculation:
             assert p.draft is not None
             t0 = time.perf_counter()
             drafted = p.draft.propose(asks)
-            self.model_s = time.perf_counter() - t0
+            self.model_s = self.timer.took_model(time.perf_counter() - t0,
+                                                 p.draft.followed + self.model_asked)
             if p.draft.followed > sum(a.step for a in asks):
                 self.model_asked = 0  # a lane caught up from far behind: not a sample
                 self.timer.followed(self.model_s, p.draft.followed)  # ...but of this
@@ -346,7 +347,7 @@ class Speculation:
         found, start, matched = lookup(known, k, sc.lookup_max, sc.lookup_min,
                                        self.history.get(job.req.tenant, job.req.session),
                                        job.spec.cursor)
-        self.timer.looked(time.perf_counter() - t0)
+        self.timer.looked(self.timer.took_lookup(time.perf_counter() - t0))
         if 0 <= job.spec.cursor == start:
             return found, start, COPY
         return found, start, LONG if matched > sc.lookup_min else LOOKUP

@@ -151,7 +151,8 @@ class Stepper:
                 for w in works:
                     w.job.fail(exc)
             else:
-                dt = time.perf_counter() - t0
+                dt = self.timer.took(time.perf_counter() - t0, n_decode, n_prefill,
+                                     drafts=drafts)
                 yielded = sum(len(w.job.out.generated) for w in works
                               if not w.job.prefilling) - made
                 self.timer.record(dt, n_decode, n_prefill, drafts=drafts, yielded=yielded)
@@ -192,7 +193,8 @@ class Stepper:
             log.exception("a lone run of request %s failed", job.req.request_id)
             job.fail(exc)
         else:
-            self.timer.record(time.perf_counter() - t0, 1, 0, steps=steps, alone=True)
+            dt = self.timer.took(time.perf_counter() - t0, 1, 0, steps=steps)
+            self.timer.record(dt, 1, 0, steps=steps, alone=True)
             count = self.p.meter.count
             for name in ("steps", "step_tokens", "step_lane_work", "steps_alone"):
                 count(name, steps)

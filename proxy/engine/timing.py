@@ -5,6 +5,12 @@ one prefill token of a large batch. Both are moving averages of what the steps t
 so the sizes follow the model, the machine and the load. Beside them, what drafts add
 to a step (a verification of ``k`` drafts, the draft model's own time), which
 proxy/engine/speculation.py weighs against the tokens it expects them to yield.
+
+Where a test sets ``StepTimer.costs`` (``StepCosts``), each piece of work is charged
+what that cost model says instead of the seconds it took, so every decision these
+figures feed (drafting, bursts of prefill, the streams' share) is the same on a busy
+machine as on a quiet one: the seconds the callers measure pass through ``took``,
+``took_model`` and ``took_lookup``.
 """
 
 from __future__ import annotations
@@ -20,6 +26,22 @@ MIN_SAMPLE = 32  # prefill tokens a step needs to tell us the cost of one
 # lanes it is one more: llama.cpp splits such a batch into a ubatch of one token of
 # every lane, then the rest of the prefilling lane.
 CHUNK = 64
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    """What each piece of work is charged, in seconds, where a test sets the costs."""
+
+    decode_s: float  # a decode step of one lane (a lone lane's token too)
+    lane_s: float = 0.0  # each further decoding lane in the step
+    prefill_s: float = 0.0  # a prompt token
+    draft_s: float = 0.0  # a drafted token the step verifies
+    model_s: float = 0.0  # a token the draft model is asked for or follows
+    lookup_s: float = 0.0  # a prompt lookup
+
+    def step(self, n_decode: int, n_prefill: int, drafts: int = 0) -> float:
+        decode = self.decode_s + self.lane_s * (n_decode - 1) if n_decode else 0.0
+        return decode + self.prefill_s * n_prefill + self.draft_s * drafts
 
 
 @dataclass(slots=True)
@@ -52,6 +74,25 @@ class StepTimer:
     share: float = 0.5  # of the time, the streams' while a long prompt prefills
     owed_s: float = 0.0  # time the streams get before the next burst
     burst: bool = False  # the step planned last carries a burst
+    costs: StepCosts | None = None  # charged instead of the seconds measured (a test's)
+
+    def took(self, seconds: float, n_decode: int, n_prefill: int, *, steps: int = 1,
+             drafts: StepDrafts | None = None) -> float:
+        """What ``steps`` alike count as, measured at ``seconds`` (the draft model's time
+        included, as ``drafts.model_s``): those seconds, or what ``costs`` charges."""
+        if self.costs is None:
+            return seconds
+        extra = drafts.model_s if drafts is not None else 0.0
+        n_drafts = drafts.tokens if drafts is not None else 0
+        return steps * self.costs.step(n_decode, n_prefill, n_drafts) + extra
+
+    def took_model(self, seconds: float, tokens: int) -> float:
+        """The draft model's ``seconds`` for ``tokens`` asked of it or followed."""
+        return seconds if self.costs is None else self.costs.model_s * tokens
+
+    def took_lookup(self, seconds: float) -> float:
+        """A prompt lookup's ``seconds``."""
+        return seconds if self.costs is None else self.costs.lookup_s
 
     def record(self, seconds: float, n_decode: int, n_prefill: int, *, steps: int = 1,
                drafts: StepDrafts | None = None, alone: bool = False,

@@ -15,8 +15,22 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from openai import AsyncOpenAI
 
+from proxy.api.app import ENGINE
+from proxy.engine.timing import StepCosts
 from proxy.server import build_app
 from statecache.config import load_config
+
+# Step costs for serve(costs=...), in the proportions these 2 cores give when quiet (a
+# busy machine's measurements are what the tests must not hang on). The tiny synthetic
+# models: a step under a millisecond, where a drafted token adds more than a step of one
+# (docs/design.md, "Drafting from a copy"), a draft model's token costs about a target's
+# step, and a prompt lookup more than 2% of a step (a resting lane does not watch)
+TINY_COSTS = StepCosts(decode_s=0.001, lane_s=0.0005, prefill_s=0.0002, draft_s=0.0012,
+                       model_s=0.001, lookup_s=0.0001)
+# Gemma 3 270M: 25 ms a token, a drafted token's logits row (a 262k-token vocabulary)
+# about 7 ms (tests/unit/test_adaptive.py's STEP and PER_DRAFT)
+GEMMA_COSTS = StepCosts(decode_s=0.025, lane_s=0.005, prefill_s=0.001, draft_s=0.055 / 8,
+                        model_s=0.0, lookup_s=0.0001)
 
 DONE = re.compile(r"Done · input ([\d,]+) · cached ([\d,]+) · prefilled ([\d,]+)")
 
@@ -37,8 +51,11 @@ class Server:
 
 
 @asynccontextmanager
-async def serve(model: Path, ckpt_dir: Path, **overrides: Any) -> AsyncIterator[Server]:
-    """Start the proxy in this process on a free port; closing it shuts it down cleanly."""
+async def serve(model: Path, ckpt_dir: Path, *, costs: StepCosts | None = None,
+                **overrides: Any) -> AsyncIterator[Server]:
+    """Start the proxy in this process on a free port; closing it shuts it down cleanly.
+    ``costs``: what its engine's steps are charged instead of the seconds they take
+    (``StepTimer.costs``), for a test that asserts on a decision made from step times."""
     settings: dict[str, Any] = {
         "model.path": str(model), "model.n_ctx": 4096, "server.lanes": 2,
         "cache.disk_path": str(ckpt_dir), "cache.page_size": 32,
@@ -50,6 +67,8 @@ async def serve(model: Path, ckpt_dir: Path, **overrides: Any) -> AsyncIterator[
     app = build_app(load_config(None, settings))
     server = TestServer(app, host="127.0.0.1", port=0)
     await server.start_server()
+    if costs is not None:  # before any request: the engine thread is idle
+        app[ENGINE].timer.costs = costs
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused",
                          max_retries=0, timeout=120)
     try:

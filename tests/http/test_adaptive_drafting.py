@@ -1,7 +1,10 @@
 """Speculative decoding on by default and adaptive (proxy/engine/speculation.py): the
 default config drafts, a lane where drafting loses stops drafting, a regenerated reply
 is drafted from the conversation's earlier reply, and a request can still say no. Each
-answer is compared with the same request served without drafting (the near-tie rule)."""
+answer is compared with the same request served without drafting (the near-tie rule).
+Where a test asserts on what the adaptive rule chose, its engine is charged fixed step
+costs (``serve(costs=...)``): the choice is made from step times, which a busy machine
+moves."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import pytest
 from proxy.api.app import ENGINE
 from proxy.meters import EngineMeter
 from tests.http.agent import ask, assert_same_or_near_tie
-from tests.http.conftest import serve
+from tests.http.conftest import GEMMA_COSTS, TINY_COSTS, serve
 from tests.http.test_sessions import NEAR_TIE
 
 pytestmark = pytest.mark.http
@@ -35,7 +38,7 @@ async def _plain(model: Path, tmp: Path, messages: list[dict[str, str]],
 async def test_the_default_config_drafts(gemma_path: Path, tmp_path: Path) -> None:
     # nothing about drafting in the config: prompt lookup drafts a reply that copies code
     messages = [{"role": "user", "content": "Copy this code exactly:\n" + CODE}]
-    async with serve(gemma_path, tmp_path / "ckpt") as srv:
+    async with serve(gemma_path, tmp_path / "ckpt", costs=GEMMA_COSTS) as srv:
         got = await ask(srv.client, messages, 96)
         drafted, accepted = _drafted(srv.app[ENGINE].meter)
         async with aiohttp.ClientSession() as http, \
@@ -57,7 +60,7 @@ async def test_drafting_stops_on_a_pair_where_it_loses(
     messages = [{"role": "user", "content": "Tell me a story. " * 8}]
     async with serve(spec_target_path, tmp_path / "ckpt", server__lanes=1,
                      model__draft_path=str(spec_llama_draft_path),
-                     speculative__draft_min_p=0.0) as srv:
+                     speculative__draft_min_p=0.0, costs=TINY_COSTS) as srv:
         got = await ask(srv.client, messages, 200)
         m = srv.app[ENGINE].meter
         drafted, accepted = _drafted(m)
@@ -123,7 +126,7 @@ async def test_a_draft_model_that_drafts_nothing_costs_no_planned_steps(
     # its decode rate)
     async with serve(spec_jamba_target_path, tmp_path / "ckpt", server__lanes=1,
                      model__draft_path=str(spec_jamba_draft_path),
-                     speculative__draft_min_p=0.999) as srv:
+                     speculative__draft_min_p=0.999, costs=TINY_COSTS) as srv:
         m = srv.app[ENGINE].meter
         planned, followed = [], []
         for i in range(3):

@@ -1,12 +1,12 @@
 """Adaptive drafting's choices (proxy/engine/speculation.py) on step costs that do not
 depend on how busy the machine is: the real controller and step timer, a lane and a
-"target" that replies with a fixed token sequence, and a clock that charges each step
-what the model measured costs (the HTTP tests run the real model, where timings vary).
+"target" that replies with a fixed token sequence, and a cost model (``StepCosts``) that
+charges each step, each prompt lookup and each token asked of a draft model what the
+model measured costs (the HTTP tests run the real model and set such costs too).
 """
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,12 +15,13 @@ import numpy as np
 from proxy.engine.job import Job, StepDrafts, Work
 from proxy.engine.lanes import Lane
 from proxy.engine.speculation import LOOKUP, Speculation
-from proxy.engine.timing import StepTimer
+from proxy.engine.timing import StepCosts, StepTimer
 from proxy.meters import EngineMeter
 from statecache.config import load_config
 
 STEP = 0.025  # Gemma 3 270M, one token, on this machine's two cores
 PER_DRAFT = 0.055 / 8  # what a draft adds (its logits row: Gemma's 262k-token vocabulary)
+LOOKUP_S = 0.0001  # a prompt lookup: under 2% of a step (a resting lane watches for copies)
 
 
 def _reply(prompt: list[int], n: int) -> list[int]:
@@ -44,6 +45,8 @@ def _run(prompt: list[int], reply: list[int], per_draft: float,
             ctx=SimpleNamespace(n_ctx_seq=8192, seq_rm=lambda *a: True))
         spec = Speculation(parts, timer or StepTimer())
     timer, meter = spec.timer, spec.p.meter
+    timer.costs = StepCosts(decode_s=STEP, draft_s=per_draft, lookup_s=LOOKUP_S,
+                            model_s=getattr(draft or spec.p.draft, "per_token", 0.0))
     req: Any = SimpleNamespace(sampling=SimpleNamespace(max_tokens=len(reply)), tenant="",
                                session=None)
     lane = Lane(0)
@@ -67,10 +70,8 @@ def _run(prompt: list[int], reply: list[int], per_draft: float,
         spec.lanes_decoding = 1
         spec.propose([w])
         k = len(job.spec.drafts)
-        if k:
-            timer.record(STEP + k * per_draft, 1, 0, drafts=StepDrafts(tokens=k, lanes=1))
-        else:
-            timer.record(STEP, 1, 0)
+        drafts = StepDrafts(tokens=k, lanes=1) if k else None
+        timer.record(timer.took(0.0, 1, 0, drafts=drafts), 1, 0, drafts=drafts)
         spec.verify(w, take)
     spec.remember(job)  # as the engine does when a request ends
     return meter, job, spec
@@ -165,7 +166,7 @@ def test_probes_that_copy_well_but_lose_grow_apart() -> None:
 
 class _SilentDraft:
     """A draft model that is never sure enough of a token (``draft_min_p``): asked for
-    drafts, it makes none, after ``per_token`` seconds a token asked."""
+    drafts, it makes none; ``per_token``: what the cost model charges a token of it."""
 
     def __init__(self, per_token: float) -> None:
         self.per_token = per_token
@@ -179,7 +180,6 @@ class _SilentDraft:
         want = sum(a.want for a in asks)
         self.asked += want
         self.followed = sum(a.step for a in asks)
-        time.sleep(self.per_token * want)
         return {}
 
 
@@ -371,3 +371,23 @@ def test_a_new_request_judges_short_matches_by_earlier_requests() -> None:
     assert job.out.generated == second
     # judged by its own first rejection, the lane accepted 89 drafts here
     assert meter.spec_tokens.get("accepted") - before >= 0.6 * len(second), meter
+
+
+def test_where_costs_are_set_the_timer_learns_them_not_the_seconds_taken() -> None:
+    # a busy machine: a step took half a second, a lookup 20 ms, the draft model 90 ms
+    # for its 3 tokens. With a cost model set, the timer learns what it charges, so the
+    # choices made from the timer are the same however long the work took
+    costs = StepCosts(decode_s=0.002, lane_s=0.001, prefill_s=0.0001, draft_s=0.003,
+                      model_s=0.004, lookup_s=0.00005)
+    timer = StepTimer(costs=costs)
+    drafts = StepDrafts(tokens=2, lanes=1, model_asked=2, model_s=timer.took_model(0.09, 3))
+    assert drafts.model_s == 3 * 0.004
+    assert timer.took(0.5, 1, 0) == 0.002
+    assert timer.took(0.5, 2, 64) == 0.002 + 0.001 + 64 * 0.0001
+    assert timer.took(0.5, 1, 0, drafts=drafts) == 0.002 + 2 * 0.003 + 3 * 0.004
+    assert timer.took(0.5, 1, 0, steps=10) == 10 * 0.002
+    assert timer.took_lookup(0.02) == 0.00005
+    # and without one, the seconds measured
+    plain = StepTimer()
+    assert (plain.took(0.5, 1, 0, drafts=drafts), plain.took_model(0.09, 3),
+            plain.took_lookup(0.02)) == (0.5, 0.09, 0.02)
