@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from proxy.engine.job import Job
 from proxy.engine.outbox import Outbox
@@ -21,13 +21,15 @@ from proxy.engine.types import TokenEvent
 
 
 class Streams:
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.interval_s = interval_s
+        self.clock = clock  # (a test holds it still: when the interval is up is its call)
         self._last_write = -math.inf  # when the streams were last written together
 
     def write(self, active: Sequence[tuple[Job, Outbox]], *, flush: bool = False) -> None:
         """Hand each stream's new tokens to its outbox; wake the event loop once for all."""
-        now = time.perf_counter()
+        now = self.clock()
         due_all = flush or now - self._last_write >= self.interval_s
         due: list[Outbox] = []
         try:
