@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
+from proxy.api.app import ENGINE
 from statecache.cli import main as cli_main
 from tests.http.conftest import DoneLines, serve
 
@@ -176,14 +179,30 @@ async def test_admin_endpoint_and_inspect(
 async def test_request_timeout_is_504_and_default_max_tokens_applies(
     hybrid_path: Path, tmp_path: Path, done_lines: DoneLines
 ) -> None:
+    # The request that must outlast the timeout finds the engine held (its steps wait
+    # until the 504 is in), not merely a long reply: how long a reply takes is the
+    # machine's to say. The requests that must not time out are a few tokens each.
     async with serve(hybrid_path, tmp_path / "ckpt", server__lanes=1,
-                     server__request_timeout=0.5, server__max_tokens_default=5) as srv:
+                     server__request_timeout=2.0, server__max_tokens_default=5) as srv:
+        stepper = srv.app[ENGINE].stepper
+        run, go = stepper.run, threading.Event()
+        go.set()
+
+        def run_unless_held(active: Any) -> None:  # the engine thread
+            go.wait()
+            run(active)
+
+        stepper.run = run_unless_held  # type: ignore[method-assign]
         short = await srv.client.chat.completions.create(
             model="x", messages=HELLO)  # type: ignore[arg-type]
         assert short.usage is not None and short.usage.completion_tokens == 5
-        with pytest.raises(openai.APIStatusError) as err:
-            await srv.client.chat.completions.create(
-                model="x", messages=HELLO, max_tokens=4000)  # type: ignore[arg-type]
+        go.clear()
+        try:
+            with pytest.raises(openai.APIStatusError) as err:
+                await srv.client.chat.completions.create(
+                    model="x", messages=HELLO, max_tokens=4000)  # type: ignore[arg-type]
+        finally:
+            go.set()
         assert err.value.status_code == 504
         # the engine stopped that request and serves the next one
         ok = await srv.client.chat.completions.create(
