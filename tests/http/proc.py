@@ -55,6 +55,10 @@ def serve_process(model: Path | str, tmp: Path, config: str = "", *extra: str,
     port = free_port()
     ckpt = tmp / "ckpt"
     cfg = tmp / "statecache.toml"
+    # one thread, as tests/http/conftest.py's serve says why (into the config's own
+    # [model] table where it has one: TOML declares a table once)
+    one = "[model]\nthreads = 1\n"
+    config = config.replace("[model]\n", one, 1) if "[model]\n" in config else one + config
     cfg.write_text(f'[cache]\ndisk_path = "{ckpt}"\nsecret_path = "{tmp / "secret.key"}"\n'
                    + config)
     proc = subprocess.Popen(
