@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +40,19 @@ class Proc:
             text = r.read().decode()
         m = re.search(r"^" + pattern + r" (\S+)$", text, re.M)
         return float(m.group(1)) if m else 0.0
+
+    def checkpoints(self) -> list[dict[str, object]]:
+        """``GET /admin/checkpoints``: every checkpoint the server holds, with its tiers."""
+        with urllib.request.urlopen(f"{self.url}/admin/checkpoints", timeout=10) as r:
+            return list(json.loads(r.read())["checkpoints"])
+
+    def until(self, what: str, done: Callable[[], bool], within: float = 60) -> None:
+        """Until ``done()``, which the server's own pace decides (a busy machine's), at
+        most ``within`` seconds."""
+        deadline = time.monotonic() + within
+        while not done():
+            assert time.monotonic() < deadline, f"not within {within} s: {what}"
+            time.sleep(0.05)
 
     def output(self, timeout: float = 60) -> str:
         out, _ = self.proc.communicate(timeout=timeout)

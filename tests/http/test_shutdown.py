@@ -94,11 +94,12 @@ def test_client_leaving_while_queued_is_never_started(hybrid_path: Path,
                            "messages": [{"role": "user", "content": "queued"}]})
         s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                   f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
-        time.sleep(0.5)
+        # (each wait until the server did it: how soon is a busy machine's to say)
+        p.until("queued", lambda: p.metric("statecache_queue_depth") == 1)
         s.close()
-        time.sleep(0.5)
+        p.until("dropped", lambda: p.metric("statecache_queue_depth") == 0)
         conn.close()
-        time.sleep(0.5)
+        p.until("the lane let go", lambda: p.metric("statecache_active_requests") == 0)
         p.proc.send_signal(signal.SIGINT)
         out = p.output()
     assert "left while queued" in out, out
@@ -116,13 +117,15 @@ def test_sigkill_after_a_turn_loses_seconds_not_the_session(hybrid_path: Path,
         r1 = client.chat.completions.create(model="x", messages=messages,  # type: ignore[arg-type]
                                             max_tokens=16, temperature=0)
         client.close()
-        deadline = time.monotonic() + 30
-        while not list((tmp_path / "ckpt").glob("*.ckpt")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(1.0)  # the idle save and its write
+        assert r1.usage is not None
+        held = r1.usage.prompt_tokens + r1.usage.completion_tokens
+        # the idle save and its write (not a second after the turn: how soon is a busy
+        # machine's to say)
+        p.until("the idle lane's full state on disk", lambda: any(
+            c["kind"] == "full" and "disk" in c["tiers"] and c["n"] >= held - 32  # type: ignore[operator]
+            for c in p.checkpoints()))
         p.proc.kill()
         p.proc.wait()
-    assert r1.usage is not None
     messages += [{"role": "assistant", "content": r1.choices[0].message.content or "",
                   "reasoning_content": (r1.choices[0].message.model_extra or {}).get(
                       "reasoning_content") or ""},
@@ -133,5 +136,4 @@ def test_sigkill_after_a_turn_loses_seconds_not_the_session(hybrid_path: Path,
                                             max_tokens=4, temperature=0)
         client.close()
     assert r2.usage is not None and r2.usage.prompt_tokens_details is not None
-    held = r1.usage.prompt_tokens + r1.usage.completion_tokens
     assert (r2.usage.prompt_tokens_details.cached_tokens or 0) >= held - 32
