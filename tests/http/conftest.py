@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +19,7 @@ from aiohttp.test_utils import TestServer
 from openai import AsyncOpenAI
 
 from proxy.api.app import ENGINE
+from proxy.engine.job import Job
 from proxy.engine.timing import StepCosts
 from proxy.server import build_app
 from statecache.config import load_config
@@ -82,6 +86,48 @@ async def serve(model: Path, ckpt_dir: Path, *, costs: StepCosts | None = None,
     finally:
         await client.close()
         await server.close()
+
+
+class Hold:
+    """Holds the engine thread where its next run of steps starts (``Stepper.run``), once
+    ``when(active)`` says so, until ``release()``: for a test that needs a request to
+    arrive while another is at a given point, not whenever a busy (or a fast) machine
+    has it get there. Engine thread: ``when`` and the wait; the test: the rest."""
+
+    def __init__(self, srv: Server,
+                 when: Callable[[list[tuple[Job, Any]]], bool] = lambda active: True) -> None:
+        self.engine = srv.app[ENGINE]
+        self.when = when
+        self.held = threading.Event()  # the engine waits
+        self.go = threading.Event()
+        run = self.engine.stepper.run
+
+        def run_unless_held(active: list[tuple[Job, Any]]) -> None:
+            if not self.go.is_set() and active and self.when(active):
+                self.held.set()
+                self.go.wait()
+            run(active)
+
+        self.engine.stepper.run = run_unless_held
+
+    async def until_held(self, timeout: float = 60) -> None:
+        assert await asyncio.to_thread(self.held.wait, timeout), "the engine was never held"
+
+    async def until_in(self, n: int, timeout: float = 60) -> None:
+        """Until the engine holds ``n`` requests, waiting or admitted."""
+        deadline = time.monotonic() + timeout
+        while sum(self.engine.queue().values()) < n:
+            assert time.monotonic() < deadline, self.engine.queue()
+            await asyncio.sleep(0.01)
+
+    def release(self) -> None:
+        self.go.set()
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()  # whatever happened: a held engine never shuts down
 
 
 class DoneLines(logging.Handler):

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
-from proxy.api.app import ENGINE
 from statecache.cli import main as cli_main
-from tests.http.conftest import DoneLines, serve
+from tests.http.conftest import DoneLines, Hold, serve
 
 pytestmark = pytest.mark.http
 
@@ -184,26 +181,13 @@ async def test_request_timeout_is_504_and_default_max_tokens_applies(
     # machine's to say. The requests that must not time out are a few tokens each.
     async with serve(hybrid_path, tmp_path / "ckpt", server__lanes=1,
                      server__request_timeout=2.0, server__max_tokens_default=5) as srv:
-        stepper = srv.app[ENGINE].stepper
-        run, go = stepper.run, threading.Event()
-        go.set()
-
-        def run_unless_held(active: Any) -> None:  # the engine thread
-            go.wait()
-            run(active)
-
-        stepper.run = run_unless_held  # type: ignore[method-assign]
         short = await srv.client.chat.completions.create(
             model="x", messages=HELLO)  # type: ignore[arg-type]
         assert short.usage is not None and short.usage.completion_tokens == 5
-        go.clear()
-        try:
-            with pytest.raises(openai.APIStatusError) as err:
-                await srv.client.chat.completions.create(
-                    model="x", messages=HELLO, max_tokens=4000)  # type: ignore[arg-type]
-        finally:
-            go.set()
-        assert err.value.status_code == 504
+        with Hold(srv) as hold, pytest.raises(openai.APIStatusError) as err:
+            await srv.client.chat.completions.create(
+                model="x", messages=HELLO, max_tokens=4000)  # type: ignore[arg-type]
+        assert hold.held.is_set() and err.value.status_code == 504
         # the engine stopped that request and serves the next one
         ok = await srv.client.chat.completions.create(
             model="x", messages=HELLO, max_tokens=2)  # type: ignore[arg-type]

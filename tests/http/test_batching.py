@@ -13,7 +13,7 @@ import pytest
 
 from proxy.api.app import ENGINE
 from tests.http.agent import TOOLS, Session, Turn, ask, tool_result, user_message
-from tests.http.conftest import DoneLines, serve
+from tests.http.conftest import TINY_COSTS, DoneLines, Hold, serve
 from tests.http.test_sessions import NEAR_TIE, PAGE, _same_as_cold
 
 pytestmark = pytest.mark.http
@@ -48,12 +48,21 @@ async def test_four_concurrent_sessions_match_cold_answers(
 
 
 async def test_two_streams_share_each_step(hybrid_path: Path, tmp_path: Path) -> None:
-    # Two streams decoding at once cost one llama_decode per token, not two.
-    async with serve(hybrid_path, tmp_path / "ckpt", server__lanes=2) as srv:
+    # Two streams decoding at once cost one llama_decode per token, not two. Both are
+    # in before the engine takes a step (held): a stream that arrived after the other
+    # had decoded half its reply, as a busy machine's event loop can have it, would
+    # share fewer steps than that; and the drafts each lane verifies (a step of several
+    # of its tokens) are chosen by costs charged, not by a busy machine's seconds
+    async with serve(hybrid_path, tmp_path / "ckpt", server__lanes=2,
+                     costs=TINY_COSTS) as srv:
         engine = srv.app[ENGINE]
         a = Session(srv.client, system="Alpha. " * 30, max_tokens=80)
         b = Session(srv.client, system="Beta. " * 30, max_tokens=80)
-        await asyncio.gather(a.turn(), b.turn())
+        with Hold(srv) as hold:
+            both = asyncio.gather(a.turn(), b.turn())
+            await hold.until_held()
+            await hold.until_in(2)
+        await both
         m = engine.meter
     each = [t.completion_tokens for t in a.turns + b.turns]
     assert min(each) >= 50
@@ -92,8 +101,10 @@ async def test_decoding_stream_keeps_going_during_a_long_prefill(
 ) -> None:
     # A stream decodes; a 3,000-token prompt arrives. Steps beside a decoding stream
     # carry only a measured slice of prefill, so the stream gets tokens all along
-    # instead of one per 512-token chunk.
-    async with serve(hybrid_path, tmp_path / "ckpt", server__lanes=2) as srv:
+    # instead of one per 512-token chunk. (Measured: the costs charged, not the
+    # seconds a busy machine takes, size each slice and the stream's turn.)
+    async with serve(hybrid_path, tmp_path / "ckpt", server__lanes=2,
+                     costs=TINY_COSTS) as srv:
         stream = await srv.client.chat.completions.create(
             model="x", messages=[{"role": "user", "content": "Stream " * 20}],
             max_tokens=1500, temperature=0, stream=True)
@@ -141,13 +152,14 @@ async def test_short_request_behind_a_long_one_starts_first(
                 break
             await s.close()
 
-        long = asyncio.create_task(first_token("long", "word " * 600))
-        engine = srv.app[ENGINE]
-        for _ in range(200):  # the long prompt is being prefilled
-            if engine.queue()["active_requests"] == 1:
-                break
-            await asyncio.sleep(0.01)
-        await first_token("short", "Hi")
+        # the short one arrives while the long prompt is being prefilled: the engine is
+        # held at the long one's first step until it is in
+        with Hold(srv, lambda active: any(job.prefilling for job, _ in active)) as hold:
+            long = asyncio.create_task(first_token("long", "word " * 600))
+            await hold.until_held()
+            short = asyncio.create_task(first_token("short", "Hi"))
+            await hold.until_in(2)
+        await short
         await long
     assert order == ["short", "long"]
 
@@ -220,17 +232,19 @@ async def test_subagent_arriving_while_another_decodes_reuses_the_branch_point(
         await main.turn()
         first = Session(srv.client, system=system, max_tokens=400, messages=[
             {"role": "system", "content": system}, {"role": "user", "content": "Subtask A"}])
-        task = asyncio.create_task(first.turn())
-        engine = srv.app[ENGINE]
-        for _ in range(400):  # until the first subagent decodes
-            if engine.meter.tokens_generated.get() > 16 or \
-                    len(done_lines.events) >= 3 and engine.queue()["active_requests"] == 1:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)
+        # the second arrives once the first decodes: the engine is held at the first
+        # step after its first token until the second is in (a first subagent that
+        # ran to its end before the second arrived, as a fast machine could have it,
+        # would prove nothing)
         second = Session(srv.client, system=system, max_tokens=16, messages=[
             {"role": "system", "content": system}, {"role": "user", "content": "Subtask B"}])
-        await second.turn()
+        with Hold(srv, lambda active: any(job.req.sampling.max_tokens == 400 and
+                                          job.out.generated for job, _ in active)) as hold:
+            task = asyncio.create_task(first.turn())
+            await hold.until_held()
+            turn = asyncio.create_task(second.turn())
+            await hold.until_in(2)
+        await turn
         assert not task.done(), "the first subagent was meant to still be decoding"
         await task
     assert second.turns[0].cached_tokens >= len(system) - PAGE, done_lines.events
