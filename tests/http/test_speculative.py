@@ -15,7 +15,7 @@ import pytest
 from proxy.api.app import ENGINE
 from proxy.meters import EngineMeter
 from tests.http.agent import Session, ask, assert_same_or_near_tie, tool_result, user_message
-from tests.http.conftest import DoneLines, serve
+from tests.http.conftest import TINY_COSTS, DoneLines, serve
 from tests.http.test_sessions import NEAR_TIE, _check_follow_ups, _same_as_cold
 
 pytestmark = pytest.mark.http
@@ -173,7 +173,7 @@ async def test_draft_model_keeps_greedy_answers(
     rollback = {"hybrid-snapshots": "snapshots", "unrelated": "snapshots"}.get(pair, "auto")
     async with serve(target, tmp_path / "ckpt", model__draft_path=str(draft),
                      speculative__source="draft", speculative__draft_min_p=0.0,
-                     speculative__rollback=rollback) as srv:
+                     speculative__rollback=rollback, costs=TINY_COSTS) as srv:
         # the qwen35 hybrid targets asked to take snapshots do; jamba has none
         assert (srv.app[ENGINE].memory.n_rs_seq > 0) == (pair in ("hybrid-snapshots",
                                                                   "unrelated"))
