@@ -24,18 +24,6 @@ from proxy.engine.timing import StepCosts
 from proxy.server import build_app
 from statecache.config import load_config
 
-# Step costs for serve(costs=...), in the proportions these 2 cores give when quiet (a
-# busy machine's measurements are what the tests must not hang on). The tiny synthetic
-# models: a step under a millisecond, where a drafted token adds more than a step of one
-# (docs/design.md, "Drafting from a copy"), a draft model's token costs about a target's
-# step, and a prompt lookup more than 2% of a step (a resting lane does not watch)
-TINY_COSTS = StepCosts(decode_s=0.001, lane_s=0.0005, prefill_s=0.0002, draft_s=0.0012,
-                       model_s=0.001, lookup_s=0.0001)
-# Gemma 3 270M: 25 ms a token, a drafted token's logits row (a 262k-token vocabulary)
-# about 7 ms (tests/unit/test_adaptive.py's STEP and PER_DRAFT)
-GEMMA_COSTS = StepCosts(decode_s=0.025, lane_s=0.005, prefill_s=0.001, draft_s=0.055 / 8,
-                        model_s=0.0, lookup_s=0.0001)
-
 DONE = re.compile(r"Done · input ([\d,]+) · cached ([\d,]+) · prefilled ([\d,]+)")
 
 

@@ -13,6 +13,7 @@ from proxy.engine.engine import Engine
 from proxy.engine.placement import _runs
 from proxy.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from statecache.config import load_config
+from tests.costs import TINY_COSTS
 
 
 def test_runs_count_the_ubatches_of_a_step() -> None:
@@ -86,11 +87,13 @@ def test_a_follow_up_beside_a_gap_moves_next_to_the_busy_lane(hybrid_path: Path)
 def test_a_request_that_ends_leaves_no_gap_behind(hybrid_path: Path) -> None:
     # x, y and z start together in lanes 0, 1 and 2; y ends first: z, whose state is
     # the smaller, moves into lane 1 (a copy), so x and z decode in one ubatch again
-    # no drafts: the answers are compared bitwise with cold ones (fact 16)
+    # no drafts: the answers are compared bitwise with cold ones (fact 16). Whether the
+    # copy pays is weighed against a step's time: charged (TINY_COSTS), not measured
     cfg = load_config(None, {"model.path": str(hybrid_path), "speculative.source": "off",
                              "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": 3, "cache.disk_enabled": False})
     eng = Engine(cfg, hybrid_path)
+    eng.timer.costs = TINY_COSTS
     tok = eng.model.tokenize
     prompts = {k: tuple(tok(f"conversation {k}: tell me about the {k} recurrent state " * n))
                for k, n in (("x", 12), ("y", 6), ("z", 4))}
