@@ -23,6 +23,7 @@ from proxy.engine.job import Job
 from proxy.engine.timing import StepCosts
 from proxy.server import build_app
 from statecache.config import load_config
+from tests.busy import THREADS
 
 DONE = re.compile(r"Done · input ([\d,]+) · cached ([\d,]+) · prefilled ([\d,]+)")
 
@@ -49,12 +50,7 @@ async def serve(model: Path, ckpt_dir: Path, *, costs: StepCosts | None = None,
     ``costs``: what its engine's steps are charged instead of the seconds they take
     (``StepTimer.costs``), for a test that asserts on a decision made from step times."""
     settings: dict[str, Any] = {
-        # one thread: ggml's threads meet at a spinning barrier after every operation, so
-        # a decode beside a busy process slows by far more than the CPU it loses
-        # (docs/configuration.md, "Threads on a busy machine"): a 5-token request took 1
-        # to 11 s with two threads beside a hog on each of these 2 cores, 0.1 to 0.9 s
-        # with one, and the suite must hold there
-        "model.threads": 1,
+        "model.threads": THREADS,  # one: the suite must hold on a busy machine
         "model.path": str(model), "model.n_ctx": 4096, "server.lanes": 2,
         "cache.disk_path": str(ckpt_dir), "cache.page_size": 32,
         "engine.sanity_checks": True,  # the engine checks its invariants after each step

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.busy import THREADS
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -68,9 +70,9 @@ def serve_process(model: Path | str, tmp: Path, config: str = "", *extra: str,
     port = free_port()
     ckpt = tmp / "ckpt"
     cfg = tmp / "statecache.toml"
-    # one thread, as tests/http/conftest.py's serve says why (into the config's own
-    # [model] table where it has one: TOML declares a table once)
-    one = "[model]\nthreads = 1\n"
+    # one thread (tests/busy.py says why), in the config's own [model] table where it
+    # has one: TOML declares a table once
+    one = f"[model]\nthreads = {THREADS}\n"
     config = config.replace("[model]\n", one, 1) if "[model]\n" in config else one + config
     cfg.write_text(f'[cache]\ndisk_path = "{ckpt}"\nsecret_path = "{tmp / "secret.key"}"\n'
                    + config)

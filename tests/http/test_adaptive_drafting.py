@@ -15,7 +15,7 @@ import pytest
 
 from proxy.api.app import ENGINE
 from proxy.meters import EngineMeter
-from tests.costs import GEMMA_COSTS, TINY_COSTS
+from tests.busy import GEMMA_COSTS, TINY_COSTS
 from tests.http.agent import ask, assert_same_or_near_tie
 from tests.http.conftest import serve
 from tests.http.test_sessions import NEAR_TIE

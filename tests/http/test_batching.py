@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from proxy.api.app import ENGINE
-from tests.costs import TINY_COSTS
+from tests.busy import TINY_COSTS
 from tests.http.agent import TOOLS, Session, Turn, ask, tool_result, user_message
 from tests.http.conftest import DoneLines, Hold, serve
 from tests.http.test_sessions import NEAR_TIE, PAGE, _same_as_cold

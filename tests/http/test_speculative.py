@@ -14,7 +14,7 @@ import pytest
 
 from proxy.api.app import ENGINE
 from proxy.meters import EngineMeter
-from tests.costs import TINY_COSTS
+from tests.busy import TINY_COSTS
 from tests.http.agent import Session, ask, assert_same_or_near_tie, tool_result, user_message
 from tests.http.conftest import DoneLines, serve
 from tests.http.test_sessions import NEAR_TIE, _check_follow_ups, _same_as_cold

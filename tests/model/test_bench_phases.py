@@ -16,6 +16,7 @@ from bench.ideal import measure
 from proxy.engine.engine import Engine
 from proxy.engine.types import GenerationRequest, SamplingParams, TokenEvent
 from statecache.config import load_config
+from tests.busy import THREADS
 
 
 def _run(eng: Engine, prompt: tuple[int, ...], n: int) -> list[int]:
@@ -32,7 +33,7 @@ def _run(eng: Engine, prompt: tuple[int, ...], n: int) -> list[int]:
 def test_every_done_line_carries_its_phases_and_they_add_up(
     hybrid_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cfg = load_config(None, {"model.path": str(hybrid_path),
+    cfg = load_config(None, {"model.path": str(hybrid_path), "model.threads": THREADS,
                              "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": 1, "cache.disk_path": str(tmp_path / "ck")})
     eng = Engine(cfg, hybrid_path)

@@ -16,6 +16,7 @@ from proxy.engine.binding import Context, ContextParams
 from proxy.engine.engine import Engine
 from proxy.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from statecache.config import load_config
+from tests.busy import THREADS
 
 PROMPT = tuple(int(t) for t in np.arange(60) * 37 % 200 + 10)
 OTHER = tuple(int(t) for t in np.arange(40) * 53 % 190 + 12)
@@ -24,7 +25,7 @@ LONG_MS = 60_000  # a lone run that would outlast every test here unless somethi
 
 def _engine(path: Path, lone_run_ms: float = 250.0) -> Engine:
     # no drafts: a lone stream's own steps, one token each (drafting has its tests)
-    return Engine(load_config(None, {"model.path": str(path),
+    return Engine(load_config(None, {"model.path": str(path), "model.threads": THREADS,
                                      "engine.sanity_checks": True, "model.n_ctx": 2048,
                                      "server.lanes": 2, "cache.enabled": False,
                                      "speculative.source": "off",
@@ -50,7 +51,8 @@ async def _collect(eng: Engine, req: GenerationRequest, done: list[str],
 def _greedy(eng: Engine, prompt: tuple[int, ...], n: int) -> list[int]:
     """``n`` tokens of a plain greedy loop on the binding: the prompt in one batch, then
     one token a decode, as the engine runs a lone stream."""
-    ctx = Context(eng.model, ContextParams(n_ctx=2048, n_batch=512, n_ubatch=512))
+    ctx = Context(eng.model, ContextParams(n_ctx=2048, n_batch=512, n_ubatch=512,
+                                           threads=THREADS))
     with ctx:
         logits = ctx.prefill(0, prompt, 0)
         assert logits is not None

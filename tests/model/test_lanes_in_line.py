@@ -13,7 +13,7 @@ from proxy.engine.engine import Engine
 from proxy.engine.placement import _runs
 from proxy.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from statecache.config import load_config
-from tests.costs import TINY_COSTS
+from tests.busy import THREADS, TINY_COSTS
 
 
 def test_runs_count_the_ubatches_of_a_step() -> None:
@@ -38,7 +38,8 @@ async def _one(eng: Engine, rid: str, prompt: tuple[int, ...], max_tokens: int,
 
 def test_a_follow_up_beside_a_gap_moves_next_to_the_busy_lane(hybrid_path: Path) -> None:
     # no drafts: the answers are compared bitwise with cold ones (fact 16)
-    cfg = load_config(None, {"model.path": str(hybrid_path), "speculative.source": "off",
+    cfg = load_config(None, {"model.path": str(hybrid_path), "model.threads": THREADS,
+                             "speculative.source": "off",
                              "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": 3, "cache.disk_enabled": False})
     eng = Engine(cfg, hybrid_path)
@@ -89,7 +90,8 @@ def test_a_request_that_ends_leaves_no_gap_behind(hybrid_path: Path) -> None:
     # the smaller, moves into lane 1 (a copy), so x and z decode in one ubatch again
     # no drafts: the answers are compared bitwise with cold ones (fact 16). Whether the
     # copy pays is weighed against a step's time: charged (TINY_COSTS), not measured
-    cfg = load_config(None, {"model.path": str(hybrid_path), "speculative.source": "off",
+    cfg = load_config(None, {"model.path": str(hybrid_path), "model.threads": THREADS,
+                             "speculative.source": "off",
                              "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": 3, "cache.disk_enabled": False})
     eng = Engine(cfg, hybrid_path)
@@ -116,7 +118,8 @@ def test_a_request_that_ends_leaves_no_gap_behind(hybrid_path: Path) -> None:
 def test_a_new_conversation_takes_the_lane_that_closes_the_gap_unless_it_is_short(
         hybrid_path: Path) -> None:
     # no drafts: the answers are compared bitwise with cold ones (fact 16)
-    cfg = load_config(None, {"model.path": str(hybrid_path), "speculative.source": "off",
+    cfg = load_config(None, {"model.path": str(hybrid_path), "model.threads": THREADS,
+                             "speculative.source": "off",
                              "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": 3, "cache.disk_enabled": False})
     eng = Engine(cfg, hybrid_path)

@@ -18,6 +18,7 @@ from proxy.engine.types import (
     TokenLogprob,
 )
 from statecache.config import load_config
+from tests.busy import THREADS
 from tests.model.runs import assert_as_cold, generate
 
 NEAR_TIE = 0.05  # logprob gap at a first difference from the cold request
@@ -38,9 +39,9 @@ def _as_cold(cold_eng: Engine, prompt: tuple[int, ...], got: list[int]) -> None:
 
 
 def _engine(path: Path, **over: object) -> Engine:
-    cfg = {"model.path": str(path), "engine.sanity_checks": True, "model.n_ctx": 2048,
-           "server.lanes": 1, "cache.disk_enabled": False, "engine.idle_save_s": 0,
-           "speculative.source": "off"}
+    cfg = {"model.path": str(path), "model.threads": THREADS, "engine.sanity_checks": True,
+           "model.n_ctx": 2048, "server.lanes": 1, "cache.disk_enabled": False,
+           "engine.idle_save_s": 0, "speculative.source": "off"}
     cfg.update({k.replace("__", "."): v for k, v in over.items()})
     return Engine(load_config(None, cfg), path)
 

@@ -21,6 +21,7 @@ from proxy.engine.types import (
 )
 from statecache.config import load_config
 from statecache.records import Kind, Role
+from tests.busy import THREADS
 from tests.model.runs import assert_as_cold, generate
 
 GEN_PROMPT = 3  # tokens of a generation prompt after the history
@@ -56,12 +57,12 @@ def _full_ends(eng: Engine) -> set[int]:
 
 
 def test_a_retry_cuts_the_reply_without_keeping_it(hybrid_path: Path) -> None:
-    cfg = load_config(None, {"model.path": str(hybrid_path),
+    cfg = load_config(None, {"model.path": str(hybrid_path), "model.threads": THREADS,
                              "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": 1, "cache.disk_enabled": False,
                              "engine.idle_save_s": 0})  # no save between the requests
     eng = Engine(cfg, hybrid_path)
-    cold = Engine(load_config(None, {"model.path": str(hybrid_path),
+    cold = Engine(load_config(None, {"model.path": str(hybrid_path), "model.threads": THREADS,
                                      "engine.sanity_checks": True, "model.n_ctx": 2048,
                                      "server.lanes": 1, "cache.enabled": False}), hybrid_path)
     c = eng.meter.get

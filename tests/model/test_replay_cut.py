@@ -22,6 +22,7 @@ from proxy.engine.types import (
 )
 from statecache.config import load_config
 from statecache.records import Kind, Role
+from tests.busy import THREADS
 
 
 def _run(eng: Engine, prompt: tuple[int, ...], *, history: int | None = None,
@@ -47,7 +48,7 @@ def _replay_partials(eng: Engine) -> set[int]:
 
 
 def test_a_verbatim_client_gets_no_replay_cut(hybrid_path: Path, tmp_path: Path) -> None:
-    cfg = load_config(None, {"model.path": str(hybrid_path),
+    cfg = load_config(None, {"model.path": str(hybrid_path), "model.threads": THREADS,
                              "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": 1, "cache.disk_enabled": False,
                              "cache.periodic_pages": 0})

@@ -15,6 +15,7 @@ from proxy.engine.engine import Engine
 from proxy.engine.outbox import Outbox
 from proxy.engine.types import GenerationRequest, SamplingParams, TokenEvent
 from statecache.config import load_config
+from tests.busy import THREADS
 
 STREAMS = 3
 
@@ -29,7 +30,7 @@ def test_staggered_streams_share_each_wake_up(hybrid_path: Path,
         real(boxes)
 
     monkeypatch.setattr(Outbox, "wake_all", staticmethod(counting))
-    cfg = load_config(None, {"model.path": str(hybrid_path),
+    cfg = load_config(None, {"model.path": str(hybrid_path), "model.threads": THREADS,
                              "engine.sanity_checks": True, "model.n_ctx": 2048,
                              "server.lanes": STREAMS, "server.stream_interval_ms": 40,
                              "cache.enabled": False})
