@@ -9,6 +9,8 @@ speculation, emit): each reads the same context, lanes, pool and meter.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +59,9 @@ class Parts:
     rs_snapshots: bool
     staging: bool
     eog: np.ndarray  # end-of-turn tokens: the first one in a prompt ends its first turn
+    # when a lane was last used and how long it has been idle (engine.idle_save_s: its
+    # save, a pre-warm taking it): a test holds it still or moves it on
+    clock: Callable[[], float] = time.monotonic
 
     @property
     def n_ctx(self) -> int:

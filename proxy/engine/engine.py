@@ -320,7 +320,7 @@ class Engine:
     def _save_an_idle_lane(self, idle_s: float) -> None:
         if not idle_s or self.pool is None:
             return
-        now = time.monotonic()
+        now = self.parts.clock()
         for lane in self.parts.lanes:
             if not lane.busy and not lane.saved_full and lane.n and now - lane.last_used > idle_s:
                 self.stepper.write(flush=True)

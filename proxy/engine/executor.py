@@ -188,4 +188,4 @@ class Executor:
             if lane.n:  # this request's own turn starts there
                 lane.history_n = min(job.history, lane.n)
             lane.busy = False
-            lane.last_used = time.monotonic()
+            lane.last_used = self.p.clock()

@@ -7,7 +7,6 @@ follow each other, so lanes 0 and 2 decode in two passes over the weights a step
 from __future__ import annotations
 
 import logging
-import time
 
 from proxy.engine.binding import FLAGS_FULL, MemoryKind
 from proxy.engine.build import Parts
@@ -95,7 +94,7 @@ class Placement:
         dst.busy = True
         src.busy = False
         src.history_n = min(job.history, src.n)  # it holds the job's turn, in part
-        src.last_used = time.monotonic()
+        src.last_used = self.p.clock()
         job.lane = dst
         job.stats.lane = dst.id
         self.p.meter.count("lane_moves")

@@ -106,7 +106,7 @@ class Restorer:
         empty lane, its own conversation's, or one idle for ``engine.idle_save_s`` and
         saved in full (``engine.idle_save_s`` = 0: only the first two)."""
         idle_s = self.p.cfg.engine.idle_save_s
-        since = time.monotonic() - idle_s if idle_s else -math.inf
+        since = self.p.clock() - idle_s if idle_s else -math.inf
         return [ln for ln in self.p.lanes.free()
                 if ln.vacant_for(job.prompt, job.req.tenant, since)]
 

@@ -114,6 +114,16 @@ class Hold:
         self.release()  # whatever happened: a held engine never shuts down
 
 
+class HeldClock:
+    """A clock that stands still until the test moves it on (``Parts.clock``)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class DoneLines(logging.Handler):
     """Collects (input, cached, prefilled) from the engine's ``Done`` log lines."""
 

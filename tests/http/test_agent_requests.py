@@ -26,7 +26,7 @@ from proxy.api.chat import ChatRequest
 from proxy.api.prompt import chat_prompt
 from proxy.api.responses import chat_request, parse_responses_request
 from statecache.pages import common_prefix
-from tests.http.conftest import DoneLines, Server, serve
+from tests.http.conftest import DoneLines, HeldClock, Server, serve
 
 pytestmark = pytest.mark.http
 
@@ -168,8 +168,12 @@ async def test_a_prewarm_never_takes_a_live_conversations_lane(
         hybrid_path: Path, tmp_path: Path, done_lines: DoneLines) -> None:
     """Both lanes hold a conversation that just replied: the pre-warm waits until one has
     been idle ``engine.idle_save_s`` and saved in full, and both follow-ups find their
-    conversation live in its lane."""
-    async with serve(hybrid_path, tmp_path / "ckpt", engine__idle_save_s=8.0) as srv:
+    conversation live in its lane. The lanes' clock is held still until the follow-ups
+    are in, then moved on past the idle time: how long the requests take on a busy
+    machine is not what decides which lane is idle."""
+    async with serve(hybrid_path, tmp_path / "ckpt", engine__idle_save_s=0.5) as srv:
+        clock = HeldClock()
+        srv.app[ENGINE].parts.clock = clock
         client = AsyncAnthropic(base_url=srv.url, api_key="x", max_retries=0)
         first = [await client.messages.create(**_claude(p)) for p in ("One?", "Two?")]
         warm = asyncio.create_task(client.messages.create(**_claude("Three?", max_tokens=0)))
@@ -182,6 +186,8 @@ async def test_a_prewarm_never_takes_a_live_conversations_lane(
                 {"type": "thinking", "thinking": text, "signature": ""}]},
                 {"role": "user", "content": "Go on."}]
             await client.messages.create(**body)
+        assert not warm.done()  # nothing idle yet, however long that took
+        clock.now += 1.0  # now both lanes are
         assert (await warm).stop_reason == "max_tokens"
         await client.close()
     started = [e for e in done_lines.events if e.startswith("Started")]
