@@ -8,11 +8,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+import bench.ideal
 from bench.harness import PHASES, statecache_log_lines
 from bench.ideal import measure
+from proxy.engine.binding import Context
 from proxy.engine.engine import Engine
 from proxy.engine.types import GenerationRequest, SamplingParams, TokenEvent
 from statecache.config import load_config
@@ -62,10 +66,23 @@ def test_every_done_line_carries_its_phases_and_they_add_up(
 
 
 def test_ideal_prefill_grows_with_new_tokens_and_refuses_shrinking_sessions(
-    hybrid_path: Path
+    hybrid_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # bench.ideal's clock charges a microsecond for each token the binding has prefilled
+    # (the real prefill runs): what it times is then the new tokens of each pair, not
+    # the base it prefills untimed, whatever a busy machine makes of 8 against 400
+    prefilled = [0]
+    prefill = Context.prefill
+
+    def counting(self: Context, lane: int, tokens: Any, *args: Any, **kw: Any) -> Any:
+        prefilled[0] += len(tokens)
+        return prefill(self, lane, tokens, *args, **kw)
+
+    monkeypatch.setattr(Context, "prefill", counting)
+    monkeypatch.setattr(bench.ideal, "time", SimpleNamespace(
+        perf_counter=lambda: prefilled[0] * 1e-6))
     (times,) = measure(str(hybrid_path), [[(200, 8), (260, 400)]], n_ctx=2048, repeats=1)
-    assert len(times) == 2 and 0 < times[0] < times[1]
+    assert times == pytest.approx([8e-6, 400e-6]), times
     with pytest.raises(ValueError):
         measure(str(hybrid_path), [[(300, 10), (100, 10)]], n_ctx=2048, repeats=1)
 
