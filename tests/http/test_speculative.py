@@ -16,7 +16,7 @@ from proxy.api.app import ENGINE
 from proxy.meters import EngineMeter
 from tests.busy import TINY_COSTS
 from tests.http.agent import Session, ask, assert_same_or_near_tie, tool_result, user_message
-from tests.http.conftest import DoneLines, serve
+from tests.http.conftest import DoneLines, Hold, serve
 from tests.http.test_sessions import NEAR_TIE, _check_follow_ups, _same_as_cold
 
 pytestmark = pytest.mark.http
@@ -83,13 +83,18 @@ async def test_two_lanes_draft_in_the_same_steps(spec_target_path: Path, spec_dr
                                                   tmp_path: Path) -> None:
     # not adaptive: on these cores this tiny draft model takes as long as its target's
     # step, so the controller rightly never asks it (test_adaptive_drafting.py); here
-    # the two lanes' drafts must share steps whatever they cost
+    # the two lanes' drafts must share steps whatever they cost. Both are in before the
+    # first step (held), not as soon as a busy machine's event loop sends the second
     async with serve(spec_target_path, tmp_path / "ckpt", speculative__source="draft",
                      model__draft_path=str(spec_draft_path), server__lanes=2,
                      speculative__adaptive=False) as srv:
         a = Session(srv.client, system="Alpha. " * 30, max_tokens=80)
         b = Session(srv.client, system="Beta beta. " * 30, max_tokens=80)
-        await asyncio.gather(a.turn(), b.turn())
+        with Hold(srv) as hold:
+            both = asyncio.gather(a.turn(), b.turn())
+            await hold.until_held()
+            await hold.until_in(2)
+        await both
         m = srv.app[ENGINE].meter
     drafted, accepted, verifications = _spec(m)
     assert drafted > 0 and accepted > 0, m
