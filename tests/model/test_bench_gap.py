@@ -8,6 +8,7 @@ from pathlib import Path
 
 import proxy.engine.binding as binding
 from bench.gap import SYSTEMS, DecodeClock, measure, table
+from tests.busy import THREADS
 
 
 def test_the_gap_bench_times_every_decode_of_each_system(hybrid_path: Path) -> None:
@@ -27,7 +28,7 @@ def test_the_gap_bench_times_every_decode_of_each_system(hybrid_path: Path) -> N
 def test_the_decode_clock_sees_each_call_once(hybrid_path: Path) -> None:
     with binding.Model(hybrid_path) as model:
         ctx = binding.Context(model, binding.ContextParams(n_ctx=256, n_batch=64,
-                                                           n_ubatch=64, threads=2))
+                                                           n_ubatch=64, threads=THREADS))
         with ctx:
             with DecodeClock() as clock:
                 ctx.prefill(0, [10, 11, 12], 0)

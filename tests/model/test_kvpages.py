@@ -19,6 +19,7 @@ import pytest
 from proxy.engine.binding import FLAGS_FULL, Context, ContextParams, MemoryKind, Model
 from statecache.kvpages import assemble, split
 from statecache.pages import PageChain, namespace_hash
+from tests.busy import THREADS
 
 pytestmark = pytest.mark.model
 
@@ -51,7 +52,7 @@ def _expected_pages(kind: MemoryKind, n: int, window: int) -> int:
 def test_split_and_assemble_give_the_same_bytes(model: Model, kv: str) -> None:
     fa, tk, tv = KV[kv]
     params = ContextParams(n_ctx=2048, n_seq_max=2, n_batch=512, n_ubatch=512,
-                           flash_attn=fa, type_k=tk, type_v=tv)
+                           flash_attn=fa, type_k=tk, type_v=tv, threads=THREADS)
     with Context(model, params) as ctx:
         mem = ctx.describe_memory()
         toks = model.tokenize(TEXT)
@@ -82,7 +83,8 @@ def test_split_and_assemble_give_the_same_bytes(model: Model, kv: str) -> None:
 
 
 def test_longer_states_share_their_pages_and_restore_exactly(model: Model) -> None:
-    params = ContextParams(n_ctx=2048, n_seq_max=2, n_batch=512, n_ubatch=512)
+    params = ContextParams(n_ctx=2048, n_seq_max=2, n_batch=512, n_ubatch=512,
+                           threads=THREADS)
     with Context(model, params) as ctx:
         mem = ctx.describe_memory()
         toks = model.tokenize(TEXT)

@@ -16,6 +16,7 @@ from proxy.engine.binding import FLAGS_FULL, Context, ContextParams, Model
 from statecache.config import CacheConfig
 from statecache.pool import CheckpointPool
 from statecache.records import Kind, Owner, Role
+from tests.busy import THREADS
 
 pytestmark = pytest.mark.model
 
@@ -33,7 +34,8 @@ CHILD = textwrap.dedent("""
     model_path, disk, out = sys.argv[1:4]
     cfg = CacheConfig(ram_budget=1 << 20, disk_path=disk, page_size=32,
                       secret_path=disk + ".key")
-    with Model(model_path) as m, Context(m, ContextParams(n_ctx=8192, n_seq_max=2)) as ctx:
+    params = ContextParams(n_ctx=8192, n_seq_max=2, threads=1)  # (tests/busy.py's THREADS)
+    with Model(model_path) as m, Context(m, params) as ctx:
         pool = CheckpointPool(cfg, m.fingerprint)
         toks = m.tokenize(json.loads(sys.argv[4]))
         lease = pool.lookup(toks, pool.chain(toks), kind=Kind.FULL, max_n=len(toks) - 1)
@@ -56,7 +58,8 @@ def _save_to_disk(model_path: Path, disk: Path) -> tuple[np.ndarray, int]:
     # The writer puts the FULL entry on disk; flush() waits for it (as close() does).
     cfg = CacheConfig(ram_budget=64 << 20, disk_path=str(disk), page_size=32,
                       secret_path=f"{disk}.key")
-    with Model(model_path) as m, Context(m, ContextParams(n_ctx=8192, n_seq_max=2)) as ctx:
+    params = ContextParams(n_ctx=8192, n_seq_max=2, threads=THREADS)
+    with Model(model_path) as m, Context(m, params) as ctx:
         pool = CheckpointPool(cfg, m.fingerprint)
         toks = m.tokenize(TEXT)
         n = len(toks) - 1

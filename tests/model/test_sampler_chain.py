@@ -26,6 +26,7 @@ from proxy.engine.sampling import (
 )
 from proxy.engine.types import SamplingParams
 from statecache.config import SamplingConfig
+from tests.busy import THREADS
 
 pytestmark = pytest.mark.model
 
@@ -53,7 +54,8 @@ def spec_of(model: Model, **fields: object) -> ChainSpec:
 def generate(model: Model, spec: ChainSpec, n: int, prompt: str = PROMPT) -> list[int]:
     """``n`` tokens sampled by ``spec``'s sampler after ``prompt`` (or fewer: EOG)."""
     toks = model.tokenize(prompt)
-    with Context(model, ContextParams(n_ctx=1024, n_batch=256, n_ubatch=256)) as ctx:
+    with Context(model, ContextParams(n_ctx=1024, n_batch=256, n_ubatch=256,
+                                      threads=THREADS)) as ctx:
         sampler = Sampler(model, spec, np.asarray(toks, dtype=np.int32))
         ctx.prefill(0, toks, 0)
         out: list[int] = []

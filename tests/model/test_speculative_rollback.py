@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from proxy.engine.binding import FLAGS_PARTIAL, Context, ContextParams, Model, init_backend
+from tests.busy import THREADS
 
 PROMPT = np.array([(i * 37) % 200 + 10 for i in range(100)], dtype=np.int32)
 PENDING, DRAFTS, ACCEPTED, NEXT = 50, [60, 61, 62, 63], 2, 77
@@ -23,7 +24,7 @@ def _backend() -> None:
 
 def _ctx(model: Model, n_rs_seq: int = 0) -> Context:
     ctx = Context(model, ContextParams(n_ctx=1024, n_seq_max=2, n_batch=256, n_ubatch=256,
-                                       n_rs_seq=n_rs_seq, threads=2))
+                                       n_rs_seq=n_rs_seq, threads=THREADS))
     ctx.prefill(0, PROMPT, 0, logits_last=False)
     return ctx
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from proxy.engine.binding import Batch, Context, ContextParams, Model, init_backend
+from tests.busy import THREADS
 
 PROMPT = np.array([(i * 37) % 200 + 10 for i in range(60)], dtype=np.int32)
 
@@ -50,7 +51,8 @@ def test_a_logits_view_shows_the_latest_decode(hybrid_path: Path) -> None:
     # same view must show the new logits, never the ones it was made for
     init_backend()
     with Model(hybrid_path) as model:
-        ctx = Context(model, ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, threads=2))
+        ctx = Context(model, ContextParams(n_ctx=512, n_batch=64, n_ubatch=64,
+                                           threads=THREADS))
         with ctx:
             ctx.prefill(0, PROMPT, 0)
             seen = []

@@ -14,6 +14,7 @@ import pytest
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from tests.busy import THREADS
 from tools import synth_gguf
 from tools.synth_gguf import SPECIAL_IDS, SPECIAL_TOKENS, VOCAB, ensure
 
@@ -80,7 +81,7 @@ class Loaded:
         cp = lc.llama_context_default_params()
         cp.n_ctx = n_ctx
         cp.n_batch = cp.n_ubatch = 512
-        cp.n_threads = cp.n_threads_batch = 2
+        cp.n_threads = cp.n_threads_batch = THREADS
         cp.n_rs_seq = n_rs_seq
         self.ctx = lc.llama_init_from_model(self.model, cp)
         assert self.ctx, path
