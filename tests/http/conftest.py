@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -70,6 +71,25 @@ async def serve(model: Path, ckpt_dir: Path, *, costs: StepCosts | None = None,
     finally:
         await client.close()
         await server.close()
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][^ ]*) (\S+)$", re.M)
+
+
+async def until_metrics(srv: Server, done: Callable[[dict[str, float]], bool],
+                        within: float = 60.0) -> str:
+    """``/metrics`` once ``done`` holds for its samples (``name{labels}`` -> value), for a
+    test that waits for what the server did (an idle save, a write) rather than for a time."""
+    deadline = time.monotonic() + within
+    async with aiohttp.ClientSession() as http:
+        while True:
+            async with http.get(srv.url + "/metrics") as resp:
+                text = await resp.text()
+            samples = {m[1]: float(m[2]) for m in _SAMPLE.finditer(text)}
+            if done(samples):
+                return text
+            assert time.monotonic() < deadline, "never came: " + text[-3000:]
+            await asyncio.sleep(0.05)
 
 
 class Hold:

@@ -6,17 +6,15 @@ unique panel ids, each query with a reference id, one data-source variable."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
-from tests.http.conftest import serve
+from tests.http.conftest import serve, until_metrics
 from tests.http.test_metrics_names import SYSTEM
 from tests.store import Store
 
@@ -142,10 +140,12 @@ async def test_every_metric_the_dashboard_queries_is_in_metrics(
                       *chat[1:]]  # a miss: the system prompt changed
             await srv.client.chat.completions.create(model="m", messages=edited,
                                                      max_tokens=4, temperature=0)
-            await asyncio.sleep(1.0)  # idle lanes saved, written to disk and the store
-            async with aiohttp.ClientSession() as http, \
-                    http.get(srv.url + "/metrics") as resp:
-                text = await resp.text()
+            # idle lanes saved, written to disk and the store
+            text = await until_metrics(srv, lambda m: (
+                m.get("statecache_idle_saves_total", 0) >= 1
+                and m.get('statecache_remote_total{event="writes"}', 0) >= 1
+                and m.get("statecache_disk_write_queue") == 0
+                and m.get("statecache_remote_write_queue") == 0))
     finally:
         store.stop()
     found = problems(json.loads(DASHBOARD.read_text()), text)

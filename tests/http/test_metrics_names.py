@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from anthropic import AsyncAnthropic
 
-from tests.http.conftest import serve
+from tests.http.conftest import serve, until_metrics
 
 pytestmark = pytest.mark.http
 
@@ -69,12 +69,12 @@ async def workload(model: Path, draft: Path, tmp: Path) -> str:
         await anthropic.messages.create(model="m", max_tokens=4, messages=[
             {"role": "user", "content": "Hi"}])
         await anthropic.close()
-        async with aiohttp.ClientSession() as http:
-            async with http.post(srv.url + "/v1/chat/completions", json={"messages": []}):
-                pass
-            await asyncio.sleep(2.5)  # an idle lane is saved
-            async with http.get(srv.url + "/metrics") as resp:
-                return await resp.text()
+        async with aiohttp.ClientSession() as http, \
+                http.post(srv.url + "/v1/chat/completions", json={"messages": []}):
+            pass
+        # an idle lane is saved (engine.idle_save_s later) and its checkpoints written
+        return await until_metrics(srv, lambda m: m.get("statecache_idle_saves_total", 0) >= 1
+                                   and m.get("statecache_disk_write_queue") == 0)
 
 
 async def test_metrics_keep_their_names_types_help_and_labels(

@@ -41,7 +41,7 @@ def test_a_write_in_progress_counts_in_the_budget(make_pool: PoolFactory) -> Non
     pool = make_pool()
     gate = Gate.on_writes(pool)
     rec = put(pool, T, b"S" * 64)
-    assert gate.entered.wait(5)
+    assert gate.entered.wait(30)
     # Reserved before the temporary file exists, until the file is committed.
     assert pool.stats()["disk_bytes"] == file_size(rec) and pool.stats()["disk_entries"] == 0
     gate.open.set()

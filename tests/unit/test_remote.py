@@ -157,7 +157,7 @@ def test_store_down_degrades_then_reuse_resumes(proxy, store: Store, caplog) -> 
     store.start()  # an empty store on the same address
     time.sleep(0.3)
     _sync(a)  # A's queued write goes out once the store is back
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while not _remote_offers(b, T) and time.monotonic() < deadline:
         time.sleep(0.1)
     [offer] = _remote_offers(b, T)
