@@ -320,7 +320,7 @@ def test_random_conversations_keep_every_invariant(make_pool: PoolFactory) -> No
     rnd = random.Random(2024)
     pool = make_pool(ram=14_000, disk=40_000, kv_sections=1)
     held = []
-    for step in range(300):
+    for _ in range(300):
         conv = rnd.randrange(4)
         n = rnd.randrange(1, 11) * 4 + rnd.choice([0, 0, 1, 3])
         r = rnd.random()
@@ -333,6 +333,9 @@ def test_random_conversations_keep_every_invariant(make_pool: PoolFactory) -> No
                 data = buf
             pool.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=tokens(conv, n),
                         role=rnd.choice(list(Role)), data=data, owned=owned)
+            # on disk before the next step: what the writer pins meanwhile decides whether
+            # RAM has room to keep a state whole, and where the next lookup finds it
+            pool.flush()
         elif r < 0.9:
             toks = tokens(conv, n) + [3]
             lease = pool.lookup(toks, pool.chain(toks), max_n=n)
@@ -349,8 +352,6 @@ def test_random_conversations_keep_every_invariant(make_pool: PoolFactory) -> No
                 pool.remove(rnd.choice(ids))
         if held and rnd.random() < 0.25:
             held.pop(0).close()
-        if step % 50 == 49:
-            pool.flush()
         pool.sanity_check()
         s = pool.stats()
         assert s["ram_bytes"] <= 14_000 and s["disk_bytes"] <= 40_000
