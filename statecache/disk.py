@@ -43,6 +43,7 @@ from pathlib import Path
 import xxhash
 
 from statecache import codec
+from statecache.background import run_in_background
 from statecache.diskfmt import (
     KEY_BYTES,
     SUFFIX,
@@ -63,7 +64,6 @@ from statecache.kvpages import PageData, PageKey, page_bytes, page_nbytes, unpac
 from statecache.pagefmt import BadPage, decode_page, encode_page, max_size
 from statecache.records import CheckpointRecord, Record
 from statecache.sizes import format_size
-from statecache.writer import run_in_background
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from statecache import codec
+from statecache.background import run_in_background
 from statecache.config import RemoteConfig
 from statecache.diskfmt import valid_id
 from statecache.kvpages import PageKey
@@ -53,7 +54,6 @@ from statecache.remotefmt import (
     new_nonce,
     page_name,
 )
-from statecache.writer import run_in_background
 
 log = logging.getLogger(__name__)
 

@@ -8,14 +8,13 @@ each id under its lock and writes with the lock released (see ``CheckpointPool``
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from statecache.background import run_in_background
 from statecache.kvpages import PageData
 from statecache.ram import Pin
 from statecache.records import CheckpointRecord
@@ -26,25 +25,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
-
-# How much the background writers (this one, the shared store's) yield to the engine:
-# their MAC, copies and writes of tens of MB otherwise take a core from the decode of
-# the request that comes right after a turn, while that turn's checkpoints are written
-# (docs/cache.md, "Writes behind the engine", has what it changed in the full bench).
-BACKGROUND_NICE = 10
-
-
-def run_in_background() -> None:
-    """Lower the calling thread's scheduling priority by ``BACKGROUND_NICE`` (Linux,
-    where a thread has its own nice value; elsewhere nothing changes)."""
-    if not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid,
-                       min(os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE, 19))
-    except OSError:  # a sandbox may forbid it: the writer runs as before
-        log.debug("could not lower the priority of thread %d", tid, exc_info=True)
 
 
 @dataclass(slots=True, eq=False)
