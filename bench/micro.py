@@ -80,9 +80,9 @@ def state_io(ctx: Any, model: Any, n_tokens: int, repeats: int) -> tuple[dict[st
 
 
 def disk_io(data: bytes, directory: Path, repeats: int) -> dict[str, Any]:
-    from statecache.disk import DiskTier
     from statecache.kvpages import assemble, split
     from statecache.records import Kind, Owner, Role, new_record
+    from statecache.tiers.disk import DiskTier
 
     n = len(data)
     whole = split(data, sections=0, page_size=32, chain=()).rest  # a state kept whole

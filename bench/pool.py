@@ -13,7 +13,7 @@ import numpy as np
 import xxhash
 
 from statecache.config import CacheConfig
-from statecache.diskfmt import read_checkpoint, write_checkpoint
+from statecache.formats.diskfmt import read_checkpoint, write_checkpoint
 from statecache.kvpages import assemble, split
 from statecache.pool import CheckpointPool
 from statecache.records import Kind, Owner, Role, new_record

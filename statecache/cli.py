@@ -120,7 +120,7 @@ def _disk_dir(args: argparse.Namespace) -> Path:
 
 
 def _ckpt_files(d: Path) -> Iterator[Path]:
-    from statecache.diskfmt import SUFFIX, TMP_PREFIX
+    from statecache.formats.diskfmt import SUFFIX, TMP_PREFIX
 
     if not d.is_dir():
         return
@@ -131,7 +131,7 @@ def _ckpt_files(d: Path) -> Iterator[Path]:
 
 def _quarantined(d: Path) -> list[dict[str, Any]]:
     """Files moved aside by the proxy: never served, kept for a look until purged."""
-    from statecache.disk import QUARANTINE
+    from statecache.tiers.disk import QUARANTINE
 
     q = d / QUARANTINE
     if not q.is_dir():
@@ -157,7 +157,7 @@ def _quarantine_note(d: Path, quarantined: list[dict[str, Any]]) -> str:
 
 def _disk_rows(d: Path) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """Rows for valid-looking files (header + metadata only) and the unreadable ones."""
-    from statecache.diskfmt import BadFile, read_meta
+    from statecache.formats.diskfmt import BadFile, read_meta
 
     rows: list[dict[str, Any]] = []
     bad: list[dict[str, str]] = []
@@ -197,7 +197,7 @@ def _disk_rows(d: Path) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
 
 def _page_files(d: Path) -> Iterator[tuple[Path, str]]:
     """Every KV page file under ``d`` (any model's) and its key in hex."""
-    from statecache.disk import PAGE_SUFFIX
+    from statecache.tiers.disk import PAGE_SUFFIX
 
     if not d.is_dir():
         return
@@ -215,7 +215,7 @@ def _page_files(d: Path) -> Iterator[tuple[Path, str]]:
 def _orphan_pages(d: Path, keep: list[dict[str, Any]]) -> list[tuple[Path, str, int]]:
     """Page files no record of ``keep`` names, if no proxy holds the directory now (a
     running proxy's pages may belong to a record it is writing)."""
-    from statecache.dirlock import Busy, DirLock
+    from statecache.tiers.dirlock import Busy, DirLock
 
     if not d.is_dir():
         return []
@@ -295,7 +295,7 @@ def _inspect(args: argparse.Namespace) -> int:
     merged: dict[str, dict[str, Any]] = {
         r["id"]: {k: v for k, v in r.items() if not k.startswith("_")} for r in disk_rows}
     if args.remote is not None:
-        from statecache.remoteadmin import public
+        from statecache.tiers.remoteadmin import public
 
         admin, where = _remote_admin(args)
         try:
@@ -357,8 +357,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _remote_admin(args: argparse.Namespace) -> tuple[Any, str]:
     from statecache.config import load_config
-    from statecache.remote import where
-    from statecache.remoteadmin import RemoteAdmin
+    from statecache.tiers.remote import where
+    from statecache.tiers.remoteadmin import RemoteAdmin
 
     cfg = load_config(args.config).cache
     url = args.remote or cfg.remote.url
@@ -446,7 +446,7 @@ class KeyUnavailable(Exception):
 
 def _key(args: argparse.Namespace) -> bytes:
     from statecache.config import load_config
-    from statecache.trust import Untrusted, load_key
+    from statecache.formats.trust import Untrusted, load_key
 
     path = Path(args.secret_path or load_config(args.config).cache.secret_path).expanduser()
     try:
@@ -456,7 +456,7 @@ def _key(args: argparse.Namespace) -> bytes:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from statecache.diskfmt import SUFFIX, BadFile, read_checkpoint, valid_id
+    from statecache.formats.diskfmt import SUFFIX, BadFile, read_checkpoint, valid_id
 
     d = _disk_dir(args)
     try:
@@ -464,9 +464,9 @@ def _verify(args: argparse.Namespace) -> int:
     except KeyUnavailable as e:
         print(f"statecache: error: {e}; no checkpoint can be verified", file=sys.stderr)
         return EXIT_PROBLEMS
-    from statecache.disk import page_path, pages_dir
+    from statecache.formats.pagefmt import BadPage, decode_page
     from statecache.kvpages import PageKey
-    from statecache.pagefmt import BadPage, decode_page
+    from statecache.tiers.disk import page_path, pages_dir
 
     ok: list[str] = []
     bad: list[dict[str, str]] = []
@@ -512,8 +512,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _leftovers(d: Path) -> list[tuple[Path, str, int]]:
     """Temporary files of interrupted writes, if no proxy holds the directory now."""
-    from statecache.dirlock import Busy, DirLock
-    from statecache.diskfmt import TMP_PREFIX
+    from statecache.formats.diskfmt import TMP_PREFIX
+    from statecache.tiers.dirlock import Busy, DirLock
 
     if not d.is_dir():
         return []

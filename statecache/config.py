@@ -152,7 +152,7 @@ class CacheConfig:
     share_points: int = 4
     splice_generated: bool = False
     tenant: str = ""
-    # zstd level for what goes to disk and to the shared tier (statecache/codec.py: a
+    # zstd level for what goes to disk and to the shared tier (statecache/formats/codec.py: a
     # piece is kept compressed only where that saves a quarter of it); 0: none
     compress_level: int = 1
     remote: RemoteConfig = field(default_factory=RemoteConfig)  # [cache.remote]

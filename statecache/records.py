@@ -145,7 +145,7 @@ class CheckpointRecord:
 class RecordHead:
     """What the pool keeps in memory of a checkpoint held on disk alone: its record less
     the parts that grow with its length (tokens, page hashes, page keys), which its
-    record file holds (``statecache.disk`` reads them back, authenticated, on a hit).
+    record file holds (``statecache.tiers.disk`` reads them back, authenticated, on a hit).
 
     Its tokens are still known exactly enough to find it: the id hashes them with
     everything else that makes two checkpoints interchangeable (``record_id``, the

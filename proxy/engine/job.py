@@ -16,7 +16,7 @@ from proxy.engine.detok import TextStream
 from proxy.engine.lanes import Lane
 from proxy.engine.sampling import Sampler
 from proxy.engine.types import GenerationRequest, RequestStats, TokenLogprob
-from statecache.lease import Lease
+from statecache.pool.lease import Lease
 from statecache.records import Kind, Role
 
 Delta = tuple[str, tuple[int, ...]]

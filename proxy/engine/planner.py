@@ -38,9 +38,9 @@ import numpy as np
 from proxy.engine.binding import MemoryInfo, MemoryKind
 from proxy.engine.lanes import Lane
 from statecache.costs import Costs, Estimate
-from statecache.lease import Lease
 from statecache.pages import PageChain
 from statecache.pool import CheckpointPool, Offer
+from statecache.pool.lease import Lease
 from statecache.records import Kind, Role
 
 

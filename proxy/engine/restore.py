@@ -23,8 +23,8 @@ from proxy.engine.lanes import Lane
 from proxy.engine.placement import Placement
 from proxy.engine.planner import Plan, Source, cold_lane, make_plan
 from proxy.engine.publishing import Publisher
-from statecache.lease import Lease
 from statecache.pool import Offer
+from statecache.pool.lease import Lease
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from statecache.disk import DiskTier
+from statecache.tiers.disk import DiskTier
 from tests.http.conftest import DoneLines, serve
 
 pytestmark = pytest.mark.http

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from proxy.api.app import ENGINE
-from statecache.disk import PAGE_SUFFIX
-from statecache.diskfmt import read_meta
+from statecache.formats.diskfmt import read_meta
+from statecache.tiers.disk import PAGE_SUFFIX
 from tests.http.agent import Session, user_message
 from tests.http.conftest import serve
 from tests.http.test_sessions import NEAR_TIE, PAGE, _same_as_cold

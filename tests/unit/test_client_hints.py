@@ -18,8 +18,8 @@ from proxy.api.render import ChatTemplate, load_chat_template, render_chat
 from proxy.api.responses import chat_request, parse_responses_request
 from proxy.engine.detok import TextStream
 from statecache.kvpages import REST_HEAD_BYTES
-from statecache.ram import EvictionClass
 from statecache.records import Kind, Owner, Role
+from statecache.tiers.ram import EvictionClass
 from tests.unit.conftest import PoolFactory, put
 
 CHATML = (Path(__file__).resolve().parents[2] / "vendor" / "templates"
@@ -174,7 +174,7 @@ def test_a_kept_checkpoint_whose_time_is_up_is_evicted_as_usual(
 
 
 def test_eviction_class_of_a_kept_entry() -> None:
-    from statecache.ram import eviction_class
+    from statecache.tiers.ram import eviction_class
     assert eviction_class(Role.PERIODIC, 0, kept=True) is EvictionClass.KEPT
     assert max(EvictionClass) is EvictionClass.KEPT  # evicted last
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from statecache.diskfmt import HEADER, file_size, read_checkpoint
+from statecache.formats.diskfmt import HEADER, file_size, read_checkpoint
 from statecache.kvpages import assemble
 from statecache.records import Kind, Owner, Role
 from tests.unit.conftest import PoolFactory, put

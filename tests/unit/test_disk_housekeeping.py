@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from statecache.diskfmt import file_size
+from statecache.formats.diskfmt import file_size
 from statecache.records import Kind
 from tests.unit.conftest import PoolFactory, put
 from tests.unit.test_disk_trust import old_format_file, statecache_warnings

@@ -10,9 +10,9 @@ import gc
 import tracemalloc
 from pathlib import Path
 
-from statecache.diskfmt import read_meta, write_checkpoint
-from statecache.index import Index
+from statecache.formats.diskfmt import read_meta, write_checkpoint
 from statecache.pages import PageChain, namespace_hash
+from statecache.pool.index import Index
 from statecache.records import CheckpointRecord, RecordHead, Role
 from tests.unit.conftest import PoolFactory
 from tests.unit.kvstate import conversation_state

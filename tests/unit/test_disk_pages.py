@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from statecache import disk
-from statecache.disk import PAGE_SUFFIX, pages_dir
+from statecache.tiers import disk
+from statecache.tiers.disk import PAGE_SUFFIX, pages_dir
 from tests.unit.conftest import FP, PoolFactory
 from tests.unit.kvstate import conversation_state
 from tests.unit.test_pool_pages import save, state_of
@@ -154,6 +154,6 @@ def test_orphan_pages_are_removed_and_the_budget_counts_each_page_once(
 
 
 def _page_of(tmp_path: Path, rec, i: int) -> Path:  # type: ignore[no-untyped-def]
-    from statecache.disk import page_path
+    from statecache.tiers.disk import page_path
 
     return page_path(pages_dir(tmp_path / "ckpt", FP), rec.page_keys[i])

@@ -18,10 +18,10 @@ import msgpack
 import pytest
 import xxhash
 
-from statecache.diskfmt import HEADER, TAG_BYTES, encode_meta, key_id, write_checkpoint
+from statecache.formats.diskfmt import HEADER, TAG_BYTES, encode_meta, key_id, write_checkpoint
+from statecache.formats.trust import Untrusted, load_key
 from statecache.kvpages import REST_HEAD_BYTES, split
 from statecache.records import CheckpointRecord, Kind, Owner, Role, new_record
-from statecache.trust import Untrusted, load_key
 from tests.unit.conftest import FP, PoolFactory, put
 
 A = list(range(1, 21))  # Alice's conversation

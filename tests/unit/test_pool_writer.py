@@ -95,7 +95,7 @@ def test_full_states_reach_the_disk_while_the_pool_runs(
 def test_the_writer_yields_the_cores_to_the_engine(make_pool: PoolFactory) -> None:
     # the writer's MAC and writes of tens of MB would otherwise take a core from a decode:
     # its thread runs BACKGROUND_NICE lower than the rest of the process, and still writes
-    from statecache.background import BACKGROUND_NICE
+    from statecache.tiers.background import BACKGROUND_NICE
 
     if not sys.platform.startswith("linux"):
         return  # a thread has its own nice value on Linux only; elsewhere nothing changes

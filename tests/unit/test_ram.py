@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from statecache.ram import EvictionClass, Pin, RamTier, eviction_class
 from statecache.records import Role
+from statecache.tiers.ram import EvictionClass, Pin, RamTier, eviction_class
 
 COLD, PERIODIC, WARM = EvictionClass.COLD, EvictionClass.PERIODIC, EvictionClass.WARM
 

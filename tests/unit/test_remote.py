@@ -12,9 +12,9 @@ import pytest
 
 from statecache.config import CacheConfig, RemoteConfig
 from statecache.costs import Costs
+from statecache.formats.remotefmt import chunk_key, header_key, index_key
 from statecache.kvpages import REST_HEAD_BYTES
 from statecache.pool import CheckpointPool, Offer
-from statecache.remotefmt import chunk_key, header_key, index_key
 from tests.store import Store
 from tests.unit.conftest import FP, Clock, put
 
@@ -256,7 +256,7 @@ def test_a_cluster_serves_as_one_store(tmp_path: Path) -> None:
             assert lease is not None and bytes(lease.data) == STATE
             lease.close()
         # inspect/purge see every node's entries
-        from statecache.remoteadmin import RemoteAdmin
+        from statecache.tiers.remoteadmin import RemoteAdmin
 
         admin = RemoteAdmin(cluster.url, cluster=True, page_size=4)
         rows, bad = admin.rows()

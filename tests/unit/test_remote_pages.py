@@ -4,7 +4,7 @@ a miss, never a state; entries of the layout before pages are never read."""
 
 from __future__ import annotations
 
-from statecache.remotefmt import page_name
+from statecache.formats.remotefmt import page_name
 from tests.store import Store
 from tests.unit.conftest import FP
 from tests.unit.kvstate import conversation_state

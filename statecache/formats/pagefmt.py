@@ -15,8 +15,8 @@ import hmac
 import struct
 from collections.abc import Callable
 
-from statecache import codec
-from statecache.diskfmt import KEY_BYTES, key_id
+from statecache.formats import codec
+from statecache.formats.diskfmt import KEY_BYTES, key_id
 from statecache.kvpages import PageKey
 from statecache.pages import HASH_BYTES
 

@@ -5,7 +5,7 @@ quarantine.
 Layout of the directory (other models' records may share it)::
 
     <id>.ckpt                     a record: its metadata (tokens, page keys ...) and rest
-    pages-<model>/<xx>/<key>.kvp  a KV page (statecache.pagefmt), xx its key's first byte
+    pages-<model>/<xx>/<key>.kvp  a KV page (statecache.formats.pagefmt), xx its key's first byte
     quarantine/                   what was refused
 
 Scan lists the page files, reads header + metadata of every record and checks their MAC
@@ -42,9 +42,8 @@ from pathlib import Path
 
 import xxhash
 
-from statecache import codec
-from statecache.background import run_in_background
-from statecache.diskfmt import (
+from statecache.formats import codec
+from statecache.formats.diskfmt import (
     KEY_BYTES,
     SUFFIX,
     TMP_PREFIX,
@@ -60,10 +59,11 @@ from statecache.diskfmt import (
     write_atomic,
     write_checkpoint,
 )
+from statecache.formats.pagefmt import BadPage, decode_page, encode_page, max_size
 from statecache.kvpages import PageData, PageKey, page_bytes, page_nbytes, unpack_keys
-from statecache.pagefmt import BadPage, decode_page, encode_page, max_size
 from statecache.records import CheckpointRecord, Record
 from statecache.sizes import format_size
+from statecache.tiers.background import run_in_background
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from statecache.pages import PageChain, namespace_hash
-from statecache.remote import connect
-from statecache.remotefmt import (
+from statecache.formats.remotefmt import (
     MAX_HEADER_BYTES,
     NS,
     BadEntry,
@@ -23,6 +21,8 @@ from statecache.remotefmt import (
     index_key,
     read_unchecked,
 )
+from statecache.pages import PageChain, namespace_hash
+from statecache.tiers.remote import connect
 
 
 class RemoteAdmin:

@@ -1,9 +1,9 @@
 """The checkpoint file format, as free functions (no model, no pool needed).
 
 Layout: header | msgpack metadata | meta tag | stored rest | tag.
-Header: magic b"SCKP", format version u16, codec u16 (``statecache.codec``: how the rest
+Header: magic b"SCKP", format version u16, codec u16 (``statecache.formats.codec``: how the rest
 is stored), header/meta/data lengths, key id. The data is the state's rest
-(``statecache.kvpages``); its KV pages are files of their own (``statecache.pagefmt``),
+(``statecache.kvpages``); its KV pages are files of their own (``statecache.formats.pagefmt``),
 named by the page keys the metadata lists.
 Both tags are HMAC-SHA256 under the pool's secret key: the meta tag covers header and
 metadata (checked at scan, without reading the state), the tag covers everything before
@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from statecache import codec
+from statecache.formats import codec
 from statecache.pages import HASH_BYTES
 from statecache.records import CheckpointRecord, Kind, Owner, Role, new_record
 

@@ -7,7 +7,7 @@ it names, each a key of its own that every entry naming it shares::
     <prefix>:v2:e:{<id>}                header: magic, version, key id, metadata, meta tag
     <prefix>:v2:e:{<id>}:<nonce>:<i>    chunk i of the stored rest (chunk_size bytes, the
                                         last less)
-    <prefix>:v2:p:<model>:<page key>    a KV page (statecache.pagefmt), <model> derived
+    <prefix>:v2:p:<model>:<page key>    a KV page (statecache.formats.pagefmt), <model> derived
                                         from the fingerprint
     <prefix>:v2:i:<state_format>:<hash> index: a hash of entry id -> (n, nbytes, stored,
                                         nonce, chunking) for each entry whose last whole
@@ -37,8 +37,8 @@ from typing import Any
 import msgpack
 import xxhash
 
-from statecache import codec
-from statecache.diskfmt import (
+from statecache.formats import codec
+from statecache.formats.diskfmt import (
     KEY_BYTES,
     MAX_META_BYTES,
     BadFile,

@@ -13,7 +13,7 @@ Never in the way of the engine:
   tier off for ``retry_s`` with one warning and a counter; it is tried again by
   itself, and says so when it is back.
 
-Layout and checks: ``statecache.remotefmt``. Uses redis-py, which speaks to Valkey too.
+Layout and checks: ``statecache.formats.remotefmt``. Uses redis-py, which speaks to Valkey too.
 """
 
 from __future__ import annotations
@@ -30,15 +30,11 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from statecache import codec
-from statecache.background import run_in_background
 from statecache.config import RemoteConfig
-from statecache.diskfmt import valid_id
-from statecache.kvpages import PageKey
-from statecache.pagefmt import BadPage, decode_page, encode_page
-from statecache.pages import PageChain
-from statecache.records import CheckpointRecord, Kind, Owner
-from statecache.remotefmt import (
+from statecache.formats import codec
+from statecache.formats.diskfmt import valid_id
+from statecache.formats.pagefmt import BadPage, decode_page, encode_page
+from statecache.formats.remotefmt import (
     MAX_HEADER_BYTES,
     BadEntry,
     Header,
@@ -54,6 +50,10 @@ from statecache.remotefmt import (
     new_nonce,
     page_name,
 )
+from statecache.kvpages import PageKey
+from statecache.pages import PageChain
+from statecache.records import CheckpointRecord, Kind, Owner
+from statecache.tiers.background import run_in_background
 
 log = logging.getLogger(__name__)
 

@@ -14,13 +14,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from statecache.background import run_in_background
 from statecache.kvpages import PageData
-from statecache.ram import Pin
 from statecache.records import CheckpointRecord
+from statecache.tiers.background import run_in_background
+from statecache.tiers.ram import Pin
 
 if TYPE_CHECKING:
-    from statecache.disk import DiskTier
+    from statecache.tiers.disk import DiskTier
 
 log = logging.getLogger(__name__)
 

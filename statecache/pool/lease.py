@@ -9,8 +9,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from statecache.ram import Pin
 from statecache.records import CheckpointRecord
+from statecache.tiers.ram import Pin
 
 Buffer = bytes | bytearray | memoryview
 

@@ -23,11 +23,11 @@ remote tier's write queue holds at most ``queue_bytes``, counted exactly.
 Nothing slow runs under the lock that ``describe``/``get``/``stats`` take from the
 event loop: disk reads, MAC checks, writes and fsyncs happen with the entry pinned and
 the lock released, then the result is published under the lock again. FULL states are
-written in the background as they arrive (``statecache.writer``), so a crash loses
+written in the background as they arrive (``statecache.pool.writer``), so a crash loses
 seconds of checkpoints; ``close`` writes the rest.
 
 With ``[cache.remote]`` a third tier, shared by several proxies, sits behind the two
-(``statecache.remote``): new FULL states go out to it in the background, and
+(``statecache.tiers.remote``): new FULL states go out to it in the background, and
 ``full_offers`` / ``take`` let the planner weigh each tier's copy by what it costs
 to fetch (``statecache.costs``) before anything is read. A state taken from the
 store joins the RAM tier as an entry of this pool, never sent back.
@@ -53,10 +53,8 @@ import numpy.typing as npt
 from statecache.buffers import Spare
 from statecache.config import CacheConfig
 from statecache.costs import Costs
-from statecache.dirlock import DirLock
-from statecache.disk import BadPageFile, DiskTier
-from statecache.diskfmt import BadFile, file_name, valid_id
-from statecache.index import Index
+from statecache.formats.diskfmt import BadFile, file_name, valid_id
+from statecache.formats.trust import Untrusted, load_key
 from statecache.kvpages import (
     BadState,
     PageData,
@@ -72,10 +70,10 @@ from statecache.kvpages import (
     unpack_keys,
     whole_state,
 )
-from statecache.lease import Buffer, Lease
-from statecache.opendisk import open_disk
 from statecache.pages import PageChain, PageHash, TokenArray, Tokens, as_tokens, namespace_hash
-from statecache.ram import EvictionClass, Pin, RamTier, State, Whole, eviction_class
+from statecache.pool.index import Index
+from statecache.pool.lease import Buffer, Lease
+from statecache.pool.writer import WriteJob, Writer
 from statecache.records import (
     ROLE_STRENGTH,
     CheckpointRecord,
@@ -86,10 +84,12 @@ from statecache.records import (
     Role,
     new_record,
 )
-from statecache.remote import RemoteHit, RemoteTier
 from statecache.sizes import format_size
-from statecache.trust import Untrusted, load_key
-from statecache.writer import WriteJob, Writer
+from statecache.tiers.dirlock import DirLock
+from statecache.tiers.disk import BadPageFile, DiskTier
+from statecache.tiers.opendisk import open_disk
+from statecache.tiers.ram import EvictionClass, Pin, RamTier, State, Whole, eviction_class
+from statecache.tiers.remote import RemoteHit, RemoteTier
 
 log = logging.getLogger(__name__)
 
