@@ -26,13 +26,13 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from statecache.buffers import Buffer
 from statecache.pages import HASH_BYTES, PageHash, TokenArray
 
 PageKey = NewType("PageKey", bytes)
-Buffer = bytes | bytearray | memoryview
 # A page as one buffer, or as its parts (one per block of its stream, in order: views
 # into the state it was cut from, which they keep alive).
-PageData = bytes | bytearray | memoryview | tuple[memoryview, ...]
+PageData = Buffer | tuple[memoryview, ...]
 
 REST_MAGIC = b"SCR2"  # SCR1 (no logits field) is not read: such an entry is a miss
 SEQ_MAGIC = 0xAF143CD8  # llama_context::state_seq_get_data's io_magic, then the seq id

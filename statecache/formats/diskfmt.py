@@ -31,6 +31,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from statecache.buffers import Buffer
 from statecache.formats import codec
 from statecache.pages import HASH_BYTES
 from statecache.records import CheckpointRecord, Kind, Owner, Role, new_record
@@ -48,7 +49,6 @@ MAX_META_BYTES = 16 << 20  # 4M tokens of context at most
 MAX_DATA_BYTES = 1 << 40
 _ID_RE = re.compile(r"^[0-9a-f]{32}$")
 _CHUNK = 8 << 20
-Buffer = bytes | bytearray | memoryview
 Encoder = Callable[[Buffer], tuple[int, Buffer]]  # (codec, stored bytes): codec.Packer.encode
 _META_TYPES: dict[str, tuple[type, ...]] = {
     "id": (str,),
@@ -298,7 +298,7 @@ def read_checkpoint(path: Path, key: bytes) -> tuple[FileMeta, Buffer]:
         raise BadFile(f"the rest does not decode: {e}") from None
 
 
-def _write_all(fd: int, buf: bytes | bytearray | memoryview) -> None:
+def _write_all(fd: int, buf: Buffer) -> None:
     view = memoryview(buf).cast("B")
     while view:
         k = os.write(fd, view[:_CHUNK])

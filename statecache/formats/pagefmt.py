@@ -15,6 +15,7 @@ import hmac
 import struct
 from collections.abc import Callable
 
+from statecache.buffers import Buffer
 from statecache.formats import codec
 from statecache.formats.diskfmt import KEY_BYTES, key_id
 from statecache.kvpages import PageKey
@@ -25,8 +26,6 @@ VERSION = 1
 HEAD = struct.Struct("<4sHHII8s16s")
 TAG_BYTES = 32
 MAX_PAGE = 1 << 30
-
-Buffer = bytes | bytearray | memoryview
 
 
 class BadPage(Exception):

@@ -37,6 +37,7 @@ from typing import Any
 import msgpack
 import xxhash
 
+from statecache.buffers import Buffer
 from statecache.formats import codec
 from statecache.formats.diskfmt import (
     KEY_BYTES,
@@ -61,7 +62,6 @@ MAX_CHUNK = 64 << 20
 NONCE_BYTES = 8
 INDEX_VALUE = struct.Struct("<QQQ8sII")  # n, nbytes, stored, nonce, chunk_size, chunks
 _DATA_TAG = b"statecache remote data v2"
-Buffer = bytes | bytearray | memoryview
 _META = {"record": bytes, "nonce": bytes, "chunk_size": int, "chunks": int,
          "data_tag": bytes, "codec": int, "stored": int}
 

@@ -9,10 +9,9 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from statecache.buffers import Buffer
 from statecache.records import CheckpointRecord
 from statecache.tiers.ram import Pin
-
-Buffer = bytes | bytearray | memoryview
 
 
 class _Releaser(Protocol):

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from statecache.buffers import Buffer
 from statecache.kvpages import PageData
 from statecache.records import CheckpointRecord
 from statecache.tiers.background import run_in_background
@@ -23,8 +24,6 @@ if TYPE_CHECKING:
     from statecache.tiers.disk import DiskTier
 
 log = logging.getLogger(__name__)
-
-Buffer = bytes | bytearray | memoryview
 
 
 @dataclass(slots=True, eq=False)

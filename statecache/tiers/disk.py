@@ -42,6 +42,7 @@ from pathlib import Path
 
 import xxhash
 
+from statecache.buffers import Buffer
 from statecache.formats import codec
 from statecache.formats.diskfmt import (
     KEY_BYTES,
@@ -112,8 +113,6 @@ def _pool_of(kind: str) -> ThreadPoolExecutor:
 
 def _batches(items: list[int], size: int = _BATCH) -> list[list[int]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
-
-Buffer = bytes | bytearray | memoryview
 
 
 def ensure_dir(path: Path) -> None:

@@ -30,6 +30,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from statecache.buffers import Buffer
 from statecache.config import RemoteConfig
 from statecache.formats import codec
 from statecache.formats.diskfmt import valid_id
@@ -64,7 +65,6 @@ _STORE_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSErr
 _COUNTERS = ("probes", "hits", "read_bytes", "rejected", "writes", "written_bytes",
              "write_dupes", "write_drops", "write_skipped", "errors", "reconnects",
              "pages_written", "pages_present", "pages_fetched", "pages_local")
-Buffer = bytes | bytearray | memoryview
 # The pages of ``keys`` a caller holds already, by index: not fetched.
 LocalPages = Callable[[tuple[PageKey, ...]], dict[int, Buffer]]
 
