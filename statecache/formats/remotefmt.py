@@ -48,6 +48,7 @@ from statecache.formats.diskfmt import (
     key_id,
     record_from_meta,
 )
+from statecache.formats.header import Refused, check_header
 from statecache.kvpages import PageKey
 from statecache.pages import PageHash
 from statecache.records import CheckpointRecord
@@ -66,12 +67,8 @@ _META = {"record": bytes, "nonce": bytes, "chunk_size": int, "chunks": int,
          "data_tag": bytes, "codec": int, "stored": int}
 
 
-class BadEntry(Exception):
+class BadEntry(Refused):
     """A stored entry that must never be served; the message says why (a metric label)."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 @dataclass(slots=True, frozen=True)
@@ -181,6 +178,18 @@ class Header:
     stored: int
 
 
+def _head(raw: bytes, key: bytes | None) -> tuple[bytes, int]:
+    """A header value's key id and metadata length, its magic, version, key id (with
+    ``key``) and length checked; raises BadEntry."""
+    if len(raw) < HEAD.size + TAG_BYTES:
+        raise BadEntry("corrupt", "header truncated")
+    magic, version, kid, meta_len = HEAD.unpack_from(raw)
+    check_header(BadEntry, "entry", (magic, version, kid), (MAGIC, VERSION), key)
+    if len(raw) != HEAD.size + meta_len + TAG_BYTES:
+        raise BadEntry("corrupt", "header length disagrees with its value")
+    return kid, meta_len
+
+
 def _unpack_meta(raw: bytes) -> dict[str, Any]:
     try:
         meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_META_BYTES,
@@ -208,15 +217,9 @@ class Unchecked:
 
 def read_unchecked(raw: object) -> Unchecked:
     """A header's metadata without its key: never serve from it. Raises BadEntry."""
-    if not isinstance(raw, bytes) or len(raw) < HEAD.size + TAG_BYTES:
+    if not isinstance(raw, bytes):
         raise BadEntry("corrupt", "header truncated")
-    magic, version, kid, meta_len = HEAD.unpack_from(raw)
-    if magic != MAGIC:
-        raise BadEntry("corrupt", "wrong magic")
-    if version != VERSION:
-        raise BadEntry("version", f"format version {version}, expected {VERSION}")
-    if len(raw) != HEAD.size + meta_len + TAG_BYTES:
-        raise BadEntry("corrupt", "header length disagrees with its value")
+    kid, meta_len = _head(raw, None)
     meta = _unpack_meta(raw[HEAD.size:HEAD.size + meta_len])
     try:
         rec_meta = decode_meta(meta["record"])
@@ -227,19 +230,11 @@ def read_unchecked(raw: object) -> Unchecked:
 
 def decode_header(raw: object, key: bytes, page_size: int) -> Header:
     """Check a header value under ``key``; raises BadEntry with the reason."""
-    if not isinstance(raw, bytes) or len(raw) < HEAD.size + TAG_BYTES:
+    if not isinstance(raw, bytes) or not raw:
         raise BadEntry("missing" if raw in (None, b"") else "corrupt", "header truncated")
     if len(raw) > MAX_HEADER_BYTES:
         raise BadEntry("corrupt", "header too long")
-    magic, version, kid, meta_len = HEAD.unpack_from(raw)
-    if magic != MAGIC:
-        raise BadEntry("corrupt", "wrong magic")
-    if version != VERSION:
-        raise BadEntry("version", f"format version {version}, expected {VERSION}")
-    if kid != key_id(key):
-        raise BadEntry("foreign-key", "signed with another key")
-    if len(raw) != HEAD.size + meta_len + TAG_BYTES:
-        raise BadEntry("corrupt", "header length disagrees with its value")
+    _, meta_len = _head(raw, key)
     body, tag = raw[:HEAD.size + meta_len], raw[HEAD.size + meta_len:]
     if not hmac.compare_digest(hmac.new(key, body, hashlib.sha256).digest(), tag):
         raise BadEntry("forged", "metadata MAC mismatch")
