@@ -40,14 +40,6 @@ class Role(enum.Enum):
     REPLAY = "replay"
 
 
-# Refreshing an entry keeps the role that is evicted last (see ram.EvictionClass).
-ROLE_STRENGTH: dict[Role, int] = {
-    Role.END_OF_REPLY: 0,
-    Role.PERIODIC: 1,
-    Role.REPLAY: 2,
-    Role.BRANCH: 3,
-}
-
 PREVIEW_MAX = 80
 
 

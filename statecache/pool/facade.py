@@ -75,7 +75,6 @@ from statecache.pool.index import Index
 from statecache.pool.lease import Buffer, Lease
 from statecache.pool.writer import WriteJob, Writer
 from statecache.records import (
-    ROLE_STRENGTH,
     CheckpointRecord,
     EntryStats,
     Kind,
@@ -88,7 +87,8 @@ from statecache.sizes import format_size
 from statecache.tiers.dirlock import DirLock
 from statecache.tiers.disk import BadPageFile, DiskTier
 from statecache.tiers.opendisk import open_disk
-from statecache.tiers.ram import EvictionClass, Pin, RamTier, State, Whole, eviction_class
+from statecache.tiers.policy import ByClass, EvictionClass
+from statecache.tiers.ram import Pin, RamTier, State, Whole
 from statecache.tiers.remote import RemoteHit, RemoteTier
 
 log = logging.getLogger(__name__)
@@ -129,8 +129,8 @@ class _Entry:
     stats: EntryStats
     no_disk: bool = False  # the disk refused or evicted it: never written again
 
-    def cls(self, now: float) -> EvictionClass:
-        return eviction_class(self.record.role, self.stats.hits, self.stats.keep_until > now)
+    def cls(self, policy: ByClass, now: float) -> EvictionClass:
+        return policy.rank(self.record.role, self.stats.hits, self.stats.keep_until > now)
 
 
 
@@ -164,7 +164,7 @@ class CheckpointPool:
         self._counts: Counter[str] = Counter()
         self._warned: set[str] = set()
         self._ram = RamTier(cfg.ram_budget, on_evict=self._on_ram_evict,
-                            on_free=self._spare_state)
+                            on_free=self._spare_state, policy=ByClass())
         self._spilling: dict[str, Pin] = {}  # evicted FULL states waiting for the disk
         # the buffer a closed lease's state was assembled in, or a state kept whole
         # that RAM let go: the next assembly or state kept whole is written into it
@@ -718,7 +718,7 @@ class CheckpointPool:
 
     def _refresh(self, entry: _Entry, rec: CheckpointRecord, now: float) -> Record:
         old = entry.record
-        if ROLE_STRENGTH[rec.role] > ROLE_STRENGTH[old.role]:
+        if self._ram.policy.stronger(rec.role, old.role):
             entry.record = dataclasses.replace(old, role=rec.role, preview=rec.preview)
             self._index.replace(entry.record)
         entry.stats.last_used = now
@@ -768,7 +768,7 @@ class CheckpointPool:
         return self._cls(entry)
 
     def _cls(self, entry: _Entry) -> EvictionClass:
-        return entry.cls(self._clock())
+        return entry.cls(self._ram.policy, self._clock())
 
     def _expire_kept(self, now: float) -> None:
         """Entries whose keeping time is up go back to their own eviction class."""
@@ -778,7 +778,7 @@ class CheckpointPool:
             del self._kept[entry_id]
             entry = self._entries.get(entry_id)
             if entry is not None and entry_id in self._ram:
-                self._ram.touch(entry_id, entry.cls(now))
+                self._ram.touch(entry_id, entry.cls(self._ram.policy, now))
 
     def drop_lane(self, lane: int, above: int = -1, owner: Owner | None = None) -> int:
         """Forget the partial checkpoints of ``lane`` past position ``above`` (its KV changed),

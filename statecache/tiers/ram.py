@@ -1,13 +1,14 @@
 """RAM tier: checkpoints and the KV pages they share, under a hard byte budget, evicted
-by class then LRU.
+as its policy says (``statecache.tiers.policy``: by class, then least recently used).
 
 An entry is its rest (``statecache.kvpages``: everything of a state but its KV pages)
 and the keys of its pages; each page is held once, with a count of the entries that
 refer to it, and its bytes go with the last of them. Eviction chooses entries, never
 pages.
 
-Each unpinned entry sits in exactly one OrderedDict (its eviction class, oldest
-first); pinned entries sit in none, so eviction never scans and never touches them.
+Each unpinned entry sits in the policy's order (one ordered map per eviction class,
+oldest first); pinned entries sit in none, so eviction never scans and never touches
+them.
 An entry removed while pinned, or evicted into the hands of the disk writer, is
 "doomed": it keeps its bytes and its pages, counted in the budget, until its last pin
 goes.
@@ -29,39 +30,18 @@ their last pins go).
 
 from __future__ import annotations
 
-import enum
 import logging
 import mmap
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from statecache.kvpages import PageData, PageKey, page_bytes, page_nbytes
-from statecache.records import Role
 from statecache.sizes import format_size
+from statecache.tiers.policy import ByClass, EvictionClass
 
 log = logging.getLogger(__name__)
 
 State = bytes | mmap.mmap  # a whole state: never written while RAM holds it
-
-
-class EvictionClass(enum.IntEnum):
-    """Evicted in this order; LRU within a class."""
-
-    COLD = 0  # end-of-reply never hit
-    PERIODIC = 1
-    WARM = 2  # branch, replay, and end-of-reply entries that were hit
-    KEPT = 3  # a client asked to keep it (a cache breakpoint) and its time is not up
-
-
-def eviction_class(role: Role, hits: int, kept: bool = False) -> EvictionClass:
-    if kept:
-        return EvictionClass.KEPT
-    if role is Role.PERIODIC:
-        return EvictionClass.PERIODIC
-    if role is Role.END_OF_REPLY and hits == 0:
-        return EvictionClass.COLD
-    return EvictionClass.WARM
 
 
 @dataclass(slots=True, eq=False)
@@ -114,7 +94,7 @@ FreeCallback = Callable[[State], None]
 
 class RamTier:
     def __init__(self, budget: int, on_evict: EvictCallback | None = None,
-                 on_free: FreeCallback | None = None) -> None:
+                 on_free: FreeCallback | None = None, policy: ByClass | None = None) -> None:
         if budget < 0:
             raise ValueError(f"ram budget must be >= 0, got {budget}")
         self.budget = budget
@@ -130,9 +110,8 @@ class RamTier:
         self._slots: dict[str, Pin] = {}
         self._doomed: set[Pin] = set()
         self._pages: dict[PageKey, _Page] = {}
-        self._lru: dict[EvictionClass, OrderedDict[str, None]] = {
-            c: OrderedDict() for c in EvictionClass
-        }
+        # what goes first, and the order of what may go (pinned entries are not in it)
+        self.policy = policy if policy is not None else ByClass()
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -288,8 +267,7 @@ class RamTier:
         """Mark as most recently used, possibly in a new class."""
         slot = self._slots[entry_id]
         if slot.pins == 0:
-            del self._lru[slot.cls][entry_id]
-            self._lru[cls][entry_id] = None
+            self.policy.move(entry_id, slot.cls, cls)
         slot.cls = cls
 
     def pin(self, entry_id: str) -> Pin:
@@ -327,7 +305,7 @@ class RamTier:
         if slot.pins:
             self._doom(slot)
         else:
-            del self._lru[slot.cls][entry_id]
+            self.policy.remove(entry_id, slot.cls)
             self.used -= slot.cost
             self._let_go(slot, was_live=True)
         return True
@@ -337,8 +315,7 @@ class RamTier:
 
     def eviction_order(self) -> Iterator[str]:
         """Ids in the order they would be evicted."""
-        for cls in EvictionClass:
-            yield from self._lru[cls]
+        return self.policy.order()
 
     # -- the one place counts change --------------------------------------------------
 
@@ -394,9 +371,8 @@ class RamTier:
 
     def _pin(self, slot: Pin) -> None:
         """First pin: out of the eviction lists, its bytes and pages pinned."""
-        if slot.entry_id in self._slots and self._slots[slot.entry_id] is slot \
-                and slot.entry_id in self._lru[slot.cls]:
-            del self._lru[slot.cls][slot.entry_id]
+        if self._slots.get(slot.entry_id) is slot:
+            self.policy.discard(slot.entry_id, slot.cls)
         slot.pins = 1
         self.pinned += slot.cost
         for key in slot.keys:
@@ -415,7 +391,7 @@ class RamTier:
             if page.pinned == 0:
                 self.pinned -= page.size
         if not slot.doomed:
-            self._lru[slot.cls][slot.entry_id] = None  # released = most recently used
+            self.policy.add(slot.entry_id, slot.cls)  # released = most recently used
 
     def _doom(self, slot: Pin) -> None:
         slot.doomed = True
@@ -428,20 +404,18 @@ class RamTier:
                 self.leaving += page.size
 
     def _evict_one(self) -> bool:
-        for cls in EvictionClass:
-            lru = self._lru[cls]
-            if lru:
-                entry_id, _ = lru.popitem(last=False)
-                slot = self._slots.pop(entry_id)
-                self.evictions += 1
-                if self._on_evict is not None and self._on_evict(slot):
-                    self._pin(slot)
-                    self._doom(slot)
-                else:
-                    self.used -= slot.cost
-                    self._let_go(slot, was_live=True)
-                return True
-        return False
+        entry_id = self.policy.victim()
+        if entry_id is None:
+            return False
+        slot = self._slots.pop(entry_id)
+        self.evictions += 1
+        if self._on_evict is not None and self._on_evict(slot):
+            self._pin(slot)
+            self._doom(slot)
+        else:
+            self.used -= slot.cost
+            self._let_go(slot, was_live=True)
+        return True
 
     def sanity_check(self) -> None:
         live = list(self._slots.values())
@@ -498,12 +472,11 @@ class RamTier:
         if leaving != self.leaving:
             raise RuntimeError(f"ram: {self.leaving} doomed bytes accounted, {leaving} held")
         listed = 0
-        for cls, lru in self._lru.items():
-            for entry_id in lru:
-                slot = self._slots.get(entry_id)
-                if slot is None or slot.cls is not cls or slot.pins:
-                    raise RuntimeError(f"ram: {entry_id} misplaced in eviction class {cls.name}")
-                listed += 1
+        for cls, entry_id in self.policy.listed():
+            slot = self._slots.get(entry_id)
+            if slot is None or slot.cls is not cls or slot.pins:
+                raise RuntimeError(f"ram: {entry_id} misplaced in eviction class {cls.name}")
+            listed += 1
         if listed + sum(1 for s in live if s.pins) != len(live):
             raise RuntimeError("ram: an unpinned entry is missing from the eviction lists")
         if any(not s.pins or not s.doomed for s in self._doomed):

@@ -19,7 +19,7 @@ from proxy.api.responses import chat_request, parse_responses_request
 from proxy.engine.detok import TextStream
 from statecache.kvpages import REST_HEAD_BYTES
 from statecache.records import Kind, Owner, Role
-from statecache.tiers.ram import EvictionClass
+from statecache.tiers.policy import EvictionClass
 from tests.unit.conftest import PoolFactory, put
 
 CHATML = (Path(__file__).resolve().parents[2] / "vendor" / "templates"
@@ -174,7 +174,7 @@ def test_a_kept_checkpoint_whose_time_is_up_is_evicted_as_usual(
 
 
 def test_eviction_class_of_a_kept_entry() -> None:
-    from statecache.tiers.ram import eviction_class
+    from statecache.tiers.policy import eviction_class
     assert eviction_class(Role.PERIODIC, 0, kept=True) is EvictionClass.KEPT
     assert max(EvictionClass) is EvictionClass.KEPT  # evicted last
 

@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 from statecache.records import Role
-from statecache.tiers.ram import EvictionClass, Pin, RamTier, eviction_class
+from statecache.tiers.policy import EvictionClass, eviction_class
+from statecache.tiers.ram import Pin, RamTier
 
 COLD, PERIODIC, WARM = EvictionClass.COLD, EvictionClass.PERIODIC, EvictionClass.WARM
 
