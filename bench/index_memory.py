@@ -104,7 +104,7 @@ def measure(d: Path, convs: int, k: int, n_max: int, reads: int, trace: bool
     held = tracemalloc.get_traced_memory()[0] - t0_bytes
     rss_held = _rss() - rss0
     tracemalloc.stop()
-    entries = pool.stats()["disk_entries"]
+    entries = pool.stats().tier("disk").entries
     assert entries == convs * k, f"{entries} entries found, {convs * k} written"
     tokens_held = convs * sum(_points(n_max, k))
     offers, reads_s = [], []

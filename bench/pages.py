@@ -147,11 +147,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((name, s, flush_s, ram_s, disk_s))
         result = {"model": args.model.name, "memory": mem.kind.value, "tokens": args.tokens,
                   "checkpoints": n, "last_state": last, "ideal": ideal, "budget": budget,
-                  "layouts": [{"layout": name, "ram_bytes": s["ram_bytes"],
-                               "disk_bytes": s["disk_bytes"],
+                  "layouts": [{"layout": name, "ram_bytes": s.tier("ram").bytes,
+                               "disk_bytes": s.tier("disk").bytes,
                                "insert_ms": insert_s[name] / n * 1e3, "flush_s": flush_s,
                                "restore_ram_ms": ram_s * 1e3, "restore_disk_ms": disk_s * 1e3,
-                               "conversations": budget / max(s["ram_bytes"], 1)}
+                               "conversations": budget / max(s.tier("ram").bytes, 1)}
                               for name, s, flush_s, ram_s, disk_s in rows]}
     print("\n".join(table([result])))
     if args.json is not None:

@@ -1,14 +1,16 @@
 """Every family ``/metrics`` shows, declared once: the engine's (``EngineMeter``, counted
 on the engine thread), the HTTP side's (``ApiMeter``), and the checkpoint pool's report
-(``pool_families``: ``CheckpointPool.stats()`` read at each scrape, by a table of its
-keys).
+(``pool_families``: ``CheckpointPool.stats()`` read at each scrape, mapped field by
+field).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 
 from proxy.meter import Counter, Family, Gauge, Histogram
+from statecache.pool import PoolStats
+from statecache.tiers.tier import StoreStats
 
 # simple engine counters: attribute -> help (family statecache_<attribute>_total)
 _COUNTS = {
@@ -179,78 +181,115 @@ _BANDWIDTH = _g("statecache_read_bandwidth_bytes_per_second",
                 "Measured checkpoint read bandwidth per tier, the planner's input (0: not yet).",
                 ("tier",))
 
-# pool.stats() key -> (family, label values)
-POOL_KEYS: Mapping[str, tuple[Spec, tuple[str, ...]]] = {
-    "hits_ram": (_POOL_HITS, ("ram",)), "hits_disk": (_POOL_HITS, ("disk",)),
-    "hits_remote": (_POOL_HITS, ("remote",)),
-    "ram_bytes": (_BYTES, ("ram",)), "disk_bytes": (_BYTES, ("disk",)),
-    "ram_budget": (_BUDGET, ("ram",)), "disk_budget": (_BUDGET, ("disk",)),
-    "ram_entries": (_ENTRIES, ("ram",)), "disk_entries": (_ENTRIES, ("disk",)),
-    "evictions": (_EVICTIONS, ("ram",)), "disk_evictions": (_EVICTIONS, ("disk",)),
-    "ram_pages": (_PAGES, ("ram",)), "disk_pages": (_PAGES, ("disk",)),
-    "ram_page_bytes": (_PAGE_BYTES, ("ram",)), "disk_page_bytes": (_PAGE_BYTES, ("disk",)),
-    "ram_whole_states": (_g("statecache_whole_states",
-                            "Checkpoints kept whole in RAM beside their pages (the newest "
-                            "of each conversation: a hit on one assembles nothing)."), ()),
-    "ram_whole_bytes": (_g("statecache_whole_state_bytes",
-                           "Bytes of the checkpoints kept whole in RAM; their pages are "
-                           "views into them, so only the rest adds to "
-                           "statecache_checkpoint_bytes."), ()),
-    "bad_states": (_c("statecache_checkpoint_bad_states_total",
-                      "Checkpoints whose assembled state was not the one saved (a miss)."), ()),
-    "remote_read_bytes": (_REMOTE_BYTES, ("read",)),
-    "remote_written_bytes": (_REMOTE_BYTES, ("written",)),
-    "remote_up": (_g("statecache_remote_up",
-                     "1 while the shared tier answers, 0 while it is off."), ()),
-    "remote_queue": (_g("statecache_remote_write_queue",
-                        "Checkpoints waiting to be written to the shared tier."), ()),
-    "remote_queue_bytes": (_g("statecache_remote_write_queue_bytes",
-                              "Bytes waiting to be written to the shared tier."), ()),
-    "remote_misses": (_c("statecache_remote_misses_total",
-                         "Remote offers the planner picked that could not be used (refused "
-                         "or gone)."), ()),
-    "prefill_tps": (_g("statecache_prefill_tokens_per_second",
-                       "Measured prefill rate the planner uses (0: not yet)."), ()),
-    "kept": (_c("statecache_kept_checkpoints_total",
-                "Checkpoints a client's cache breakpoint asked to keep."), ()),
-    "kept_entries": (_g("statecache_kept_checkpoints",
-                        "Checkpoints kept now for a client's breakpoint."), ()),
-    "disk_writes": (_c("statecache_disk_writes_total", "Checkpoints written to disk."), ()),
-    "disk_write_errors": (_c("statecache_disk_write_errors_total",
-                             "Checkpoint writes to disk that failed."), ()),
-    "direct_writes": (_c("statecache_disk_direct_writes_total",
-                         "States larger than the RAM budget sent straight to disk."), ()),
-    "write_queue": (_g("statecache_disk_write_queue",
-                       "Checkpoints waiting for the background disk writer."), ()),
-}
-# keys that name a label value after a fixed start (role, tier, reason, event)
-POOL_PREFIXES = (("hits_role_", _ROLE_HITS), ("bandwidth_", _BANDWIDTH),
-                 ("remote_rejected_", _REJECTED), ("remote_", _REMOTE))
+_WHOLE_STATES = _g("statecache_whole_states",
+                   "Checkpoints kept whole in RAM beside their pages (the newest of each "
+                   "conversation: a hit on one assembles nothing).")
+_WHOLE_BYTES = _g("statecache_whole_state_bytes",
+                  "Bytes of the checkpoints kept whole in RAM; their pages are views into "
+                  "them, so only the rest adds to statecache_checkpoint_bytes.")
+_BAD_STATES = _c("statecache_checkpoint_bad_states_total",
+                 "Checkpoints whose assembled state was not the one saved (a miss).")
+_REMOTE_UP = _g("statecache_remote_up", "1 while the shared tier answers, 0 while it is off.")
+_REMOTE_QUEUE = _g("statecache_remote_write_queue",
+                   "Checkpoints waiting to be written to the shared tier.")
+_REMOTE_QUEUE_BYTES = _g("statecache_remote_write_queue_bytes",
+                         "Bytes waiting to be written to the shared tier.")
+_STORE_MISSES = _c("statecache_remote_misses_total",
+                   "Remote offers the planner picked that could not be used (refused or gone).")
+_PREFILL_TPS = _g("statecache_prefill_tokens_per_second",
+                  "Measured prefill rate the planner uses (0: not yet).")
+_KEPT = _c("statecache_kept_checkpoints_total",
+           "Checkpoints a client's cache breakpoint asked to keep.")
+_KEPT_NOW = _g("statecache_kept_checkpoints", "Checkpoints kept now for a client's breakpoint.")
+_DISK_WRITES = _c("statecache_disk_writes_total", "Checkpoints written to disk.")
+_DISK_WRITE_ERRORS = _c("statecache_disk_write_errors_total",
+                        "Checkpoint writes to disk that failed.")
+_DIRECT_WRITES = _c("statecache_disk_direct_writes_total",
+                    "States larger than the RAM budget sent straight to disk.")
+_WRITE_QUEUE = _g("statecache_disk_write_queue",
+                  "Checkpoints waiting for the background disk writer.")
 
 
-def pool_families(stats: Mapping[str, float]) -> list[Family]:
-    """The pool's report as families: each known key where ``POOL_KEYS`` or a start of
-    ``POOL_PREFIXES`` puts it; any other as an untyped ``statecache_pool_<key>``."""
+# shown untyped, with the names and help they always had
+_POOL_ENTRIES = ("untyped", "statecache_pool_entries", "Engine metric 'pool.entries'.", ())
+_POOL_PINNED = ("untyped", "statecache_pool_ram_pinned_bytes",
+                "Engine metric 'pool.ram_pinned_bytes'.", ())
+_POOL_QUARANTINED = ("untyped", "statecache_pool_quarantined",
+                     "Engine metric 'pool.quarantined'.", ())
+_POOL_INSERTS = ("untyped", "statecache_pool_inserts", "Engine metric 'pool.inserts'.", ())
+_POOL_REFRESHES = ("untyped", "statecache_pool_refreshes", "Engine metric 'pool.refreshes'.", ())
+_POOL_MISSES = ("untyped", "statecache_pool_misses", "Engine metric 'pool.misses'.", ())
+_POOL_SPILLS = ("untyped", "statecache_pool_spills", "Engine metric 'pool.spills'.", ())
+_POOL_PROMOTIONS = ("untyped", "statecache_pool_promotions",
+                    "Engine metric 'pool.promotions'.", ())
+_POOL_REFUSED = ("untyped", "statecache_pool_refused", "Engine metric 'pool.refused'.", ())
+
+
+def pool_families(stats: PoolStats) -> list[Family]:
+    """The pool's report as families, field by field: each tier's figures with its name
+    as the ``tier`` label, the shared store's own traffic, the pool's counts."""
     out: dict[str, Family] = {}
 
-    def family(spec: Spec) -> Family:
-        kind, name, help_, labels = spec
+    def put(spec: Spec, value: float | None, *labels: str) -> None:
+        if value is None:
+            return
+        kind, name, help_, label_names = spec
         fam = out.get(name)
         if fam is None:
             cls = {"counter": Counter, "gauge": Gauge, "untyped": _Untyped}[kind]
-            fam = out[name] = cls(name, help_, labels)
-        return fam
+            fam = out[name] = cls(name, help_, label_names)
+        fam.put(labels, value)
 
-    for key, value in stats.items():
-        if key in POOL_KEYS:
-            spec, labels = POOL_KEYS[key]
-        else:
-            found = next(((spec, key[len(start):]) for start, spec in POOL_PREFIXES
-                          if key.startswith(start)), None)
-            if found is None:
-                spec = ("untyped", f"statecache_pool_{key}", f"Engine metric 'pool.{key}'.", ())
-                labels = ()
-            else:
-                spec, labels = found[0], (found[1],)
-        family(spec).put(labels, value)
+    for t in stats.tiers:
+        put(_POOL_HITS, t.hits, t.name)
+        put(_BYTES, t.bytes, t.name)
+        put(_BUDGET, t.budget, t.name)
+        put(_ENTRIES, t.entries, t.name)
+        put(_EVICTIONS, t.evictions, t.name)
+        put(_PAGES, t.pages, t.name)
+        put(_PAGE_BYTES, t.page_bytes, t.name)
+        put(_BANDWIDTH, t.bandwidth, t.name)
+        if t.store is not None:
+            _store(put, t.store)
+    for role, n in stats.counts.hits_by_role.items():
+        put(_ROLE_HITS, n, role.name.lower())
+    c = stats.counts
+    put(_WHOLE_STATES, stats.whole_states)
+    put(_WHOLE_BYTES, stats.whole_bytes)
+    put(_BAD_STATES, c.bad_states)
+    put(_STORE_MISSES, c.store_misses)
+    put(_PREFILL_TPS, stats.prefill_tps)
+    put(_KEPT, c.kept)
+    put(_KEPT_NOW, stats.kept_entries)
+    put(_DISK_WRITES, c.disk_writes)
+    put(_DISK_WRITE_ERRORS, c.disk_write_errors)
+    put(_DIRECT_WRITES, c.direct_writes)
+    put(_WRITE_QUEUE, stats.write_queue)
+    put(_POOL_ENTRIES, stats.entries)
+    put(_POOL_PINNED, stats.pinned_bytes)
+    put(_POOL_QUARANTINED, stats.quarantined)
+    put(_POOL_INSERTS, c.inserts)
+    put(_POOL_REFRESHES, c.refreshes)
+    put(_POOL_MISSES, c.misses)
+    put(_POOL_SPILLS, c.spills)
+    put(_POOL_PROMOTIONS, c.promotions)
+    put(_POOL_REFUSED, c.refused)
     return list(out.values())
+
+
+def _store(put: Callable[..., None], s: StoreStats) -> None:
+    """A store's traffic: the shared tier's families."""
+    put(_REMOTE_BYTES, s.read_bytes, "read")
+    put(_REMOTE_BYTES, s.written_bytes, "written")
+    put(_REMOTE_UP, int(s.up))
+    put(_REMOTE_QUEUE, s.queue)
+    put(_REMOTE_QUEUE_BYTES, s.queue_bytes)
+    for event, n in (("probes", s.probes), ("hits", s.hits), ("rejected", s.rejected),
+                     ("writes", s.writes), ("write_dupes", s.write_dupes),
+                     ("write_drops", s.write_drops), ("write_skipped", s.write_skipped),
+                     ("errors", s.errors), ("reconnects", s.reconnects),
+                     ("pages_written", s.pages_written), ("pages_present", s.pages_present),
+                     ("pages_fetched", s.pages_fetched), ("pages_local", s.pages_local)):
+        put(_REMOTE, n, event)
+    for reason, n in s.refusals.items():
+        put(_REJECTED, n, reason)

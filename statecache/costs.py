@@ -70,13 +70,15 @@ class Costs:
         with self._lock:
             return self._bw.get(tier, PRIOR_BANDWIDTH.get(tier, PRIOR_BANDWIDTH["remote"]))
 
-    def measured(self) -> dict[str, float]:
-        """What has been measured so far (for /metrics): 0 where nothing has."""
+    def measured_prefill(self) -> float:
+        """The prefill rate measured so far (for /metrics): 0 while nothing is."""
         with self._lock:
-            out = {"prefill_tps": self._tps or 0.0}
-            for tier in PRIOR_BANDWIDTH:
-                out[f"bandwidth_{tier}"] = self._bw.get(tier, 0.0)
-            return out
+            return self._tps or 0.0
+
+    def measured_bandwidth(self, tier: str) -> float:
+        """``tier``'s read bandwidth measured so far: 0 while nothing is."""
+        with self._lock:
+            return self._bw.get(tier, 0.0)
 
     def estimate(self, source: str, n: int, nbytes: int, prompt: int) -> Estimate:
         """Start from ``n`` of ``prompt`` tokens with a state of ``nbytes`` from ``source``."""

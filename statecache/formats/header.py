@@ -27,4 +27,4 @@ def check_header(refused: type[Refused], what: str, found: tuple[bytes, int, byt
     if version != want[1]:
         raise refused("version", f"{what} format version {version}, expected {want[1]}")
     if key is not None and kid != key_id(key):
-        raise refused("foreign-key", f"{what} signed with another key")
+        raise refused("foreign_key", f"{what} signed with another key")

@@ -94,7 +94,7 @@ class IndexValue:
         if not (0 < v.chunk_size <= MAX_CHUNK) or v.chunks != n_chunks(v.stored, v.chunk_size):
             raise BadEntry("index", "chunking out of range")
         if not 0 < v.nbytes <= max_entry or v.n < 1:
-            raise BadEntry("too-big" if v.nbytes > max_entry else "index", f"{v.nbytes} bytes")
+            raise BadEntry("too_big" if v.nbytes > max_entry else "index", f"{v.nbytes} bytes")
         return v
 
 

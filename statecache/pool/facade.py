@@ -41,7 +41,6 @@ import logging
 import mmap
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +72,7 @@ from statecache.kvpages import (
 from statecache.pages import PageChain, PageHash, TokenArray, Tokens, as_tokens, namespace_hash
 from statecache.pool.index import Index
 from statecache.pool.lease import Buffer, Lease
+from statecache.pool.stats import Counts, PoolStats
 from statecache.pool.writer import WriteJob, Writer
 from statecache.records import (
     CheckpointRecord,
@@ -90,27 +90,12 @@ from statecache.tiers.opendisk import open_disk
 from statecache.tiers.policy import ByClass, EvictionClass
 from statecache.tiers.ram import Pin, RamTier, State, Whole
 from statecache.tiers.remote import RemoteHit, RemoteTier
+from statecache.tiers.tier import Tier
 
 log = logging.getLogger(__name__)
 
 # How long an insert waits for the writer to free RAM held by spilled states.
 _SPILL_WAIT_S = 10.0
-_COUNTERS = (
-    "inserts",
-    "refreshes",
-    "misses",
-    "hits_ram",
-    "hits_disk",
-    "evictions",
-    "disk_evictions",
-    "spills",
-    "promotions",
-    "refused",
-    "direct_writes",
-    "disk_writes",
-    "disk_write_errors",
-    "kept",
-)
 
 
 @dataclass(slots=True, frozen=True)
@@ -161,7 +146,7 @@ class CheckpointPool:
         self._by_lane: dict[int, set[str]] = {}
         self._namespaces: dict[str, PageHash] = {}
         self._index = Index()
-        self._counts: Counter[str] = Counter()
+        self.counts = Counts()  # under the lock
         self._warned: set[str] = set()
         self._ram = RamTier(cfg.ram_budget, on_evict=self._on_ram_evict,
                             on_free=self._spare_state, policy=ByClass())
@@ -263,7 +248,7 @@ class CheckpointPool:
             with self._lock:
                 rec = self._pick(chain, kind, owner, lane, limit, tried)
                 if rec is None:
-                    self._counts["misses"] += 1
+                    self.counts.misses += 1
                     return None
                 disk = self._disk
                 if self._in_memory(rec.id):
@@ -301,7 +286,7 @@ class CheckpointPool:
         except BadState as e:
             log.error("pool: checkpoint %s does not assemble (%s): a miss", rec.id, e)
             with self._lock:
-                self._counts["bad_states"] += 1
+                self.counts.bad_states += 1
             return None
 
     def _assemble_checked(self, rec: CheckpointRecord, rest: Buffer, pages: Sequence[PageData]
@@ -414,12 +399,12 @@ class CheckpointPool:
                                                                pages):
                 entry.record = whole  # in memory again: whole again
                 self._index.replace(whole)
-                self._counts["promotions"] += 1
+                self.counts.promotions += 1
                 pin = self._ram.pin(rec.id)
             if entry is not None:
                 self._hit(entry, "disk")
             else:  # removed while we read: the bytes are still exactly this record's state
-                self._counts["hits_disk"] += 1
+                self.counts.hit("disk")
             return Lease(self, whole, "disk", data, pin, buf, rest_logits(stored.rest))
 
     def _put_ram(self, entry: _Entry, rec: CheckpointRecord, rest: Buffer,
@@ -439,8 +424,7 @@ class CheckpointPool:
             self._ram.touch(rec.id, self._cls(entry))
         if self._disk is not None and rec.id in self._disk:
             self._disk.touch(rec.id)
-        self._counts[f"hits_{tier}"] += 1
-        self._counts["hits_role_" + rec.role.value.replace("-", "_")] += 1
+        self.counts.hit(tier, rec.role)
 
     def _release(self, pin: Pin | None, spare: mmap.mmap | None = None) -> None:
         if spare is not None:  # kept for the next: no page faults next time
@@ -497,14 +481,14 @@ class CheckpointPool:
         assembled = None if got is None else self._assemble(got[0], got[1], got[2])
         if got is None or assembled is None:
             with self._lock:
-                self._counts["remote_misses"] += 1
+                self.counts.store_misses += 1
             return None
         rec, rest, pages = got
         data, buf = assembled
         logits = rest_logits(rest)
         self.costs.note_read("remote", rec.nbytes, time.perf_counter() - t0)
         with self._lock:
-            self._counts["hits_remote"] += 1
+            self.counts.hit("remote")
             entry = self._entries.get(rec.id)
             if entry is None:  # joins RAM as this pool's own entry (never sent back)
                 entry = _Entry(rec, EntryStats(last_used=self._clock(), hits=1))
@@ -649,7 +633,7 @@ class CheckpointPool:
                 if self._ram.put(rec.id, sp.rest, cost, self._keep(entry, now + keep_s),
                                  sp.keys, sizes, source, whole):
                     self._add(entry)
-                    self._counts["inserts"] += 1
+                    self.counts.inserts += 1
                     self._queue_write(entry)
                     if self._remote is None:
                         return rec
@@ -663,7 +647,7 @@ class CheckpointPool:
                 pages: list[PageData] = [source(i) for i in range(len(sp.keys))]
                 job = self._claim_direct(entry, sp.rest, pages)
                 if job is None:
-                    self._counts["refused"] += 1
+                    self.counts.refused += 1
                     if cost + sum(sizes) > self._ram.budget:
                         self._warn_once(
                             "too-big",
@@ -713,7 +697,7 @@ class CheckpointPool:
         job = self._claim(entry, rest, pages, None)
         if job is not None:
             job.direct = True
-            self._counts["direct_writes"] += 1
+            self.counts.direct_writes += 1
         return job
 
     def _refresh(self, entry: _Entry, rec: CheckpointRecord, now: float) -> Record:
@@ -725,7 +709,7 @@ class CheckpointPool:
         if old.id in self._ram:
             self._ram.touch(old.id, self._cls(entry))
         # A copy only on disk stays there: its bytes are the same state.
-        self._counts["refreshes"] += 1
+        self.counts.refreshes += 1
         return entry.record
 
     def holds(self, chain: PageChain, n: int, *, tenant: str = "") -> bool:
@@ -764,7 +748,7 @@ class CheckpointPool:
         if until > now and until > entry.stats.keep_until:
             entry.stats.keep_until = until
             self._kept[entry.record.id] = until
-            self._counts["kept"] += 1
+            self.counts.kept += 1
         return self._cls(entry)
 
     def _cls(self, entry: _Entry) -> EvictionClass:
@@ -941,7 +925,7 @@ class CheckpointPool:
         if written is not None and (entry is not None or job.direct):
             ok = job.disk.commit(entry_id, *written)
             if ok:
-                self._counts["disk_writes"] += 1
+                self.counts.disk_writes += 1
                 if entry is None:  # written straight to disk: held there alone
                     self._add(_Entry(job.record, EntryStats(last_used=job.record.created)))
                     self._settle(entry_id)
@@ -952,7 +936,7 @@ class CheckpointPool:
             if written is not None:  # removed while being written: the file is not wanted
                 (job.disk.path / file_name(entry_id)).unlink(missing_ok=True)
             else:
-                self._counts["disk_write_errors"] += 1
+                self.counts.disk_write_errors += 1
                 if entry is not None:
                     entry.no_disk = True
         if job.pin is not None:
@@ -1027,10 +1011,9 @@ class CheckpointPool:
         """Keep (True) the bytes of a FULL state not yet on disk, for the writer."""
         entry_id = slot.entry_id
         entry = self._entries[entry_id]
-        self._counts["evictions"] += 1
         if self._disk is not None and self._writer.usable and self._dirty_evicted(entry):
             self._spilling[entry_id] = slot
-            self._counts["spills"] += 1
+            self.counts.spills += 1
             self._writer.enqueue(entry_id)
             return True
         self._settle(entry_id)
@@ -1041,7 +1024,6 @@ class CheckpointPool:
         return rec.kind is Kind.FULL and not entry.no_disk and not self._on_disk(rec.id)
 
     def _on_disk_evict(self, entry_id: str) -> None:
-        self._counts["disk_evictions"] += 1
         entry = self._entries.get(entry_id)
         if entry is not None:
             entry.no_disk = True  # least valuable by the disk's LRU: no rewrite, no churn
@@ -1083,43 +1065,32 @@ class CheckpointPool:
             entry = self._entries.get(entry_id)
             return None if entry is None else self._describe(entry)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> PoolStats:
         with self._lock:
-            disk = self._disk
-            out: dict[str, int] = {
-                "entries": len(self._entries),
-                "ram_entries": len(self._ram),
-                "ram_bytes": self._ram.used,
-                "ram_budget": self._ram.budget,
-                "ram_pinned_bytes": self._ram.pinned,
-                "ram_pages": self._ram.pages,
-                "ram_page_bytes": self._ram.page_bytes,
-                "ram_whole_states": self._ram.whole_states,
-                "ram_whole_bytes": self._ram.whole_bytes,
-                "disk_pages": disk.pages if disk is not None else 0,
-                "disk_page_bytes": disk.page_bytes if disk is not None else 0,
-                "disk_entries": len(disk) if disk is not None else 0,
-                "disk_bytes": disk.used if disk is not None else 0,
-                "disk_budget": disk.budget if disk is not None else 0,
-                "quarantined": disk.quarantined if disk is not None else 0,
-                "write_queue": len(self._writer) + len(self._writing),
-                "kept_entries": sum(1 for u in self._kept.values() if u > self._clock()),
-            }
-            for key in _COUNTERS:
-                out[key] = self._counts[key]
-            out["bad_states"] = self._counts["bad_states"]
-            out["hits_remote"] = self._counts["hits_remote"]
-            out["remote_misses"] = self._counts["remote_misses"]
+            now = self._clock()
+            ram, disk = self._ram, self._disk
+            local: list[Tier] = [ram] if disk is None else [ram, disk]
+            figures = [t.stats() for t in local]
+            counts = self.counts.copy()
+            out = dict(entries=len(self._entries), pinned_bytes=ram.pinned,
+                       whole_states=ram.whole_states, whole_bytes=ram.whole_bytes,
+                       quarantined=0 if disk is None else disk.quarantined,
+                       write_queue=len(self._writer) + len(self._writing),
+                       kept_entries=sum(1 for u in self._kept.values() if u > now))
             remote = self._remote
+        tiers: list[Tier] = local if remote is None else [*local, remote]
         if remote is not None:
-            out.update(remote.stats())
-        for key, value in self.costs.measured().items():
-            out[key] = round(value)
-        with self._lock:
-            for role in Role:
-                key = "hits_role_" + role.value.replace("-", "_")
-                out[key] = self._counts[key]
-            return out
+            figures.append(remote.stats())
+        bw = self.costs.measured_bandwidth
+        filled = tuple(dataclasses.replace(f, hits=counts.hits.get(t.name, 0),
+                                           bandwidth=None if t.prior_bandwidth is None
+                                           else bw(t.name))
+                       for t, f in zip(tiers, figures, strict=True))
+        off = {cls.label: why for cls, why, on in ((DiskTier, self.disk_status, disk),
+                                                   (RemoteTier, self.remote_status, remote))
+               if on is None}
+        return PoolStats(**out, prefill_tps=self.costs.measured_prefill(), counts=counts,
+                         tiers=filled, off=off)
 
     def sanity_check(self) -> None:
         with self._lock:

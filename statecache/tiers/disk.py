@@ -65,6 +65,7 @@ from statecache.kvpages import PageData, PageKey, page_bytes, page_nbytes, unpac
 from statecache.records import CheckpointRecord, Record
 from statecache.sizes import format_size
 from statecache.tiers.background import run_in_background
+from statecache.tiers.tier import TierStats
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +200,10 @@ class Stored:
 class DiskTier:
     """FULL checkpoints of one model fingerprint in a directory other models may share."""
 
+    name = "disk"
+    label = "Disk"
+    prior_bandwidth: float | None = 1e9  # bytes/s, read and checked, until measured
+
     def __init__(
         self,
         path: Path,
@@ -266,6 +271,11 @@ class DiskTier:
     def has_page(self, key: PageKey) -> bool:
         page = self._pages.get(key)
         return page is not None and page.written
+
+    def stats(self) -> TierStats:
+        return TierStats(self.name, self.label, str(self.path.resolve()), entries=len(self),
+                         bytes=self.used, budget=self.budget, pages=len(self._pages),
+                         page_bytes=self.page_bytes, evictions=self.evictions)
 
     # -- start -------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from statecache.kvpages import PageData, PageKey, page_bytes, page_nbytes
 from statecache.sizes import format_size
 from statecache.tiers.policy import ByClass, EvictionClass
+from statecache.tiers.tier import TierStats
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,10 @@ FreeCallback = Callable[[State], None]
 
 
 class RamTier:
+    name = "ram"
+    label = "RAM"
+    prior_bandwidth: float | None = None  # a state in memory is not read: nothing to fetch
+
     def __init__(self, budget: int, on_evict: EvictCallback | None = None,
                  on_free: FreeCallback | None = None, policy: ByClass | None = None) -> None:
         if budget < 0:
@@ -316,6 +321,11 @@ class RamTier:
     def eviction_order(self) -> Iterator[str]:
         """Ids in the order they would be evicted."""
         return self.policy.order()
+
+    def stats(self) -> TierStats:
+        return TierStats(self.name, self.label, entries=len(self._slots), bytes=self.used,
+                         budget=self.budget, pages=len(self._pages),
+                         page_bytes=self.page_bytes, evictions=self.evictions)
 
     # -- the one place counts change --------------------------------------------------
 

@@ -55,6 +55,7 @@ from statecache.kvpages import PageKey
 from statecache.pages import PageChain
 from statecache.records import CheckpointRecord, Kind, Owner
 from statecache.tiers.background import run_in_background
+from statecache.tiers.tier import StoreStats, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,6 @@ _FETCH_BATCH = 64 << 20  # bytes asked for in one pipeline: bounds a read's extr
 _CANDIDATES = 4  # remote hits returned by one probe, deepest first
 # The store failed, not the entry: a cluster that cannot be reached raises the latter.
 _STORE_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
-_COUNTERS = ("probes", "hits", "read_bytes", "rejected", "writes", "written_bytes",
-             "write_dupes", "write_drops", "write_skipped", "errors", "reconnects",
-             "pages_written", "pages_present", "pages_fetched", "pages_local")
 # The pages of ``keys`` a caller holds already, by index: not fetched.
 LocalPages = Callable[[tuple[PageKey, ...]], dict[int, Buffer]]
 
@@ -115,6 +113,10 @@ def where(url: str) -> str:
 
 
 class RemoteTier:
+    name = "remote"
+    label = "Shared store"
+    prior_bandwidth: float | None = 2e8  # bytes/s, read and checked, until measured
+
     def __init__(self, cfg: RemoteConfig, key: bytes, fingerprint: str, *, state_format: int,
                  page_size: int, client: Any = None, level: int = codec.DEFAULT_LEVEL) -> None:
         self.cfg = cfg
@@ -130,7 +132,7 @@ class RemoteTier:
         self._lock = threading.Condition()
         self._up = True
         self._retry_at = 0.0
-        self.counts: collections.Counter[str] = collections.Counter()
+        self.counts = StoreStats()
         self._jobs: collections.deque[tuple[str, Any]] = collections.deque()
         self._queued_bytes = 0
         self._queued_pages: collections.Counter[PageKey] = collections.Counter()
@@ -168,7 +170,7 @@ class RemoteTier:
 
     def _failed(self, e: BaseException) -> None:
         with self._lock:
-            self.counts["errors"] += 1
+            self.counts.errors += 1
             self._retry_at = time.monotonic() + self.cfg.retry_s
             was_up, self._up = self._up, False
         if was_up:
@@ -181,7 +183,7 @@ class RemoteTier:
         with self._lock:
             was_up, self._up = self._up, True
         if not was_up:
-            self.counts["reconnects"] += 1
+            self.counts.reconnects += 1
             log.warning("remote tier %s: reachable again", self.where)
 
     # -- lookups (engine thread) -------------------------------------------------------
@@ -206,7 +208,7 @@ class RemoteTier:
             self._failed(e)
             return []
         self._ok()
-        self.counts["probes"] += 1
+        self.counts.probes += 1
         hits: list[RemoteHit] = []
         for key, reply in zip(keys, replies, strict=True):
             if not isinstance(reply, dict):  # a WRONGTYPE error, say: some other key
@@ -274,8 +276,8 @@ class RemoteTier:
             self._reject("corrupt", f"{type(e).__name__}: {e}", hit)
             return None
         self._ok()
-        self.counts["hits"] += 1
-        self.counts["read_bytes"] += header.stored
+        self.counts.hits += 1
+        self.counts.read_bytes += header.stored
         self._enqueue(("touch", (hit, rec)), 0)
         return rec, rest, pages
 
@@ -285,7 +287,7 @@ class RemoteTier:
         keys = rec.page_keys
         have = local(keys) if local is not None and keys else {}
         want = [i for i in range(len(keys)) if i not in have]
-        self.counts["pages_local"] += len(have)
+        self.counts.pages_local += len(have)
         out: dict[int, Buffer] = dict(have)
         batch = max(1, _FETCH_BATCH // max(1, rec.nbytes // max(1, len(keys))))
         for at in range(0, len(want), batch):
@@ -300,8 +302,8 @@ class RemoteTier:
                     out[i] = decode_page(self._key, keys[i], blob)
                 except BadPage as e:
                     raise BadEntry(e.reason, f"page {keys[i].hex()}: {e}") from None
-                self.counts["read_bytes"] += len(blob)
-        self.counts["pages_fetched"] += len(want)
+                self.counts.read_bytes += len(blob)
+        self.counts.pages_fetched += len(want)
         return [out[i] for i in range(len(keys))]
 
     def _check(self, hit: RemoteHit, header: Header, rec: CheckpointRecord, tokens: Any,
@@ -313,9 +315,9 @@ class RemoteTier:
         if header.nonce != hit.value.nonce:
             raise BadEntry("stale", "the index names another write of this entry")
         if rec.fingerprint != self.fingerprint:
-            raise BadEntry("foreign-model", "written for another model")
+            raise BadEntry("foreign_model", "written for another model")
         if rec.state_format != self.state_format:
-            raise BadEntry("state-format", f"state format {rec.state_format}")
+            raise BadEntry("state_format", f"state format {rec.state_format}")
         if rec.tenant != tenant:
             raise BadEntry("tenant", "another tenant's entry")
         if rec.kind is not Kind.FULL or rec.owner is not Owner.TARGET:
@@ -324,9 +326,7 @@ class RemoteTier:
             raise BadEntry("tokens", "its tokens are not this prompt's")
 
     def _reject(self, reason: str, detail: str, hit: RemoteHit | None = None) -> None:
-        self.counts["rejected"] += 1
-        self.counts[f"rejected.{reason}"] += 1
-        level = logging.DEBUG if self.counts[f"rejected.{reason}"] > 1 else logging.WARNING
+        level = logging.DEBUG if self.counts.refused(reason) > 1 else logging.WARNING
         log.log(level, "remote tier: an entry was refused (%s): %s", reason, detail)
         if hit is not None and reason in ("missing", "stale", "corrupt", "forged"):
             self._enqueue(("forget", hit), 0)  # its index field points at nothing usable
@@ -338,7 +338,7 @@ class RemoteTier:
         if rec.kind is not Kind.FULL or rec.owner is not Owner.TARGET:
             return
         if rec.nbytes > self.cfg.max_entry or rec.nbytes > self.cfg.queue_bytes:
-            self.counts["write_skipped"] += 1
+            self.counts.write_skipped += 1
             return
         self._enqueue(("write", _Write(rec, rest, tuple(pages))), 0)
 
@@ -353,7 +353,7 @@ class RemoteTier:
                 kind, payload = self._jobs.popleft()
                 if kind == "write":
                     self._count(payload, -1)
-                    self.counts["write_drops"] += 1
+                    self.counts.write_drops += 1
             self._lock.notify_all()
 
     def _count(self, w: _Write, sign: int) -> None:
@@ -414,7 +414,7 @@ class RemoteTier:
         rec = w.record
         hkey = header_key(self.prefix, rec.id)
         if self.client.exists(hkey):  # another proxy (or this one) stored it already
-            self.counts["write_dupes"] += 1
+            self.counts.write_dupes += 1
             return
         ttl = self._ttl()
         self._write_pages(rec, w.pages, ttl)
@@ -430,7 +430,7 @@ class RemoteTier:
         won = pipe.execute()[-1]
         if not won:  # lost the race to another writer: its entry stands
             self.client.delete(*chunks)
-            self.counts["write_dupes"] += 1
+            self.counts.write_dupes += 1
             return
         if not rec.page_hashes:
             return
@@ -441,8 +441,8 @@ class RemoteTier:
         if ttl is not None:
             pipe.pexpire(ikey, ttl)
         pipe.execute()
-        self.counts["writes"] += 1
-        self.counts["written_bytes"] += view.nbytes
+        self.counts.writes += 1
+        self.counts.written_bytes += view.nbytes
 
     def _write_pages(self, rec: CheckpointRecord, pages: Sequence[bytes], ttl: int | None
                      ) -> None:
@@ -460,7 +460,7 @@ class RemoteTier:
                 pipe.pexpire(name, ttl)
         there = pipe.execute()
         missing = [i for i, ok in enumerate(there) if not ok]
-        self.counts["pages_present"] += len(keys) - len(missing)
+        self.counts.pages_present += len(keys) - len(missing)
         sent = total = 0
         pipe = self.client.pipeline(transaction=False)
         for i in missing:
@@ -472,8 +472,8 @@ class RemoteTier:
                 pipe.execute()
                 pipe, sent = self.client.pipeline(transaction=False), 0
         pipe.execute()
-        self.counts["pages_written"] += len(missing)
-        self.counts["written_bytes"] += total
+        self.counts.pages_written += len(missing)
+        self.counts.written_bytes += total
 
     def _touch(self, hit: RemoteHit, rec: CheckpointRecord) -> None:
         """A hit keeps the entry (its index key and its pages) alive another ``ttl``."""
@@ -538,17 +538,10 @@ class RemoteTier:
                 raise RuntimeError(f"remote: queue holds {held} bytes, counts "
                                    f"{self._queued_bytes}, bound {self.cfg.queue_bytes}")
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> TierStats:
         with self._lock:
-            out = {f"remote_{k}": 0 for k in _COUNTERS}
-            out.update(("remote_" + k.replace(".", "_").replace("-", "_"), v)
-                       for k, v in self.counts.items())
-            out["remote_up"] = int(self._up)
-            out["remote_queue"] = len(self._jobs) + int(self._busy)
-            out["remote_queue_bytes"] = self._queued_bytes
-            return out
-
-    def rejected(self) -> dict[str, int]:
-        with self._lock:
-            return {k.split(".", 1)[1]: v for k, v in self.counts.items()
-                    if k.startswith("rejected.")}
+            counts = self.counts.copy()
+            counts.up = self._up
+            counts.queue = len(self._jobs) + int(self._busy)
+            counts.queue_bytes = self._queued_bytes
+        return TierStats(self.name, self.label, self.where, self.status, store=counts)

@@ -69,9 +69,10 @@ async def test_the_page_and_what_it_shows_after_an_agent_session(
     history = data["history"]
     assert sum(b["requests"] for b in history) == 5
     assert sum(b["cached"] for b in history) == sum(c for _, c in sent.usage)
-    tiers = data["tiers"]
-    assert tiers["ram_bytes"] > 0 and tiers["ram_budget"] > 0 and tiers["disk"] == "ok"
-    assert tiers["disk_path"] == str((tmp_path / "ckpt").resolve())
+    tiers = {t["label"]: t for t in data["tiers"]}
+    assert tiers["RAM"]["bytes"] > 0 and tiers["RAM"]["budget"] > 0
+    assert tiers["Disk"]["status"] == "ok"
+    assert tiers["Disk"]["where"] == str((tmp_path / "ckpt").resolve())
 
 
 def _basic(key: str) -> dict[str, str]:

@@ -152,7 +152,7 @@ def test_kept_checkpoints_go_last_until_their_time_is_up(make_pool: PoolFactory)
     put(pool, [13, 14, 15, 16], b"c" * 10, role=Role.BRANCH)  # evicts the oldest unkept
     ids = {d["id"] for d in pool.describe()}
     assert kept.id in ids and a.id not in ids
-    assert pool.stats()["kept_entries"] == 1
+    assert pool.stats().kept_entries == 1
     [desc] = [d for d in pool.describe() if d["id"] == kept.id]
     assert desc["kept_until"] > desc["created"] + 990
     # a breakpoint on a prefix the pool holds keeps it again; one it does not hold: False
@@ -170,7 +170,7 @@ def test_a_kept_checkpoint_whose_time_is_up_is_evicted_as_usual(
     for i in range(3):
         put(pool, [20 + i, 2, 3, 4], bytes([i]) * 10, role=Role.BRANCH)
     assert kept.id not in {d["id"] for d in pool.describe()}
-    assert pool.stats()["kept_entries"] == 0
+    assert pool.stats().kept_entries == 0
 
 
 def test_eviction_class_of_a_kept_entry() -> None:

@@ -161,7 +161,7 @@ def test_event_loop_calls_answer_while_a_disk_read_is_slow(make_pool: PoolFactor
     (lease,) = got
     with lease:
         assert lease.tier == "disk" and bytes(lease.data) == b"S" * 64
-    assert pool.stats()["promotions"] == 1
+    assert pool.stats().counts.promotions == 1
 
 
 def test_event_loop_calls_answer_while_a_disk_write_is_slow(make_pool: PoolFactory) -> None:
@@ -221,11 +221,11 @@ def test_an_evicted_state_waits_in_ram_for_the_writer(make_pool: PoolFactory) ->
         inserter.start()
         # c evicts b, which has not reached the disk: its bytes stay, counted, for the
         # writer; c waits for them rather than break the budget.
-        assert wait_for(lambda: pool.stats()["spills"] == 1)
+        assert wait_for(lambda: pool.stats().counts.spills == 1)
         time.sleep(0.1)
         assert inserter.is_alive()
         s = pool.stats()
-        assert s["ram_bytes"] == budget and s["entries"] == 2
+        assert s.tier("ram").bytes == budget and s.entries == 2
         with pool.lookup([1] + T, pool.chain([1] + T)) as lease:  # type: ignore[union-attr]
             assert lease.tier == "ram" and bytes(lease.data) == b"b" * 64
         pool.sanity_check()
@@ -233,7 +233,7 @@ def test_an_evicted_state_waits_in_ram_for_the_writer(make_pool: PoolFactory) ->
         gate.open.set()
     inserter.join(10)
     pool.flush()
-    assert len(on_disk(pool)) == 3 and pool.stats()["ram_bytes"] <= budget
+    assert len(on_disk(pool)) == 3 and pool.stats().tier("ram").bytes <= budget
     assert {d["id"] for d in pool.describe() if d["tiers"] == ["disk"]} == {b.id}
     with pool.lookup([1] + T, pool.chain([1] + T)) as lease:  # type: ignore[union-attr]
         assert lease.tier == "disk" and bytes(lease.data) == b"b" * 64
@@ -250,8 +250,8 @@ def test_removed_while_being_written_leaves_no_file(
     assert pool.remove(rec.id)
     gate.open.set()
     pool.flush()
-    assert wait_for(lambda: pool.stats()["write_queue"] == 0)
+    assert wait_for(lambda: pool.stats().write_queue == 0)
     assert not list((tmp_path / "ckpt").glob("*.ckpt"))
-    assert pool.stats()["disk_bytes"] == 0 and pool.describe() == []
+    assert pool.stats().tier("disk").bytes == 0 and pool.describe() == []
     pool.sanity_check()
     assert not os.path.exists(tmp_path / "ckpt" / f"{rec.id}.ckpt")
