@@ -15,7 +15,7 @@ from statecache.tiers.ram import Pin
 
 
 class _Releaser(Protocol):
-    def _release(self, pin: Pin | None, spare: mmap.mmap | None = None) -> None: ...
+    def release(self, pin: Pin | None, spare: mmap.mmap | None = None) -> None: ...
 
 
 class Lease:
@@ -54,7 +54,7 @@ class Lease:
         if not self._closed:
             self._closed = True
             self._data.release()
-            self._pool._release(self._pin, self._spare)
+            self._pool.release(self._pin, self._spare)
             self._spare = None
 
     def __enter__(self) -> Lease:

@@ -48,7 +48,7 @@ def test_a_write_in_progress_counts_in_the_budget(make_pool: PoolFactory) -> Non
     gate.open.set()
     pool.flush()
     # Committed, the file counts what it takes (its rest compressed: less than reserved).
-    size = (pool._disk.path / f"{rec.id}.ckpt").stat().st_size  # type: ignore[union-attr]
+    size = (pool.disk.path / f"{rec.id}.ckpt").stat().st_size  # type: ignore[union-attr]
     assert size < file_size(rec)
     assert pool.stats().tier("disk").bytes == size and pool.stats().tier("disk").entries == 1
 

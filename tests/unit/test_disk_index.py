@@ -24,7 +24,7 @@ NS = namespace_hash("m", "")
 
 
 def heads(pool) -> dict[str, RecordHead]:  # type: ignore[no-untyped-def]
-    return {i: e.record for i, e in pool._entries.items() if isinstance(e.record, RecordHead)}
+    return {i: e.record for i, e in pool._e.entries.items() if isinstance(e.record, RecordHead)}
 
 
 def test_a_pool_opened_on_many_checkpoints_holds_little_for_each(

@@ -60,7 +60,7 @@ def test_pool_eviction_order_and_write_through(make_pool: PoolFactory) -> None:
         recs[i] = put(pool, [100 + i] + T[:7], bytes([i]) * 20, role=role)
     # FULL states reach the disk in the background, in the order they came.
     pool.flush()
-    assert list(pool._disk.ids()) == [recs[i].id for i in range(4)]  # type: ignore[union-attr]
+    assert list(pool.disk.ids()) == [recs[i].id for i in range(4)]  # type: ignore[union-attr]
     # Hit entry 1 (end-of-reply): it moves to the warm class, and to the disk's MRU end.
     toks = [101] + T[:7]
     pool.lookup(toks, pool.chain(toks)).close()  # type: ignore[union-attr]
@@ -83,7 +83,7 @@ def test_pool_eviction_order_and_write_through(make_pool: PoolFactory) -> None:
     assert recs[4].id not in ids_in(pool, "ram")
     # Disk LRU order: 0..3 written, 1 used, 4..7 written, 0 used.
     disk_order = [recs[i].id for i in (2, 3, 1, 4, 5, 6, 7, 0)]
-    assert list(pool._disk.ids()) == disk_order  # type: ignore[union-attr]
+    assert list(pool.disk.ids()) == disk_order  # type: ignore[union-attr]
 
 
 def test_partial_entries_never_reach_disk_and_drop_with_their_lane(

@@ -41,7 +41,7 @@ class Gate:
 
     @classmethod
     def on_writes(cls, pool: CheckpointPool) -> Gate:
-        disk = pool._disk
+        disk = pool.disk
         assert disk is not None
         gate = cls(disk.write_file)
         disk.write_file = gate  # type: ignore[method-assign,assignment]
@@ -49,7 +49,7 @@ class Gate:
 
     @classmethod
     def on_reads(cls, pool: CheckpointPool) -> Gate:
-        disk = pool._disk
+        disk = pool.disk
         assert disk is not None
         gate = cls(disk.read_file)
         disk.read_file = gate  # type: ignore[method-assign,assignment]

@@ -24,7 +24,7 @@ STATE = random.Random(7).randbytes(10_240)
 
 
 def _sync(pool: CheckpointPool) -> None:
-    assert pool._remote is not None and pool._remote.flush(10)
+    assert pool.remote is not None and pool.remote.flush(10)
 
 
 def _remote_offers(pool: CheckpointPool, tokens: list[int], tenant: str = "") -> list[Offer]:
@@ -171,7 +171,7 @@ def test_store_down_degrades_then_reuse_resumes(proxy, store: Store, caplog) -> 
 def test_writes_waiting_for_a_slow_store_drop_the_oldest(proxy, store: Store) -> None:  # type: ignore[no-untyped-def]
     store.stop()
     a = proxy("a", queue_bytes=2 * (len(STATE) + REST_HEAD_BYTES), retry_s=60)
-    a._remote.ping()  # type: ignore[union-attr]  # learn that it is down
+    a.remote.ping()  # type: ignore[union-attr]  # learn that it is down
     for i in range(4):
         put(a, [200 + i] + T[:12], STATE)
     s = a.stats()
