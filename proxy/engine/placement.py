@@ -46,7 +46,7 @@ class Placement:
         better = _closing([ln for ln in free if ln is not src], busy, _runs(busy + [src.id]))
         if not better:
             return
-        copy = plan.source is Source.LANE and src.n > 0
+        copy = plan.source == Source.LANE and src.n > 0
         if copy and self.p.memory.kind is MemoryKind.SWA and plan.truncate:
             # a restored SWA state is never cut below its own position (docs/design.md
             return  # fact 8)

@@ -120,8 +120,8 @@ class Restorer:
     def carry_out(self, plan: Plan, job: Job) -> None:
         p, publisher = self.p, self.publisher
         lane, prompt, tenant = plan.lane, job.prompt, job.req.tenant
-        job.stats.source, job.stats.role = plan.source.value, plan.role
-        if plan.source is Source.LANE:
+        job.stats.source, job.stats.role = plan.source, plan.role
+        if plan.source == Source.LANE:
             if plan.partial is not None or plan.truncate:
                 publisher.hand_off_unless_replaced(lane, job, convert_replay=False)
             if plan.partial is not None and not p.ctx.restore(
@@ -156,4 +156,4 @@ class Restorer:
         self.p.meter.count("restore_failures")
         self.publisher.clear(lane)
         lane.tenant = job.req.tenant
-        job.stats.source, job.stats.role = Source.COLD.value, ""
+        job.stats.source, job.stats.role = Source.COLD, ""

@@ -28,6 +28,7 @@ from statecache.tiers.disk import DiskTier
 from statecache.tiers.policy import EvictionClass
 from statecache.tiers.ram import Pin, RamTier
 from statecache.tiers.remote import RemoteTier
+from statecache.tiers.tier import Store
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,10 @@ class Entries:
         self.queue: OrderedDict[str, None] = OrderedDict()
         self.writing: set[str] = set()  # ids whose files are being written
         self.disk: DiskTier | None = None
-        self.remote: RemoteTier | None = None
+        self.remote: RemoteTier | None = None  # the shared tier of [cache.remote]
+        # the tiers behind the local ones, nearest first: the shared tier (while it is
+        # open), then any the pool was given
+        self.stores: list[Store] = []
         # each tier's state in words ("ok", or why it is off)
         self.disk_status = "disabled in the config"
         self.remote_status = "off"
@@ -100,6 +104,10 @@ class Entries:
             raise ValueError("chain was built for another tenant or page size")
 
     # -- where an entry is -------------------------------------------------------------
+
+    def store(self, name: str) -> Store | None:
+        """The store called ``name``, if the pool holds it."""
+        return next((s for s in self.stores if s.name == name), None)
 
     def in_memory(self, entry_id: str) -> bool:
         return entry_id in self.ram or entry_id in self.spilling

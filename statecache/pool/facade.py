@@ -48,7 +48,7 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,7 @@ from statecache.tiers.opendisk import open_disk
 from statecache.tiers.policy import ByClass
 from statecache.tiers.ram import Pin, RamTier
 from statecache.tiers.remote import RemoteTier
+from statecache.tiers.tier import Store
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,10 @@ class CheckpointPool:
         state_format: int = 1,
         kv_sections: int = 0,
         clock: Callable[[], float] = time.time,
+        stores: Sequence[Store] = (),
     ) -> None:
+        """``stores``: tiers behind the local ones besides ``[cache.remote]``'s, nearest
+        first (closed with the pool)."""
         self.cfg = cfg
         self.fingerprint = fingerprint
         self.state_format = state_format
@@ -113,6 +117,10 @@ class CheckpointPool:
             self._open_disk()
         if cfg.remote.url:
             self._open_remote()
+        e.stores += stores
+        for tier in (e.ram, e.disk, *e.stores):
+            if tier is not None:
+                e.costs.know(tier.name, tier.prior_bandwidth)
 
     def _evicted(self, slot: Pin) -> bool:
         """RAM evicts ``slot``: whether the disk writer keeps its bytes until written."""
@@ -150,6 +158,7 @@ class CheckpointPool:
                             page_size=self.page_size, level=self.cfg.compress_level)
         remote.ping()
         e.remote, e.remote_status = remote, remote.status
+        e.stores.append(remote)
 
     # -- what the pool is ---------------------------------------------------------------
 
@@ -216,8 +225,8 @@ class CheckpointPool:
         self, tokens: Tokens, chain: PageChain, *, max_n: int, tenant: str = ""
     ) -> list[Offer]:
         """FULL states usable for ``tokens`` with ``n <= max_n``, nothing read: the
-        deepest in memory, a deeper one on disk, deeper ones in the shared store (one
-        round trip to its index). ``take`` reads the one the planner picks."""
+        deepest in memory, a deeper one on disk, deeper ones in each store (one round
+        trip to the shared tier's index). ``take`` reads the one the planner picks."""
         return self._offers.full_offers(tokens, chain, max_n=max_n, tenant=tenant)
 
     def take(
@@ -322,8 +331,10 @@ class CheckpointPool:
         """
         e = self._e
         with self._close_lock:
+            for store in e.stores:
+                store.close()
+            e.stores.clear()
             if e.remote is not None:
-                e.remote.close()
                 e.remote = None
                 e.remote_status = "closed"
             self._writer.stop()

@@ -124,7 +124,7 @@ class Inserts:
                     e.add(entry)
                     e.counts.inserts += 1
                     self.writer.queue_write(entry)
-                    if e.remote is None:
+                    if not e.stores:
                         return rec
                     shared = [e.ram.page(k) for k in sp.keys]
                     break
@@ -167,9 +167,12 @@ class Inserts:
                      tokens=rec.token_array(), logits=logits)
 
     def _share(self, rec: CheckpointRecord, rest: bytes, pages: list[PageData]) -> None:
-        remote = self.e.remote
-        if remote is not None and rec.kind is Kind.FULL and rec.owner is Owner.TARGET:
-            remote.put(rec, rest, [bytes(page_bytes(p)) for p in pages])
+        """A FULL state of the target goes to every store (the same copies)."""
+        stores = self.e.stores
+        if stores and rec.kind is Kind.FULL and rec.owner is Owner.TARGET:
+            copies = [bytes(page_bytes(p)) for p in pages]
+            for store in stores:
+                store.put(rec, rest, copies)
 
     def _refresh(self, entry: Entry, rec: CheckpointRecord, now: float) -> Record:
         e = self.e

@@ -38,7 +38,7 @@ class Lease:
         # (a copy: valid after ``close``)
         self.logits = logits
         self._spare = spare  # the buffer ``data`` was assembled in: reused once closed
-        self.tier = tier  # "ram", "disk" or "remote": where the hit came from
+        self.tier = tier  # the name of the tier the hit came from ("ram", "disk", "remote" ...)
         self._data = memoryview(data).toreadonly()
         self._pool = pool
         self._pin = pin

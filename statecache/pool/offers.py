@@ -2,10 +2,11 @@
 weighs by what fetching each costs (statecache.costs), and ``take``, which reads the one
 it picks.
 
-A local offer names the deepest state in memory and a deeper one on disk; the shared
-store's index is asked (one round trip) for deeper ones still. Taking a local offer is
-a lookup; taking a store's fetches its state, checks it as any read is checked, and
-puts it in RAM as an entry of this pool, which never sends it back.
+A local offer names the deepest state in memory and a deeper one on disk; each store
+behind them is asked (its index: one round trip for the shared tier) for deeper ones
+still. Taking a local offer is a lookup; taking a store's fetches its state (without
+the pages the local tiers hold), checks it as any read is checked, and puts it in RAM
+as an entry of this pool, which never sends it back.
 """
 
 from __future__ import annotations
@@ -23,17 +24,18 @@ from statecache.pool.lease import Lease
 from statecache.pool.reads import Reads
 from statecache.pool.writer import DiskWriter
 from statecache.records import EntryStats, Kind, Owner
-from statecache.tiers.remote import RemoteHit
+from statecache.tiers.tier import Hit
 
 
 @dataclass(slots=True, frozen=True)
 class Offer:
     """A FULL state the pool could start a prompt from, not read yet."""
 
-    tier: str  # ram | disk | remote
+    tier: str  # the name of the tier that holds it
     n: int
     nbytes: int
-    hit: RemoteHit | None = None  # for the remote tier
+    hit: Hit | None = None  # a store's own handle of it (None: a local state)
+    read: bool = True  # taking it reads it from a device or a store (not a copy in RAM)
 
 
 class Offers:
@@ -54,16 +56,18 @@ class Offers:
         with e.lock:
             for rec in e.index.candidates(chain, kind=Kind.FULL, owner=Owner.TARGET,
                                           lane=None, max_n=limit):
-                tier = "ram" if e.in_memory(rec.id) else "disk"
-                if not offers or (tier == "ram" and rec.n == offers[-1].n):
-                    offers.append(Offer(tier, rec.n, rec.nbytes))
-                if tier == "ram":
+                in_memory = e.in_memory(rec.id)
+                if not offers or (in_memory and rec.n == offers[-1].n):
+                    tier = e.ram if in_memory else e.disk
+                    assert tier is not None
+                    offers.append(Offer(tier.name, rec.n, rec.nbytes, read=not in_memory))
+                if in_memory:
                     break  # anything shallower than a copy in memory costs more
-            remote = e.remote
+            stores = list(e.stores)
         deepest = max((o.n for o in offers), default=0)
-        if remote is not None and limit > deepest:
-            offers += [Offer("remote", h.n, h.nbytes, h)
-                       for h in remote.probe(chain, min_n=deepest, max_n=limit)]
+        for store in stores if limit > deepest else ():
+            offers += [Offer(store.name, h.n, h.nbytes, h)
+                       for h in store.probe(chain, min_n=deepest, max_n=limit)]
         return offers
 
     def take(self, offer: Offer, tokens: Tokens, chain: PageChain, *, tenant: str
@@ -76,12 +80,12 @@ class Offers:
         if offer.hit is None:
             return self.reads.lookup(tokens, chain, kind=Kind.FULL, owner=Owner.TARGET,
                                      lane=None, max_n=offer.n, tenant=tenant)
-        remote = e.remote
-        if remote is None:
+        store = e.store(offer.tier)
+        if store is None:
             return None
         t0 = time.perf_counter()
-        got = remote.fetch(offer.hit, as_tokens(tokens), tenant or e.cfg.tenant,
-                           self.local_pages)
+        got = store.fetch(offer.hit, as_tokens(tokens), tenant or e.cfg.tenant,
+                          self.local_pages)
         assembled = None if got is None else self.reads.assemble(got[0], got[1], got[2])
         if got is None or assembled is None:
             with e.lock:
@@ -90,22 +94,22 @@ class Offers:
         rec, rest, pages = got
         data, buf = assembled
         logits = rest_logits(rest)
-        e.costs.note_read("remote", rec.nbytes, time.perf_counter() - t0)
+        e.costs.note_read(store.name, rec.nbytes, time.perf_counter() - t0)
         with e.lock:
-            e.counts.hit("remote")
+            e.counts.hit(store.name)
             entry = e.entries.get(rec.id)
             if entry is None:  # joins RAM as this pool's own entry (never sent back)
                 entry = Entry(rec, EntryStats(last_used=e.clock(), hits=1))
                 if self.reads.put_ram(entry, rec, rest, pages):
                     e.add(entry)
                     self.writer.queue_write(entry)
-                    return Lease(self.reads, rec, "remote", data, e.ram.pin(rec.id), buf,
+                    return Lease(self.reads, rec, store.name, data, e.ram.pin(rec.id), buf,
                                  logits=logits)
-        return Lease(self.reads, rec, "remote", data, None, buf, logits=logits)
+        return Lease(self.reads, rec, store.name, data, None, buf, logits=logits)
 
     def local_pages(self, keys: tuple[PageKey, ...]) -> dict[int, Buffer]:
         """The pages of ``keys`` the local tiers hold (RAM, else read from disk), by index:
-        the shared tier fetches only the others."""
+        a store fetches only the others."""
         e = self.e
         with e.lock:
             held = self.reads.ram_pages(keys)

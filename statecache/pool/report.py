@@ -74,11 +74,11 @@ class Report:
                        quarantined=0 if disk is None else disk.quarantined,
                        write_queue=len(e.queue) + len(e.writing),
                        kept_entries=sum(1 for u in e.kept.values() if u > now))
-            remote = e.remote
-            off = dict(e.off)
-        if remote is not None:  # its own lock: asked without the pool's
-            tiers.append(remote)
-            figures.append(remote.stats())
+            stores = list(e.stores)
+            off = e.off
+        for store in stores:  # each with its own lock: asked without the pool's
+            tiers.append(store)
+            figures.append(store.stats())
         bw = e.costs.measured_bandwidth
         filled = tuple(dataclasses.replace(f, hits=counts.hits.get(t.name, 0),
                                            bandwidth=None if t.prior_bandwidth is None
@@ -112,9 +112,9 @@ class Report:
             if len(e.index) != len(e.entries):
                 raise RuntimeError(f"pool: {len(e.index)} indexed, {len(e.entries)} entries")
             self._check_entries(ram_ids, disk_ids, spill_ids)
-            remote = e.remote
-        if remote is not None:
-            remote.sanity_check()
+            stores = list(e.stores)
+        for store in stores:
+            store.sanity_check()
 
     def _check_entries(self, ram_ids: set[str], disk_ids: set[str], spill_ids: set[str]
                        ) -> None:

@@ -22,7 +22,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +55,7 @@ from statecache.kvpages import PageKey
 from statecache.pages import PageChain
 from statecache.records import CheckpointRecord, Kind, Owner
 from statecache.tiers.background import run_in_background
-from statecache.tiers.tier import StoreStats, TierStats
+from statecache.tiers.tier import LocalPages, StoreStats, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,6 @@ _FETCH_BATCH = 64 << 20  # bytes asked for in one pipeline: bounds a read's extr
 _CANDIDATES = 4  # remote hits returned by one probe, deepest first
 # The store failed, not the entry: a cluster that cannot be reached raises the latter.
 _STORE_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
-# The pages of ``keys`` a caller holds already, by index: not fetched.
-LocalPages = Callable[[tuple[PageKey, ...]], dict[int, Buffer]]
 
 
 @dataclass(slots=True, frozen=True)

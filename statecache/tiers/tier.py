@@ -1,17 +1,34 @@
-"""What every tier is to the pool's report: a name, its figures, its invariants.
+"""What a tier is to the pool: a name, its figures, its invariants (``Tier``); and
+what a store behind the local tiers does (``Store``).
 
 The pool holds a RAM tier, a disk tier when one opens, and the stores behind them (the
-shared tier of ``[cache.remote]``); its report, its sanity check, the cost planner and
-the live page go over them in that order (nearest first) through this face, so none
-of them names a tier. A tier's figures are the same record for every tier
-(``TierStats``); what a tier does not hold that way is None.
+shared tier of ``[cache.remote]``, and any other a caller gives it); its report, its
+sanity check, the cost planner and the live page go over them in that order (nearest
+first) through these faces, so none of them names a tier. A tier's figures are the
+same record for every tier (``TierStats``); what a tier does not hold that way is None.
+
+A store is asked in three ways. ``probe``: which states it holds for a prompt deeper
+than the local tiers do, from its index alone (nothing read); ``fetch``: one of them,
+checked (tokens, tenant, model, format, MAC) before it is given back, without the
+pages the local tiers hold; ``put``: a new FULL state, sent in the background. The
+pool weighs a store's offer against prefilling the tokens it saves, by the store's
+bandwidth (``prior_bandwidth`` until one is measured), before anything is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+from statecache.buffers import Buffer
+from statecache.kvpages import PageKey
+from statecache.pages import PageChain
+from statecache.records import CheckpointRecord
+
+# The pages of ``keys`` the local tiers hold already, by index: a store does not send them.
+LocalPages = Callable[[tuple[PageKey, ...]], dict[int, Buffer]]
 
 
 @dataclass(slots=True)
@@ -90,3 +107,38 @@ class Tier(Protocol):
         """Raise RuntimeError where its bookkeeping disagrees with what it holds."""
         ...
 
+
+
+class Hit(Protocol):
+    """A store's index entry for a prompt: a state it holds, not read yet."""
+
+    @property
+    def n(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class Store(Tier, Protocol):
+    """A tier behind the local ones: the pool offers its states and sends it new ones."""
+
+    @property
+    def status(self) -> str:
+        """"ok", or why it does not serve now."""
+        ...
+
+    def probe(self, chain: PageChain, *, min_n: int, max_n: int) -> Sequence[Hit]:
+        """States for ``chain`` with ``min_n < n <= max_n``, deepest first."""
+        ...
+
+    def fetch(self, hit: Any, tokens: Any, tenant: str, local: LocalPages | None = None
+              ) -> tuple[CheckpointRecord, Buffer, list[Buffer]] | None:
+        """The record, rest and pages of ``hit`` (one of this store's), checked against
+        ``tokens`` and ``tenant``; None when it is gone or refused."""
+        ...
+
+    def put(self, rec: CheckpointRecord, rest: bytes, pages: Sequence[bytes] = ()) -> None:
+        """Keep a FULL state (pass immutable bytes: they are not copied)."""
+        ...
+
+    def close(self) -> None: ...

@@ -36,7 +36,7 @@ def test_disk_is_read_when_it_beats_the_prefill(make_pool: PoolFactory) -> None:
     pool = _on_disk_only(make_pool, 160, 1 << 20)
     # 1 MiB at 1 GB/s (about 1 ms) against 160 tokens at 1,000 tokens/s (160 ms): read it
     plan = _plan(pool, [Lane(0)])
-    assert (plan.source, plan.reuse) == (Source.DISK, 160)
+    assert (plan.source, plan.reuse) == ("disk", 160)
     assert plan.estimate.startswith("est. disk ") and "vs cold 200 ms" in plan.estimate
     plan.release()
 
