@@ -26,7 +26,8 @@ from statecache.pool.stats import Counts
 from statecache.records import CheckpointRecord, EntryStats, Record
 from statecache.tiers.disk import DiskTier
 from statecache.tiers.policy import EvictionClass
-from statecache.tiers.ram import Pin, RamTier
+from statecache.tiers.ram import RamTier
+from statecache.tiers.rampages import Pin
 from statecache.tiers.remote import RemoteTier
 from statecache.tiers.tier import Store
 

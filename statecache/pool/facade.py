@@ -74,7 +74,8 @@ from statecache.tiers.dirlock import DirLock
 from statecache.tiers.disk import DiskTier
 from statecache.tiers.opendisk import open_disk
 from statecache.tiers.policy import ByClass
-from statecache.tiers.ram import Pin, RamTier
+from statecache.tiers.ram import RamTier
+from statecache.tiers.rampages import Pin
 from statecache.tiers.remote import RemoteTier
 from statecache.tiers.tier import Store
 

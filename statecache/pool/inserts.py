@@ -25,7 +25,7 @@ from statecache.pool.entries import Entries, Entry
 from statecache.pool.writer import DiskWriter, WriteJob
 from statecache.records import CheckpointRecord, EntryStats, Kind, Owner, Record, Role, new_record
 from statecache.sizes import format_size
-from statecache.tiers.ram import State, Whole
+from statecache.tiers.rampages import State, Whole
 
 # How long an insert waits for the writer to free RAM held by spilled states.
 _SPILL_WAIT_S = 10.0

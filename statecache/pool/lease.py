@@ -11,7 +11,7 @@ import numpy.typing as npt
 
 from statecache.buffers import Buffer
 from statecache.records import CheckpointRecord
-from statecache.tiers.ram import Pin
+from statecache.tiers.rampages import Pin
 
 
 class _Releaser(Protocol):

@@ -37,7 +37,7 @@ from statecache.pool.entries import Entries, Entry, whole
 from statecache.pool.lease import Lease
 from statecache.records import CheckpointRecord, Kind, Owner, Record
 from statecache.tiers.disk import BadPageFile, DiskTier
-from statecache.tiers.ram import Pin, State
+from statecache.tiers.rampages import Pin, State
 
 log = logging.getLogger(__name__)
 

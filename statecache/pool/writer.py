@@ -23,7 +23,7 @@ from statecache.records import CheckpointRecord, EntryStats, Kind
 from statecache.sizes import format_size
 from statecache.tiers.background import run_in_background
 from statecache.tiers.disk import DiskTier
-from statecache.tiers.ram import Pin
+from statecache.tiers.rampages import Pin
 
 log = logging.getLogger(__name__)
 

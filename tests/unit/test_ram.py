@@ -2,7 +2,8 @@ from __future__ import annotations
 
 from statecache.records import Role
 from statecache.tiers.policy import EvictionClass, eviction_class
-from statecache.tiers.ram import Pin, RamTier
+from statecache.tiers.ram import RamTier
+from statecache.tiers.rampages import Pin
 
 COLD, PERIODIC, WARM = EvictionClass.COLD, EvictionClass.PERIODIC, EvictionClass.WARM
 
