@@ -131,7 +131,7 @@ def _ckpt_files(d: Path) -> Iterator[Path]:
 
 def _quarantined(d: Path) -> list[dict[str, Any]]:
     """Files moved aside by the proxy: never served, kept for a look until purged."""
-    from statecache.tiers.disk import QUARANTINE
+    from statecache.tiers.diskfiles import QUARANTINE
 
     q = d / QUARANTINE
     if not q.is_dir():
@@ -197,7 +197,7 @@ def _disk_rows(d: Path) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
 
 def _page_files(d: Path) -> Iterator[tuple[Path, str]]:
     """Every KV page file under ``d`` (any model's) and its key in hex."""
-    from statecache.tiers.disk import PAGE_SUFFIX
+    from statecache.tiers.diskfiles import PAGE_SUFFIX
 
     if not d.is_dir():
         return
@@ -466,7 +466,7 @@ def _verify(args: argparse.Namespace) -> int:
         return EXIT_PROBLEMS
     from statecache.formats.pagefmt import BadPage, decode_page
     from statecache.kvpages import PageKey
-    from statecache.tiers.disk import page_path, pages_dir
+    from statecache.tiers.diskfiles import page_path, pages_dir
 
     ok: list[str] = []
     bad: list[dict[str, str]] = []

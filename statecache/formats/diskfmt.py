@@ -34,7 +34,7 @@ import numpy as np
 from statecache.buffers import Buffer
 from statecache.formats import codec
 from statecache.pages import HASH_BYTES
-from statecache.records import CheckpointRecord, Kind, Owner, Role, new_record
+from statecache.records import CheckpointRecord, Kind, Owner, Record, Role, new_record
 
 MAGIC = b"SCKP"
 FORMAT_VERSION = 3
@@ -172,6 +172,25 @@ def record_from_meta(meta: dict[str, Any], page_size: int) -> CheckpointRecord:
     if rec.id != meta["id"]:
         raise BadFile("metadata id does not match its content")
     return rec
+
+
+def same_claims(found: CheckpointRecord, rec: Record, keys: bytes) -> bool:
+    """The record rebuilt from a file's authenticated metadata (its id recomputed from its
+    content) says exactly what the indexed one says, and names the pages ``keys``."""
+    return (
+        found.id == rec.id
+        and found.n == rec.n
+        and (not isinstance(rec, CheckpointRecord) or found.tokens == rec.tokens)
+        and found.fingerprint == rec.fingerprint
+        and found.tenant == rec.tenant
+        and found.state_format == rec.state_format
+        and found.kind is rec.kind
+        and found.owner is rec.owner
+        and found.lane == rec.lane
+        and found.nbytes == rec.nbytes
+        and found.keys == keys
+        and found.rest_nbytes == rec.rest_nbytes
+    )
 
 
 @functools.lru_cache(maxsize=8)

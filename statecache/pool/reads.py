@@ -36,7 +36,8 @@ from statecache.pages import PageChain, TokenArray, Tokens, as_tokens
 from statecache.pool.entries import Entries, Entry, whole
 from statecache.pool.lease import Lease
 from statecache.records import CheckpointRecord, Kind, Owner, Record
-from statecache.tiers.disk import BadPageFile, DiskTier
+from statecache.tiers.disk import DiskTier
+from statecache.tiers.diskfiles import BadPageFile
 from statecache.tiers.rampages import Pin, State
 
 log = logging.getLogger(__name__)

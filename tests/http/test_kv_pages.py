@@ -14,7 +14,7 @@ import pytest
 
 from proxy.api.app import ENGINE
 from statecache.formats.diskfmt import read_meta
-from statecache.tiers.disk import PAGE_SUFFIX
+from statecache.tiers.diskfiles import PAGE_SUFFIX
 from tests.http.agent import Session, user_message
 from tests.http.conftest import serve
 from tests.http.test_sessions import NEAR_TIE, PAGE, _same_as_cold

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from statecache.tiers import disk
-from statecache.tiers.disk import PAGE_SUFFIX, pages_dir
+from statecache.tiers import diskfiles
+from statecache.tiers.diskfiles import PAGE_SUFFIX, pages_dir
 from tests.unit.conftest import FP, PoolFactory
 from tests.unit.kvstate import conversation_state
 from tests.unit.test_pool_pages import save, state_of
@@ -39,8 +39,8 @@ def test_pages_are_files_written_once(make_pool: PoolFactory, tmp_path: Path) ->
     files = page_files(tmp_path)
     assert len(files) == 10 + 2  # conversation 0's ten pages once, conversation 1's two
     s = pool.stats()
-    disk = s.tier("disk")
-    assert (disk.pages, disk.page_bytes) == (12, sum(p.stat().st_size for p in files))
+    held = s.tier("disk")
+    assert (held.pages, held.page_bytes) == (12, sum(p.stat().st_size for p in files))
     records = sum(record_file(tmp_path, r.id).stat().st_size for r in recs)
     assert s.tier("disk").bytes == records + s.tier("disk").page_bytes + sum(
         f.stat().st_size for f in (tmp_path / "ckpt").glob("*.ckpt")
@@ -108,7 +108,7 @@ def test_pages_read_in_groups_of_open_files_come_back_in_order(
     make_pool: PoolFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ahead: int
 ) -> None:
     recs = saved(make_pool)
-    monkeypatch.setattr(disk, "_AHEAD", ahead)  # ten pages: groups of 1, of 3 and one
+    monkeypatch.setattr(diskfiles, "_AHEAD", ahead)  # ten pages: groups of 1, of 3 and one
     pool = make_pool(kv_sections=1)
     assert state_of(pool, 0, 40) == conversation_state(40)
     pool.close()
@@ -155,6 +155,6 @@ def test_orphan_pages_are_removed_and_the_budget_counts_each_page_once(
 
 
 def _page_of(tmp_path: Path, rec, i: int) -> Path:  # type: ignore[no-untyped-def]
-    from statecache.tiers.disk import page_path
+    from statecache.tiers.diskfiles import page_path
 
     return page_path(pages_dir(tmp_path / "ckpt", FP), rec.page_keys[i])
