@@ -357,8 +357,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _remote_admin(args: argparse.Namespace) -> tuple[Any, str]:
     from statecache.config import load_config
-    from statecache.tiers.remote import where
     from statecache.tiers.remoteadmin import RemoteAdmin
+    from statecache.tiers.remotelink import where
 
     cfg = load_config(args.config).cache
     url = args.remote or cfg.remote.url

@@ -22,7 +22,7 @@ from statecache.formats.remotefmt import (
     read_unchecked,
 )
 from statecache.pages import PageChain, namespace_hash
-from statecache.tiers.remote import connect
+from statecache.tiers.remotelink import connect
 
 
 class RemoteAdmin:
