@@ -1,6 +1,7 @@
-"""Configuration: one TOML file into frozen dataclasses; defaults < file < overrides
-(statecache/config/sections.py)."""
+"""Configuration: one TOML file (load.py) into frozen dataclasses (sections.py);
+defaults < file < overrides."""
 
+from statecache.config.load import get_value, load_config
 from statecache.config.sections import (
     HOSTED_TOOLS,
     INNER_SYSTEM,
@@ -17,8 +18,6 @@ from statecache.config.sections import (
     ServerConfig,
     SpeculativeConfig,
     VolatileRule,
-    get_value,
-    load_config,
 )
 
 __all__ = ["HOSTED_TOOLS", "INNER_SYSTEM", "LOG_LEVELS", "SPECULATIVE_SOURCES", "CacheConfig",
