@@ -126,7 +126,7 @@ class Stepper:
             elif job.stopping and not job.done and job.prefilling:
                 job.finish_reason = "length"  # shutting down: nothing more to prefill
         ec = self.p.cfg.engine
-        # drafts weigh against what the step yields without them (proxy/engine/speculation.py)
+        # drafts weigh against what the step yields without them (proxy/engine/draftlength.py)
         self.exec.speculation.lanes_decoding = max(
             sum(1 for job, _ in active if not job.done and not job.prefilling), 1)
         works = plan_step([job for job, _ in active if not job.done], self.exec, self.timer,

@@ -164,7 +164,7 @@ class SpeculativeConfig:
     # most tokens prompt lookup drafts a step (draft_max where a hybrid rolls back by
     # n_rs_seq snapshots); the engine drafts fewer where fewer pay (bench.speculative)
     lookup_draft_max: int = 8
-    # true: each lane drafts only while drafting pays there (proxy/engine/speculation.py);
+    # true: each lane drafts only while drafting pays there (proxy/engine/draftlength.py);
     # false: every lane drafts what its source proposes at every step
     adaptive: bool = True
     # replies remembered for prompt lookup (proxy/engine/drafting.py History): this many

@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from proxy.engine.draftlength import LOOKUP
 from proxy.engine.job import Job, StepDrafts, Work
 from proxy.engine.lanes import Lane
-from proxy.engine.speculation import LOOKUP, Speculation
+from proxy.engine.speculation import Speculation
 from proxy.engine.timing import StepTimer
 from proxy.meters import EngineMeter
 from statecache.config import load_config
