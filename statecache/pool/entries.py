@@ -23,7 +23,7 @@ from statecache.costs import Costs
 from statecache.pages import PageChain, PageHash, namespace_hash
 from statecache.pool.index import Index
 from statecache.pool.stats import Counts
-from statecache.records import CheckpointRecord, EntryStats, Record
+from statecache.records import CheckpointRecord, EntryStats, Owner, Record
 from statecache.tiers.disk import DiskTier
 from statecache.tiers.policy import EvictionClass
 from statecache.tiers.ram import RamTier
@@ -157,6 +157,17 @@ class Entries:
         if self.disk is not None:
             self.disk.remove(entry_id)
         self.forget(entry_id)
+
+    def drop_lane(self, lane: int, above: int, owner: Owner | None) -> int:
+        """Remove the partial states of ``lane`` past ``above``, of ``owner`` (None: both);
+        how many."""
+        with self.lock:
+            ids = [i for i in self.by_lane.get(lane, ())
+                   if self.entries[i].record.n > above
+                   and (owner is None or self.entries[i].record.owner is owner)]
+            for entry_id in ids:
+                self.remove(entry_id)
+            return len(ids)
 
     def disk_evicted(self, entry_id: str) -> None:
         """The disk tier let ``entry_id`` go (its budget)."""

@@ -31,8 +31,8 @@ The pool works in rooms that share one record, ``Entries`` (pool/entries.py: the
 entries, the tiers, the lock, and ``settle``): reads (pool/reads.py: lookups and
 leases), offers (pool/offers.py: what each tier could start a prompt from, and
 ``take``), inserts (pool/inserts.py), the disk writer (pool/writer.py) and the report
-(pool/report.py: ``stats``, ``describe``, ``sanity_check``). This face opens the tiers
-and hands each call to its room.
+(pool/report.py: ``stats``, ``describe``, ``sanity_check``); pool/opening.py opens the
+tiers and closes them. This face hands each call to its room.
 
 With ``[cache.remote]`` a third tier, shared by several proxies, sits behind the two
 (``statecache.tiers.remote``): new FULL states go out to it in the background, and
@@ -49,7 +49,6 @@ import mmap
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,21 +57,18 @@ import numpy.typing as npt
 from statecache.buffers import Buffer, Spare
 from statecache.config import CacheConfig
 from statecache.costs import Costs
-from statecache.formats.trust import Untrusted, load_key
 from statecache.pages import PageChain, PageHash, Tokens
-from statecache.pool.entries import Entries, Entry
-from statecache.pool.index import Index
+from statecache.pool.entries import Entries
 from statecache.pool.inserts import Inserts
 from statecache.pool.lease import Lease
 from statecache.pool.offers import Offer, Offers
+from statecache.pool.opening import close_tiers, open_tiers
 from statecache.pool.reads import Reads
 from statecache.pool.report import Report
 from statecache.pool.stats import PoolStats
 from statecache.pool.writer import DiskWriter
-from statecache.records import CheckpointRecord, EntryStats, Kind, Owner, Record, Role
-from statecache.tiers.dirlock import DirLock
+from statecache.records import Kind, Owner, Record, Role
 from statecache.tiers.disk import DiskTier
-from statecache.tiers.opendisk import open_disk
 from statecache.tiers.policy import ByClass
 from statecache.tiers.ram import RamTier
 from statecache.tiers.rampages import Pin
@@ -113,53 +109,11 @@ class CheckpointPool:
         self._inserts = Inserts(e, self._writer, kv_sections)
         self._report = Report(e)
         self._close_lock = threading.Lock()
-        self._dir_lock: DirLock | None = None
-        if cfg.disk_enabled:
-            self._open_disk()
-        if cfg.remote.url:
-            self._open_remote()
-        e.stores += stores
-        for tier in (e.ram, e.disk, *e.stores):
-            if tier is not None:
-                e.costs.know(tier.name, tier.prior_bandwidth)
+        self._dir_lock = open_tiers(e, stores)
 
     def _evicted(self, slot: Pin) -> bool:
         """RAM evicts ``slot``: whether the disk writer keeps its bytes until written."""
         return self._writer.keep_evicted(slot)
-
-    def _open_disk(self) -> None:
-        e = self._e
-        opened = open_disk(self.cfg, self.fingerprint, state_format=self.state_format,
-                           on_evict=e.disk_evicted)
-        if isinstance(opened, str):
-            e.disk_status = opened
-            log.warning("pool: the disk tier is off: %s", opened)
-            return
-        disk, self._dir_lock = opened
-        e.disk = disk
-        disk.scan(self._found_on_disk)
-        e.disk_status = "ok"
-        log.info("pool: %d checkpoints found on disk in %s", len(disk), disk.path)
-
-    def _found_on_disk(self, rec: CheckpointRecord) -> None:
-        """A record the disk tier found at start: indexed by its head (its tokens and
-        pages stay in its file)."""
-        self._e.add(Entry(rec.head(), EntryStats(last_used=rec.created)), rec.page_hashes)
-
-    def _open_remote(self) -> None:
-        e, rc = self._e, self.cfg.remote
-        key_path = Path(rc.secret_path or self.cfg.secret_path).expanduser()
-        try:
-            key = load_key(key_path)
-        except (Untrusted, OSError) as err:
-            e.remote_status = f"off: its key {key_path}: {err}"
-            log.warning("pool: the remote tier is off: %s", e.remote_status)
-            return
-        remote = RemoteTier(rc, key, self.fingerprint, state_format=self.state_format,
-                            page_size=self.page_size, level=self.cfg.compress_level)
-        remote.ping()
-        e.remote, e.remote_status = remote, remote.status
-        e.stores.append(remote)
 
     # -- what the pool is ---------------------------------------------------------------
 
@@ -303,14 +257,7 @@ class CheckpointPool:
         After the lane is cut back to ``above`` tokens, partial states at or below it
         still match its KV; ``above=-1`` forgets them all.
         """
-        e = self._e
-        with e.lock:
-            ids = [i for i in e.by_lane.get(lane, ())
-                   if e.entries[i].record.n > above
-                   and (owner is None or e.entries[i].record.owner is owner)]
-            for entry_id in ids:
-                e.remove(entry_id)
-            return len(ids)
+        return self._e.drop_lane(lane, above, owner)
 
     def remove(self, entry_id: str) -> bool:
         e = self._e
@@ -330,34 +277,9 @@ class CheckpointPool:
 
         A second call (or one racing the first) waits for the first and loses nothing.
         """
-        e = self._e
         with self._close_lock:
-            for store in e.stores:
-                store.close()
-            e.stores.clear()
-            if e.remote is not None:
-                e.remote = None
-                e.remote_status = "closed"
-            self._writer.stop()
-            self.flush()
-            with e.cond:
-                while e.writing:  # a direct write of an insert racing this close
-                    e.cond.wait(0.5)
-                for entry_id in list(e.ram.ids()):
-                    e.ram.remove(entry_id)
-                for pin in e.spilling.values():  # only states whose write failed
-                    e.ram.unpin(pin)
-                e.spilling.clear()
-                e.entries.clear()
-                e.by_lane.clear()
-                e.index = Index()
-                e.queue.clear()
-                if self._dir_lock is not None:
-                    self._dir_lock.release()
-                    self._dir_lock = None
-                if e.disk is not None:
-                    e.disk_status = "closed"
-                e.disk = None
+            close_tiers(self._e, self._writer, self._dir_lock)
+            self._dir_lock = None
 
     # -- reports -------------------------------------------------------------------------
 
