@@ -41,7 +41,6 @@ to fetch (``statecache.costs``) before anything is read. A state taken from the
 store joins the RAM tier as an entry of this pool, never sent back.
 """
 
-
 from __future__ import annotations
 
 import logging
