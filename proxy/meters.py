@@ -240,7 +240,7 @@ def pool_families(stats: PoolStats) -> list[Family]:
             fam = out[name] = cls(name, help_, label_names)
         fam.put(labels, value)
 
-    for t in stats.tiers:
+    for t in (*stats.tiers, *stats.off):  # a tier that is off: its zeros
         put(_POOL_HITS, t.hits, t.name)
         put(_BYTES, t.bytes, t.name)
         put(_BUDGET, t.budget, t.name)

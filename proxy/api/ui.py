@@ -119,12 +119,12 @@ def tier_rows(stats: PoolStats | None) -> list[dict[str, Any]]:
     if stats is None:  # the cache is off
         return []
     rows: list[dict[str, Any]] = []
-    for t in stats.tiers:
+    for t, is_open in [(t, True) for t in stats.tiers] + [(t, False) for t in stats.off]:
         row: dict[str, Any] = {k: getattr(t, k) for k in _DRAWN}
+        row["open"] = is_open
         if t.store is not None:
             row["store"] = {k: getattr(t.store, k) for k in _TRAFFIC}
         rows.append(row)
-    rows += [{"label": label, "status": why} for label, why in stats.off.items()]
     return rows
 
 def _compact(obj: Any) -> str:

@@ -29,7 +29,7 @@ from statecache.tiers.policy import EvictionClass
 from statecache.tiers.ram import RamTier
 from statecache.tiers.rampages import Pin
 from statecache.tiers.remote import RemoteTier
-from statecache.tiers.tier import Store
+from statecache.tiers.tier import Store, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +81,12 @@ class Entries:
         self.costs = Costs()
 
     @property
-    def off(self) -> dict[str, str]:
-        """The tiers that are not open, by label, and why."""
-        return {cls.label: why for cls, why, tier in ((DiskTier, self.disk_status, self.disk),
-                                                      (RemoteTier, self.remote_status,
-                                                       self.remote))
-                if tier is None}
+    def off(self) -> tuple[TierStats, ...]:
+        """The figures of the tiers the pool has a place for that are not open (its
+        status says why): zero, so a dashboard's series of them stay."""
+        off = [] if self.disk is not None else [DiskTier.off(self.disk_status)]
+        return tuple(off) if self.remote is not None else (*off,
+                                                           RemoteTier.off(self.remote_status))
 
     # -- names -------------------------------------------------------------------------
 

@@ -6,7 +6,6 @@ pool's lock) and what it holds now (``PoolStats``, with each tier's ``TierStats`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from statecache.records import Role
@@ -58,11 +57,12 @@ class PoolStats:
     prefill_tps: float  # measured prefill rate (0: not yet)
     counts: Counts
     tiers: tuple[TierStats, ...]  # nearest first: RAM, disk, the stores behind
-    off: Mapping[str, str] = field(default_factory=dict)  # tiers not open: label -> why
+    off: tuple[TierStats, ...] = ()  # the tiers that are not open: zero, and why
 
     def tier(self, name: str) -> TierStats:
-        """The figures of the tier called ``name``; KeyError where the pool has none."""
-        for t in self.tiers:
+        """The figures of the tier called ``name`` (open or off); KeyError where the pool
+        has no place for it."""
+        for t in (*self.tiers, *self.off):
             if t.name == name:
                 return t
         raise KeyError(name)
@@ -71,5 +71,6 @@ class PoolStats:
         counts = {f.name: getattr(self.counts, f.name) for f in dataclasses.fields(Counts)}
         counts["hits_by_role"] = {r.value: n for r, n in self.counts.hits_by_role.items()}
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out.update(counts=counts, tiers=[t.to_json() for t in self.tiers], off=dict(self.off))
+        out.update(counts=counts, tiers=[t.to_json() for t in self.tiers],
+                   off=[t.to_json() for t in self.off])
         return out

@@ -45,7 +45,6 @@ from statecache.tiers.diskfiles import (
     DiskFiles,
     Stored,
     page_path,
-    quarantine,
 )
 from statecache.tiers.tier import TierStats
 
@@ -130,6 +129,12 @@ class DiskTier:
     def has_page(self, key: PageKey) -> bool:
         page = self._pages.get(key)
         return page is not None and page.written
+
+    @classmethod
+    def off(cls, why: str) -> TierStats:
+        """The figures of a disk tier that is off: nothing held, no budget."""
+        return TierStats(cls.name, cls.label, status=why, entries=0, bytes=0, budget=0,
+                         pages=0, page_bytes=0, evictions=0, bandwidth=0.0)
 
     def stats(self) -> TierStats:
         return TierStats(self.name, self.label, str(self.path.resolve()), entries=len(self),
@@ -326,10 +331,6 @@ class DiskTier:
 
     def utime(self, entry_id: str) -> None:
         self.files.utime(entry_id)
-
-    def _quarantine(self, path: Path, reason: str) -> None:
-        if quarantine(self.path, path, reason):
-            self.quarantined += 1
 
     def sanity_check(self) -> None:
         pages = sum(p.size for p in self._pages.values())

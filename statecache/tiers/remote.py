@@ -274,6 +274,11 @@ class RemoteTier:
         """The write queue's byte count is what its writes hold, within the bound."""
         self.out.sanity_check()
 
+    @classmethod
+    def off(cls, why: str) -> TierStats:
+        """The figures of a shared tier that is off: nothing read from it."""
+        return TierStats(cls.name, cls.label, status=why, bandwidth=0.0)
+
     def stats(self) -> TierStats:
         queue, queue_bytes = self.out.queued()
         with self.link.lock:

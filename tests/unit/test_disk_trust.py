@@ -197,7 +197,7 @@ def test_world_writable_directory_turns_the_disk_tier_off_with_one_warning(
         assert put(pool, [i] + A, STATE_A).id  # RAM still works
     pool.flush()
     assert len(list(ckpt.glob("*.ckpt"))) == 1  # only the planted one; nothing read
-    assert [t.name for t in pool.stats().tiers] == ["ram"] and pool.stats().quarantined == 0
+    assert pool.stats().tier("disk").entries == 0 and pool.stats().quarantined == 0
     warnings = statecache_warnings(caplog)
     assert len(warnings) == 1 and "the disk tier is off" in warnings[0]
     assert "chmod go-w" in warnings[0]
