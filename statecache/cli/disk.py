@@ -66,6 +66,7 @@ def quarantine_note(d: Path, quarantined: list[dict[str, Any]]) -> str:
 def record_rows(d: Path) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """Rows for valid-looking files (header + metadata only) and the unreadable ones."""
     from statecache.formats.diskfmt import BadFile, read_meta
+    from statecache.tiers.disk import DiskTier
 
     rows: list[dict[str, Any]] = []
     bad: list[dict[str, str]] = []
@@ -89,7 +90,7 @@ def record_rows(d: Path) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
                 "created": m["created"],
                 "last_used": fm.mtime,
                 "hits": None,
-                "tiers": ["disk"],
+                "tiers": [DiskTier.name],
                 "preview": m["preview"],
                 "fingerprint": m["fingerprint"],
                 "tenant": m["tenant"],

@@ -72,6 +72,7 @@ def inspect(args: argparse.Namespace) -> int:
     merged: dict[str, dict[str, Any]] = {
         r["id"]: {k: v for k, v in r.items() if not k.startswith("_")} for r in disk_rows}
     if args.remote is not None:
+        from statecache.tiers.remote import RemoteTier
         from statecache.tiers.remoteadmin import public
 
         admin, where = remote_admin(args)
@@ -85,15 +86,18 @@ def inspect(args: argparse.Namespace) -> int:
                 merged[r["id"]] = public(r)
                 continue
             row = merged[r["id"]]
-            row["tiers"] = sorted(set(row.get("tiers", [])) | {"remote"}, reverse=True)
+            row["tiers"] = sorted(set(row.get("tiers", [])) | {RemoteTier.name}, reverse=True)
             row["ttl_s"] = r["ttl_s"]
         if remote_bad:
             notes.append(f"{len(remote_bad)} unreadable entr(ies) in the remote tier {where}")
+    from statecache.tiers.ram import RamTier
+
     for r in proxy_rows:
         if not isinstance(r, dict) or not isinstance(r.get("id"), str):
             continue
         row = merged.setdefault(r["id"], {})
-        tiers = sorted(set(row.get("tiers", [])) | set(r.get("tiers", ["ram"])), reverse=True)
+        tiers = sorted(set(row.get("tiers", [])) | set(r.get("tiers", [RamTier.name])),
+                       reverse=True)
         row.update(r, tiers=tiers)
     if bad:
         notes.append(f"{len(bad)} unreadable file(s) in {d}; run `statecache verify`")

@@ -22,6 +22,7 @@ from statecache.formats.remotefmt import (
     read_unchecked,
 )
 from statecache.pages import PageChain, namespace_hash
+from statecache.tiers.remote import RemoteTier
 from statecache.tiers.remotelink import connect
 
 
@@ -59,7 +60,7 @@ class RemoteAdmin:
                     "id": m["id"], "kind": m["kind"], "owner": m["owner"], "lane": m["lane"],
                     "role": m["role"], "n": m["n"], "nbytes": m["nbytes"],
                     "created": m["created"], "last_used": m["created"], "hits": None,
-                    "tiers": ["remote"], "preview": m["preview"],
+                    "tiers": [RemoteTier.name], "preview": m["preview"],
                     "fingerprint": m["fingerprint"], "tenant": m["tenant"],
                     "state_format": m["state_format"], "key": name,
                     "ttl_s": ttl / 1000 if isinstance(ttl, int) and ttl >= 0 else None,
