@@ -204,7 +204,7 @@ class Engine:
                 if disk else None,
                 "disk": pool.disk_status if pool is not None else "cache off",
                 "remote": pool.remote_status if pool is not None else "off",
-                "stats": pool.stats() if pool is not None else {}}
+                "stats": pool.stats() if pool is not None else None}
 
     def queue(self) -> dict[str, int]:
         """Requests waiting for a lane and requests holding one, now."""

@@ -75,6 +75,19 @@ async def test_the_page_and_what_it_shows_after_an_agent_session(
     assert tiers["Disk"]["where"] == str((tmp_path / "ckpt").resolve())
 
 
+async def test_the_page_with_the_cache_off(hybrid_path: Path, tmp_path: Path) -> None:
+    """No pool: the page draws no tier, and the checkpoint list is empty, not an error."""
+    async with serve(hybrid_path, tmp_path / "ckpt", cache__enabled=False) as srv:
+        await srv.client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        status, _, raw = await _get(srv, "/admin/ui.json")
+        assert status == 200, raw
+        data = json.loads(raw)
+        status, _, listed = await _get(srv, "/admin/checkpoints")
+    assert data["tiers"] == [] and data["requests"][0]["prompt_tokens"] > 0
+    assert status == 200 and json.loads(listed)["checkpoints"] == []
+
+
 def _basic(key: str) -> dict[str, str]:
     return {"Authorization": "Basic " + base64.b64encode(f"admin:{key}".encode()).decode()}
 
