@@ -12,42 +12,6 @@ from proxy.meter import Counter, Family, Gauge, Histogram
 from statecache.pool import PoolStats
 from statecache.tiers.tier import StoreStats
 
-# simple engine counters: attribute -> help (family statecache_<attribute>_total)
-_COUNTS = {
-    "rejected_busy": "Requests refused with 503: lanes and queue full.",
-    "checkpoints_saved": "Checkpoints published.",
-    "checkpoint_bytes_saved": "Bytes of checkpoints published.",
-    "restore_failures": "Checkpoint restores that failed (fell back cold).",
-    "handoffs": "Lane states handed to the pool to free a lane.",
-    "replaced_replies": "Lane states cut back unsaved: the request held the last one's "
-                        "history and replaced its turn.",
-    "replies_spliced": "Replies whose generated ids were spliced in.",
-    "steps": "Engine steps: one llama_decode each, for every lane.",
-    "step_tokens": "Tokens decoded in engine steps (all lanes).",
-    "step_lane_work": "Lanes served by engine steps, summed over steps.",
-    "steps_multi_lane": "Engine steps that carried more than one lane.",
-    "steps_alone": "Engine steps of a lone decoding stream, run without planning each one.",
-    "idle_saves": "Idle lanes whose state was saved in full.",
-    "lanes_kept_in_line": "Requests started in another free lane than their plan's, so the "
-                          "busy lanes stay one run of ids.",
-    "lane_copies": "Live lane states copied to such a lane at the start of a request.",
-    "lane_moves": "Decoding requests moved into the gap a finished request left among the "
-                  "busy lanes.",
-    "cancelled_queued": "Requests whose client left while queued.",
-    "waits_for_shared_prefix": "Requests that waited for another one's checkpoint of a "
-                               "prefix they share.",
-    "fetches_in_background": "Checkpoints read from disk or the shared store on the fetch "
-                             "thread while other requests ran.",
-    "prewarms": "Pre-warm requests (max_tokens 0) served: prefilled and cached, nothing "
-                "generated.",
-    "prewarms_dropped": "Waiting pre-warms dropped (503) to make room in a full queue for a "
-                        "request that generates.",
-    "spec_rests": "Lanes that stopped drafting: drafts did not pay there (or prompt lookup "
-                  "kept finding nothing).",
-    "spec_probes": "Drafts a resting lane tried, to see whether drafting pays again.",
-}
-
-
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATE_BUCKETS = (1.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
 
@@ -104,19 +68,66 @@ class EngineMeter:
         self.active_requests = Gauge("statecache_active_requests",
                                      "Requests holding a lane now.")
         self.lanes = Gauge("statecache_lanes", "Lanes (llama.cpp sequences).")
-        self.counts = {name: Counter(f"statecache_{name}_total", help_)
-                       for name, help_ in _COUNTS.items()}
-
-    def count(self, name: str, by: float = 1) -> None:
-        """One of the simple counters of ``_COUNTS``."""
-        self.counts[name].inc(by=by)
-
-    def get(self, name: str) -> float:
-        return self.counts[name].get()
+        self.rejected_busy = Counter("statecache_rejected_busy_total",
+                                     "Requests refused with 503: lanes and queue full.")
+        self.checkpoints_saved = Counter("statecache_checkpoints_saved_total",
+                                         "Checkpoints published.")
+        self.checkpoint_bytes_saved = Counter("statecache_checkpoint_bytes_saved_total",
+                                              "Bytes of checkpoints published.")
+        self.restore_failures = Counter("statecache_restore_failures_total",
+                                        "Checkpoint restores that failed (fell back cold).")
+        self.handoffs = Counter("statecache_handoffs_total",
+                                "Lane states handed to the pool to free a lane.")
+        self.replaced_replies = Counter("statecache_replaced_replies_total",
+                                        "Lane states cut back unsaved: the request held the last "
+                                        "one's history and replaced its turn.")
+        self.replies_spliced = Counter("statecache_replies_spliced_total",
+                                       "Replies whose generated ids were spliced in.")
+        self.steps = Counter("statecache_steps_total",
+                             "Engine steps: one llama_decode each, for every lane.")
+        self.step_tokens = Counter("statecache_step_tokens_total",
+                                   "Tokens decoded in engine steps (all lanes).")
+        self.step_lane_work = Counter("statecache_step_lane_work_total",
+                                      "Lanes served by engine steps, summed over steps.")
+        self.steps_multi_lane = Counter("statecache_steps_multi_lane_total",
+                                        "Engine steps that carried more than one lane.")
+        self.steps_alone = Counter("statecache_steps_alone_total",
+                                   "Engine steps of a lone decoding stream, run without planning "
+                                   "each one.")
+        self.idle_saves = Counter("statecache_idle_saves_total",
+                                  "Idle lanes whose state was saved in full.")
+        self.lanes_kept_in_line = Counter("statecache_lanes_kept_in_line_total",
+                                          "Requests started in another free lane than their "
+                                          "plan's, so the busy lanes stay one run of ids.")
+        self.lane_copies = Counter("statecache_lane_copies_total",
+                                   "Live lane states copied to such a lane at the start of a "
+                                   "request.")
+        self.lane_moves = Counter("statecache_lane_moves_total",
+                                  "Decoding requests moved into the gap a finished request left "
+                                  "among the busy lanes.")
+        self.cancelled_queued = Counter("statecache_cancelled_queued_total",
+                                        "Requests whose client left while queued.")
+        self.waits_for_shared_prefix = Counter("statecache_waits_for_shared_prefix_total",
+                                               "Requests that waited for another one's checkpoint "
+                                               "of a prefix they share.")
+        self.fetches_in_background = Counter("statecache_fetches_in_background_total",
+                                             "Checkpoints read from disk or the shared store on "
+                                             "the fetch thread while other requests ran.")
+        self.prewarms = Counter("statecache_prewarms_total",
+                                "Pre-warm requests (max_tokens 0) served: prefilled and cached, "
+                                "nothing generated.")
+        self.prewarms_dropped = Counter("statecache_prewarms_dropped_total",
+                                        "Waiting pre-warms dropped (503) to make room in a full "
+                                        "queue for a request that generates.")
+        self.spec_rests = Counter("statecache_spec_rests_total",
+                                  "Lanes that stopped drafting: drafts did not pay there (or "
+                                  "prompt lookup kept finding nothing).")
+        self.spec_probes = Counter("statecache_spec_probes_total",
+                                   "Drafts a resting lane tried, to see whether drafting pays "
+                                   "again.")
 
     def families(self) -> list[Family]:
-        fixed = [v for v in vars(self).values() if isinstance(v, Family)]
-        return fixed + list(self.counts.values())
+        return [v for v in vars(self).values() if isinstance(v, Family)]
 
 
 class _Untyped(Counter):

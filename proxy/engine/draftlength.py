@@ -159,7 +159,7 @@ class DraftLength:
         known = np.append(lane.tokens, np.int32(job.out.pending))
         if self.lookup_on and len(self._lookup(job, known, 1)[0]):
             return False
-        self.p.meter.count("spec_probes")
+        self.p.meter.spec_probes.inc()
         self.rest(spec)
         return True
 
@@ -178,7 +178,7 @@ class DraftLength:
         """Drafting does not pay on this lane now: probe again later."""
         spec.rest = min(spec.rest * 2, MAX_REST)  # 32 tokens first, twice as long after
         spec.resting, spec.probing, spec.since, spec.misses = True, False, 0, 0
-        self.p.meter.count("spec_rests")
+        self.p.meter.spec_rests.inc()
 
     def choose(self, w: Work, known: np.ndarray) -> int:
         """This step's drafts for a decoding lane, by expected gain: prompt lookup's (set
@@ -192,7 +192,7 @@ class DraftLength:
         if spec.resting:  # a probe is due, or drafts that pay were found (_worth_now)
             spec.resting, spec.probing = False, spec.since >= spec.rest
             if spec.probing:
-                self.p.meter.count("spec_probes")
+                self.p.meter.spec_probes.inc()
         found, spec.start, look = NONE, -1, LOOKUP
         if self.lookup_on:
             found, spec.start, look = self._lookup(job, known, min(w.room, self.lookup_max))

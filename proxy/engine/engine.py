@@ -128,7 +128,7 @@ class Engine:
             capacity = len(self.parts.lanes) + self.cfg.server.queue_size
             if len(b.waiting) + len(b.active) >= capacity and \
                     (req.prewarm or not self.admission.drop_a_prewarm()):
-                self.meter.count("rejected_busy")
+                self.meter.rejected_busy.inc()
                 raise QueueFull(retry_after=1.0)
             b.waiting.append((job, box))
             b.cv.notify()

@@ -55,9 +55,9 @@ class Placement:
             self.publisher.hand_off_timed(dst, job)
             if not self.copy(src, dst):
                 return
-            self.p.meter.count("lane_copies")
+            self.p.meter.lane_copies.inc()
         plan.lane = dst
-        self.p.meter.count("lanes_kept_in_line")
+        self.p.meter.lanes_kept_in_line.inc()
 
     def close_gap(self, jobs: list[Job], pass_s: float) -> None:
         """A request that ended may leave a gap among the lanes that decode: move one
@@ -98,7 +98,7 @@ class Placement:
         src.last_used = time.monotonic()
         job.lane = dst
         job.stats.lane = dst.id
-        self.p.meter.count("lane_moves")
+        self.p.meter.lane_moves.inc()
 
     def copy(self, src: Lane, dst: Lane) -> bool:
         """Make ``dst`` hold ``src``'s live state (FULL save and restore)."""

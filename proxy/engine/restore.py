@@ -153,7 +153,7 @@ class Restorer:
 
     def _fall_back_cold(self, lane: Lane, job: Job, why: str) -> None:
         log.warning("lane %d: %s; starting cold", lane.id, why)
-        self.p.meter.count("restore_failures")
+        self.p.meter.restore_failures.inc()
         self.publisher.clear(lane)
         lane.tenant = job.req.tenant
         job.stats.source, job.stats.role = Source.COLD, ""

@@ -15,8 +15,9 @@ from statecache.tiers.tier import StoreStats, TierStats
 
 def test_the_lane_counters_are_typed_counters() -> None:
     m = EngineMeter()
-    for name, value in (("lanes_kept_in_line", 3), ("lane_copies", 1), ("lane_moves", 2)):
-        m.count(name, value)
+    m.lanes_kept_in_line.inc(by=3)
+    m.lane_copies.inc(by=1)
+    m.lane_moves.inc(by=2)
     text = render(m.families())
     for name, value in (("lanes_kept_in_line", 3), ("lane_copies", 1), ("lane_moves", 2)):
         assert f"# TYPE statecache_{name}_total counter" in text
