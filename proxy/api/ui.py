@@ -112,7 +112,6 @@ async def ui_data(request: web.Request) -> web.Response:
     return web.json_response(body, headers={"Cache-Control": "no-store"}, dumps=_compact)
 
 
-
 def tier_rows(stats: PoolStats | None) -> list[dict[str, Any]]:
     """Each tier the pool holds, nearest first, with what the page draws of it; then
     each tier that is off, by its label, and why."""
@@ -126,6 +125,7 @@ def tier_rows(stats: PoolStats | None) -> list[dict[str, Any]]:
             row["store"] = {k: getattr(t.store, k) for k in _TRAFFIC}
         rows.append(row)
     return rows
+
 
 def _compact(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))

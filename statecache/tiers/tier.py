@@ -108,7 +108,6 @@ class Tier(Protocol):
         ...
 
 
-
 class Hit(Protocol):
     """A store's index entry for a prompt: a state it holds, not read yet."""
 

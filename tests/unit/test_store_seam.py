@@ -147,6 +147,7 @@ def test_a_store_the_pool_is_given_gets_its_states_and_serves_another_pool(pools
     assert lease is not None and bytes(lease.data) == STATE
     lease.close()
 
+
 def test_the_planner_reads_the_store_only_when_fetching_beats_prefilling(pools: Any) -> None:
     slow = SlowStore()
     put(pools(slow, "a"), T[:160], STATE)
