@@ -28,6 +28,7 @@ check: install
 	.venv/bin/ruff check statecache proxy tests tools bench
 	.venv/bin/mypy
 	$(PY) -m tools.check_imports
+	$(PY) -m tools.check_sizes
 
 # The 0.8B-class and mid hybrids are generated once (slow); skipped when present.
 bench: install models

@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from bench.harness import _sse_lines
-from bench.report import _paired
+from bench.paired import paired
+from bench.paired import table as paired_table
 from bench.servers import LLAMA_SERVER, ModelSpec, Server, checkout, running
 from statecache.config import ServerConfig
 
@@ -309,44 +310,6 @@ def finite_median(xs: list[float]) -> float:
     return statistics.median(ok) if ok else float("nan")
 
 
-def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float] | None:
-    """A confidence interval of the median of ``xs`` that assumes nothing about their
-    distribution: the k-th lowest and k-th highest value, with k the largest for which
-    the median falls outside with a chance under ``1 - level`` (a binomial(n, 1/2) tail
-    on each side). None where no k is enough (at 95%: under 6 values)."""
-    s = sorted(xs)
-    n = len(s)
-    tail = (1 - level) / 2
-    k, below = 0, 0.0  # below: P(binomial(n, 1/2) <= k - 1)
-    while k + 1 <= n - k:
-        nxt = below + math.comb(n, k) / 2 ** n
-        if nxt > tail:
-            break
-        k, below = k + 1, nxt
-    return (s[k - 1], s[n - k]) if k else None
-
-
-def paired(runs: dict[str, dict[str, list[float]]], a: str, b: str
-           ) -> dict[str, dict[str, float]]:
-    """``a`` against ``b`` per stream count: the ratio of the two systems' runs in each
-    repeat (seconds apart, in the same stretch of the machine's drift), as the median
-    over repeats, its 95% confidence interval (``median_ci``), and the lowest and
-    highest (the ratio of the medians, which mixes runs minutes apart, is
-    ``decode_tps``'s)."""
-    out: dict[str, dict[str, float]] = {}
-    for c, xs in runs[a].items():
-        # a run with no span where every stream decoded at once has no rate (NaN)
-        ratios = sorted(x / y for x, y in zip(xs, runs[b][c], strict=True)
-                        if math.isfinite(x) and math.isfinite(y) and y > 0)
-        if ratios:
-            out[c] = {"median": statistics.median(ratios), "low": ratios[0],
-                      "high": ratios[-1], "n": len(ratios)}
-            ci = median_ci(ratios)
-            if ci is not None:  # too few repeats: the lowest and highest only
-                out[c]["ci_low"], out[c]["ci_high"] = ci
-    return out
-
-
 def measure_system(srv: Server, others: list[Server], args: argparse.Namespace
                    ) -> dict[str, Any]:
     """What is measured on one system at a time, the others idle."""
@@ -463,7 +426,7 @@ def summary(result: dict[str, Any]) -> str:
         if isinstance(r, dict) and "decode_tps" in r:
             lines.append(f"{name:32s} " + "  ".join(
                 f"{c}: {v:7.1f}" for c, v in r["decode_tps"].items()))
-    return "\n".join(lines + _paired(result))
+    return "\n".join(lines + paired_table(result))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """How fast prompt lookup could make a reply at best, on this machine: the replies a run
 of ``bench.speculative`` kept (each cell's undrafted reply) replayed through the engine's
 own lookup (``proxy.engine.drafting.lookup``), each step priced by what a verification
-of that many tokens costs the model here (``bench.speculative.verify_cost``, measured
+of that many tokens costs the model here (``bench.spec_models.verify_cost``, measured
 beside the turn's prompt), and a step of another size than the last one's by what
 building its graph anew costs (llama.cpp reuses a graph while the size stays: measured
 alongside, ``switch_ms``). Two policies, no controller's mistakes in either:
@@ -103,7 +103,7 @@ def ceilings(prompt: Sequence[int], reply: Sequence[int],
 
 def measure(result: dict[str, Any], only: str = "") -> list[dict[str, Any]]:
     """Each real model's cells of a ``bench.speculative`` result, replayed."""
-    from bench.speculative import _picked, targets, verify_cost, workloads
+    from bench.spec_models import picked, targets, verify_cost, workloads
     from proxy.api.render import load_chat_template
     from proxy.engine.binding import Model, init_backend
 
@@ -112,7 +112,7 @@ def measure(result: dict[str, Any], only: str = "") -> list[dict[str, Any]]:
     rows = []
     for cell in result["targets"]:
         t = paths.get(cell.get("model", ""))
-        if t is None or "off" not in cell or not _picked(only, t.model.label):
+        if t is None or "off" not in cell or not picked(only, t.model.label):
             continue
         with Model(t.model.path) as m:
             template = load_chat_template(

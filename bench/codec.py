@@ -3,7 +3,7 @@
 For each memory kind, a state after a long prompt is cut into its KV pages and its rest
 (statecache.kvpages); each codec and level compresses every page and the rest, and the
 table gives the bytes kept (stored / raw) and the compress and decompress rates of one
-thread. The disk tier and the shared tier write through statecache.codec; its level is
+thread. The disk tier and the shared tier write through statecache.formats.codec; its level is
 chosen from this table (docs/design.md, "Compression").
 """
 

@@ -30,6 +30,7 @@ from statecache.config import CacheConfig
 from statecache.kvpages import SEQ_MAGIC
 from statecache.pool import CheckpointPool
 from statecache.records import Kind, Owner, Role
+from statecache.tiers.disk import DiskTier
 
 FP = "bench-index-memory"
 PAGE = 32
@@ -104,7 +105,7 @@ def measure(d: Path, convs: int, k: int, n_max: int, reads: int, trace: bool
     held = tracemalloc.get_traced_memory()[0] - t0_bytes
     rss_held = _rss() - rss0
     tracemalloc.stop()
-    entries = pool.stats()["disk_entries"]
+    entries = pool.stats().tier(DiskTier.name).entries
     assert entries == convs * k, f"{entries} entries found, {convs * k} written"
     tokens_held = convs * sum(_points(n_max, k))
     offers, reads_s = [], []
@@ -120,7 +121,7 @@ def measure(d: Path, convs: int, k: int, n_max: int, reads: int, trace: bool
             t0 = time.perf_counter()
             lease = pool.lookup(ask, chain, max_n=n_max)
             reads_s.append(time.perf_counter() - t0)
-            assert lease is not None and lease.record.n == n_max and lease.tier == "disk"
+            assert lease is not None and lease.record.n == n_max and lease.tier == DiskTier.name
             with lease:
                 assert bytes(lease.data) == state(rows, n_max, c)
     gc.collect()

@@ -80,9 +80,9 @@ def state_io(ctx: Any, model: Any, n_tokens: int, repeats: int) -> tuple[dict[st
 
 
 def disk_io(data: bytes, directory: Path, repeats: int) -> dict[str, Any]:
-    from statecache.disk import DiskTier
     from statecache.kvpages import assemble, split
     from statecache.records import Kind, Owner, Role, new_record
+    from statecache.tiers.disk import DiskTier
 
     n = len(data)
     whole = split(data, sections=0, page_size=32, chain=()).rest  # a state kept whole
@@ -94,14 +94,17 @@ def disk_io(data: bytes, directory: Path, repeats: int) -> dict[str, Any]:
                          tokens=list(range(i, i + 2048)), fingerprint="micro", tenant="",
                          state_format=1, nbytes=n, role=Role.BRANCH, created=0.0,
                          page_size=32, rest_nbytes=len(whole))
-        t0 = time.perf_counter()
-        if not tier.write(rec, whole):
+        t0 = time.perf_counter()  # as the pool's writer: reserve, write, commit
+        which = tier.reserve(rec, [])
+        if which is None or not tier.commit(rec.id, *tier.write_file(rec, whole, [], which)):
             raise RuntimeError("disk tier refused the write")
         w.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        back = tier.read(rec.id, rec)
+        t0 = time.perf_counter()  # as a lookup: read and verify, then mark it used
+        back = tier.read_file(rec, rec.keys)
+        tier.touch(rec.id)
+        tier.utime(rec.id)
         r.append(time.perf_counter() - t0)
-        if back is None or len(assemble(back.rest, [])) != n:
+        if len(assemble(back.rest, [])) != n:
             raise RuntimeError("disk tier read failed")
     pw: list[float] = []
     pr: list[float] = []

@@ -29,6 +29,8 @@ from statecache.config import CacheConfig
 from statecache.pool import CheckpointPool
 from statecache.records import Kind, Owner, Record, Role
 from statecache.sizes import format_size, parse_size
+from statecache.tiers.disk import DiskTier
+from statecache.tiers.ram import RamTier
 
 # The prose they prefill: the README as it stood at dc409ae (1,103 lines), frozen so that
 # a README rewrite does not change the workload these figures were measured on.
@@ -142,16 +144,16 @@ def main(argv: list[str] | None = None) -> int:
             cold = CheckpointPool(cfg, m.fingerprint, kv_sections=kinds[name][0])
             disk_s, tier = _restore_s(cold, ctx, toks + [1], args.tokens, args.repeats,
                                       drop=Path(tmp) / name)
-            assert tier == "disk", tier
+            assert tier == DiskTier.name, tier
             cold.close()
             rows.append((name, s, flush_s, ram_s, disk_s))
         result = {"model": args.model.name, "memory": mem.kind.value, "tokens": args.tokens,
                   "checkpoints": n, "last_state": last, "ideal": ideal, "budget": budget,
-                  "layouts": [{"layout": name, "ram_bytes": s["ram_bytes"],
-                               "disk_bytes": s["disk_bytes"],
+                  "layouts": [{"layout": name, "ram_bytes": s.tier(RamTier.name).bytes,
+                               "disk_bytes": s.tier(DiskTier.name).bytes,
                                "insert_ms": insert_s[name] / n * 1e3, "flush_s": flush_s,
                                "restore_ram_ms": ram_s * 1e3, "restore_disk_ms": disk_s * 1e3,
-                               "conversations": budget / max(s["ram_bytes"], 1)}
+                               "conversations": budget / max(s.tier(RamTier.name).bytes, 1)}
                               for name, s, flush_s, ram_s, disk_s in rows]}
     print("\n".join(table([result])))
     if args.json is not None:

@@ -1,19 +1,36 @@
-"""Micro-benchmark of the pool: `python -m bench.pool`."""
+"""Micro-benchmarks of the pool: `python -m bench.pool` (its index and the MAC, in
+process), and `python -m bench.pool --against REV`: the pool's insert, restore from RAM
+and restore from disk (bench/pool_ops.py) in this checkout and in a worktree of REV,
+run by run, each repeat's runs seconds apart and in alternating order, as the ratio
+this / REV of the time an operation takes: its median over the repeats and its 95%
+confidence interval (bench.paired.median_ci). An interval that holds 1.00 is no loss
+that the repeats can tell; one below 1.00 is a gain.
+
+    python -m bench.pool --against dc409ae --repeats 11 --json results/pool.json
+"""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import hmac
+import json
 import os
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import xxhash
 
+from bench.paired import median_ci
+from bench.servers import ROOT, checkout
 from statecache.config import CacheConfig
-from statecache.diskfmt import read_checkpoint, write_checkpoint
+from statecache.formats.diskfmt import read_checkpoint, write_checkpoint
 from statecache.kvpages import assemble, split
 from statecache.pool import CheckpointPool
 from statecache.records import Kind, Owner, Role, new_record
@@ -122,7 +139,78 @@ def bench_disk(size: int = 16 << 20, rounds: int = 4) -> None:
         print(f"  read (+MAC)     {mb / r:9.0f} MB/s  (page cache warm)")
 
 
+OPS = ("insert_us", "restore_ram_us", "restore_disk_us")
+
+
+def ops_run(root: Path, extra: list[str]) -> dict[str, float]:
+    """One run of bench/pool_ops.py (this checkout's file) on ``root``'s statecache."""
+    script = Path(__file__).with_name("pool_ops.py")
+    code = ("import runpy, sys; sys.argv = [sys.argv[0], *sys.argv[1:]]; "
+            f"runpy.run_path({str(script)!r}, run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code, *extra], cwd=root, check=True,
+                         capture_output=True, text=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def against(rev: str, repeats: int, extra: list[str]) -> dict[str, object]:
+    """This checkout against ``rev``, run by run: each operation's times and the ratios."""
+    runs: dict[str, list[dict[str, float]]] = {"this": [], rev: []}
+    with checkout(rev) as other:
+        roots = {"this": ROOT, rev: other}
+        for i in range(repeats):
+            order = ["this", rev] if i % 2 == 0 else [rev, "this"]
+            for name in order:
+                runs[name].append(ops_run(roots[name], extra))
+    result: dict[str, object] = {"against": rev, "repeats": repeats, "runs": runs}
+    for op in OPS:
+        ratios = sorted(a[op] / b[op] for a, b in zip(runs["this"], runs[rev], strict=True))
+        row: dict[str, float] = {"median": statistics.median(ratios), "low": ratios[0],
+                                 "high": ratios[-1],
+                                 "this_us": statistics.median(r[op] for r in runs["this"]),
+                                 "other_us": statistics.median(r[op] for r in runs[rev])}
+        ci = median_ci(ratios)
+        if ci is not None:
+            row["ci_low"], row["ci_high"] = ci
+        result[op] = row
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    rev = result["against"]
+    lines = [f"pool operations, this checkout against {rev}: time per operation, the ratio "
+             f"this / {rev} run by run ({result['repeats']} repeats), its median and 95% "
+             "confidence interval (the lowest and highest where too few repeats)",
+             f"{'operation':18} {'this us':>10} {rev + ' us':>14} {'ratio':>7}  interval"]
+    for op in OPS:
+        r = result[op]
+        lo, hi = r.get("ci_low", r["low"]), r.get("ci_high", r["high"])
+        lines.append(f"{op.removesuffix('_us'):18} {r['this_us']:10.1f} {r['other_us']:14.1f} "
+                     f"{r['median']:7.3f}  {lo:.3f}-{hi:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.pool")
+    p.add_argument("--against", metavar="REV", default="",
+                   help="the pool's operations here against git revision REV, run by run")
+    p.add_argument("--repeats", type=int, default=11)
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--json", default="", help="where to write the result (--against)")
+    a = p.parse_args(argv)
+    if not a.against:
+        bench_pool()
+        bench_mac()
+        bench_disk()
+        return 0
+    extra = ["--conversations", str(a.conversations), "--tokens", str(a.tokens)]
+    result = against(a.against, a.repeats, extra)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    print(table(result))
+    return 0
+
+
 if __name__ == "__main__":
-    bench_pool()
-    bench_mac()
-    bench_disk()
+    raise SystemExit(main())

@@ -169,11 +169,11 @@ def store_vs_disk(url: str, mib: int, scratch: Path) -> dict[str, float]:
     import redis
 
     from statecache.config import RemoteConfig
-    from statecache.diskfmt import read_checkpoint, write_checkpoint
+    from statecache.formats.diskfmt import read_checkpoint, write_checkpoint
     from statecache.kvpages import assemble, split
     from statecache.pages import PageChain, namespace_hash
     from statecache.records import Kind, Owner, Role, new_record
-    from statecache.remote import RemoteTier
+    from statecache.tiers.remote import RemoteTier
 
     key = os.urandom(32)
     nbytes = mib << 20

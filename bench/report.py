@@ -24,13 +24,14 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bench.harness import Record
+from bench.paired import table as paired_table
+from bench.profile import Profile, Results
 from bench.servers import ROOT
-
-if TYPE_CHECKING:
-    from bench.run import Profile, Results
+from bench.tables import md_table as _table
+from bench.tables import streams as _streams
 
 Key = tuple[str, str, str, int, int]  # model, variant, session, repeat, turn
 
@@ -213,48 +214,6 @@ def _micro(m: dict[str, Any]) -> list[str]:
     return out
 
 
-def _streams(c: str) -> str:
-    return f"{c} stream{'s' if c != '1' else ''}"
-
-
-def _paired(b: dict[str, Any]) -> list[str]:
-    """statecache against the binding, llama-server and any other system it was paired
-    with (``bench.batching --against``), run by run (bench.batching.paired): the median
-    ratio with its 95% confidence interval (too few repeats for one, or results from
-    before it: with the lowest and highest)."""
-    rows = []
-    others = [("binding", "the binding"), ("llama-server", "llama-server")]
-    others += [(k, k) for k in (key.removeprefix("paired_statecache_") for key in b
-                                if key.startswith("paired_statecache_"))
-               if k not in ("binding", "llama-server")]
-    with_ci = True
-    for other, label in others:
-        p = b.get(f"paired_statecache_{other}")
-        if isinstance(p, dict) and p:
-            cells = []
-            for c in ("1", "2", "4"):
-                if c not in p:
-                    cells.append("–")
-                    continue
-                lo, hi = p[c].get("ci_low"), p[c].get("ci_high")
-                if lo is None or hi is None:
-                    with_ci, lo, hi = False, p[c]["low"], p[c]["high"]
-                cells.append(f"{p[c]['median']:.3f} ({lo:.2f}–{hi:.2f})")
-            rows.append([f"statecache ÷ {label}", *cells])
-    if not rows:
-        return []
-    ns = {q["n"] for k, p in b.items() if k.startswith("paired_statecache_")
-          and isinstance(p, dict) for q in p.values() if "n" in q}
-    n = ns.pop() if len(ns) == 1 else None
-    brackets = ("its 95% confidence interval (between the k-th lowest and the k-th highest "
-                "ratio, whatever their distribution" + (f", of {n} repeats" if n else "")
-                + ")") if with_ci else "the lowest and highest"
-    return ["", "The same ratios run by run: in each repeat, statecache's run against the "
-            "other system's in the same turn, seconds apart; the median over the repeats "
-            f"and, in brackets, {brackets}:", ""] + _table(
-        ["", *(_streams(c) for c in ("1", "2", "4"))], rows)
-
-
 def _x(v: float, spec: str) -> str:
     """``v`` formatted, or n/a where it is NaN (a rate bench.batching could not measure)."""
     return format(v, spec) if math.isfinite(v) else "n/a"
@@ -303,7 +262,7 @@ def _batching(b: dict[str, Any]) -> list[str]:
             sc, ls = b["statecache"]["decode_tps"], b["llama-server"]["decode_tps"]
             out += ["", "statecache against llama-server: " + ", ".join(
                 f"{_streams(c)} {_x(sc[c] / ls[c], '.3f')}x" for c in ("1", "2", "4")) + "."]
-        out += _paired(b)
+        out += paired_table(b)
         gap = b.get("lane_gap")
         if isinstance(gap, dict) and gap.get("0,2"):
             out += ["", f"The binding decoding two streams in lanes 0 and 1: {gap['0,1']:.1f} "
@@ -372,12 +331,6 @@ def _subagents(sa: dict[str, Any]) -> list[str]:
         ["largest miss (tokens)"] + [str(sa[p]["worst_miss_tokens"]) for p in peers],
         ["TTFT per request s"] + [" ".join(f"{r['ttft_s']:.2f}" for r in sa[p]["requests"])
                                   for p in peers]])
-    return out
-
-
-def _table(head: list[str], rows: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
     return out
 
 

@@ -33,12 +33,12 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from bench import report
 from bench.harness import Agent, Record, statecache_log_lines
+from bench.profile import Part, Profile, Results
 from bench.servers import LLAMA_SERVER, ROOT, SYSTEMS, ModelSpec, Server, running
 from bench.workload import Sizes, make_session
 
@@ -47,34 +47,6 @@ log = logging.getLogger("bench")
 # cold prefill of the whole history, so one run of the base session already shows
 # it, and three would not fit the time budget.
 COLD_PEERS = ("no-cache", "llama_cpp.server")
-
-
-@dataclass(slots=True, frozen=True)
-class Part:
-    model: ModelSpec
-    scale: float
-
-
-@dataclass(slots=True, frozen=True)
-class Profile:
-    name: str
-    parts: tuple[Part, ...]
-    systems: tuple[str, ...]
-    turns: int
-    repeats: int  # of the base session (each with its repeat and edit requests)
-    cold_repeats: int  # the same for the peers that re-prefill most of every turn
-    variants: tuple[str, ...]  # besides base: strip, concurrent
-    reply_tokens: int
-    n_ctx: int
-    micro_model: Path
-    micro_args: tuple[str, ...]
-    # batched steps and subagents (bench.batching, bench.subagents): model and arguments
-    load_model: Path = Path()
-    batching_args: tuple[str, ...] = ()
-    subagent_args: tuple[str, ...] = ()
-    remote_args: tuple[str, ...] = ()  # bench.remote (the shared tier), on load_model
-    speculative_args: tuple[str, ...] = ()  # bench.speculative (its own models)
-    pages_args: tuple[tuple[str, ...], ...] = ()  # bench.pages, one process per model
 
 
 def _gemma() -> Path:
@@ -120,20 +92,6 @@ def profiles(quick: bool) -> Profile:
                                ("--model", str(gemma), "--tokens", "16384"),
                                ("--model", str(models / "hybrid-tiny.gguf"),
                                 "--tokens", "77774")))
-
-
-@dataclass(slots=True)
-class Results:
-    records: list[Record] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
-    micro: dict[str, Any] | None = None
-    batching: dict[str, Any] | None = None
-    subagents: dict[str, Any] | None = None
-    remote: dict[str, Any] | None = None  # bench.remote
-    speculative: dict[str, Any] | None = None  # bench.speculative
-    pages: list[dict[str, Any]] = field(default_factory=list)  # bench.pages
-    llama_server: str = ""
 
 
 def _attach_server_facts(server: Server, agents: list[Agent], sequential: bool) -> None:

@@ -1,50 +1,16 @@
 """Every family ``/metrics`` shows, declared once: the engine's (``EngineMeter``, counted
 on the engine thread), the HTTP side's (``ApiMeter``), and the checkpoint pool's report
-(``pool_families``: ``CheckpointPool.stats()`` read at each scrape, by a table of its
-keys).
+(``pool_families``: ``CheckpointPool.stats()`` read at each scrape, mapped field by
+field).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 
 from proxy.meter import Counter, Family, Gauge, Histogram
-
-# simple engine counters: attribute -> help (family statecache_<attribute>_total)
-_COUNTS = {
-    "rejected_busy": "Requests refused with 503: lanes and queue full.",
-    "checkpoints_saved": "Checkpoints published.",
-    "checkpoint_bytes_saved": "Bytes of checkpoints published.",
-    "restore_failures": "Checkpoint restores that failed (fell back cold).",
-    "handoffs": "Lane states handed to the pool to free a lane.",
-    "replaced_replies": "Lane states cut back unsaved: the request held the last one's "
-                        "history and replaced its turn.",
-    "replies_spliced": "Replies whose generated ids were spliced in.",
-    "steps": "Engine steps: one llama_decode each, for every lane.",
-    "step_tokens": "Tokens decoded in engine steps (all lanes).",
-    "step_lane_work": "Lanes served by engine steps, summed over steps.",
-    "steps_multi_lane": "Engine steps that carried more than one lane.",
-    "steps_alone": "Engine steps of a lone decoding stream, run without planning each one.",
-    "idle_saves": "Idle lanes whose state was saved in full.",
-    "lanes_kept_in_line": "Requests started in another free lane than their plan's, so the "
-                          "busy lanes stay one run of ids.",
-    "lane_copies": "Live lane states copied to such a lane at the start of a request.",
-    "lane_moves": "Decoding requests moved into the gap a finished request left among the "
-                  "busy lanes.",
-    "cancelled_queued": "Requests whose client left while queued.",
-    "waits_for_shared_prefix": "Requests that waited for another one's checkpoint of a "
-                               "prefix they share.",
-    "fetches_in_background": "Checkpoints read from disk or the shared store on the fetch "
-                             "thread while other requests ran.",
-    "prewarms": "Pre-warm requests (max_tokens 0) served: prefilled and cached, nothing "
-                "generated.",
-    "prewarms_dropped": "Waiting pre-warms dropped (503) to make room in a full queue for a "
-                        "request that generates.",
-    "spec_rests": "Lanes that stopped drafting: drafts did not pay there (or prompt lookup "
-                  "kept finding nothing).",
-    "spec_probes": "Drafts a resting lane tried, to see whether drafting pays again.",
-}
-
+from statecache.pool import PoolStats
+from statecache.tiers.tier import StoreStats
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATE_BUCKETS = (1.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
@@ -102,19 +68,66 @@ class EngineMeter:
         self.active_requests = Gauge("statecache_active_requests",
                                      "Requests holding a lane now.")
         self.lanes = Gauge("statecache_lanes", "Lanes (llama.cpp sequences).")
-        self.counts = {name: Counter(f"statecache_{name}_total", help_)
-                       for name, help_ in _COUNTS.items()}
-
-    def count(self, name: str, by: float = 1) -> None:
-        """One of the simple counters of ``_COUNTS``."""
-        self.counts[name].inc(by=by)
-
-    def get(self, name: str) -> float:
-        return self.counts[name].get()
+        self.rejected_busy = Counter("statecache_rejected_busy_total",
+                                     "Requests refused with 503: lanes and queue full.")
+        self.checkpoints_saved = Counter("statecache_checkpoints_saved_total",
+                                         "Checkpoints published.")
+        self.checkpoint_bytes_saved = Counter("statecache_checkpoint_bytes_saved_total",
+                                              "Bytes of checkpoints published.")
+        self.restore_failures = Counter("statecache_restore_failures_total",
+                                        "Checkpoint restores that failed (fell back cold).")
+        self.handoffs = Counter("statecache_handoffs_total",
+                                "Lane states handed to the pool to free a lane.")
+        self.replaced_replies = Counter("statecache_replaced_replies_total",
+                                        "Lane states cut back unsaved: the request held the last "
+                                        "one's history and replaced its turn.")
+        self.replies_spliced = Counter("statecache_replies_spliced_total",
+                                       "Replies whose generated ids were spliced in.")
+        self.steps = Counter("statecache_steps_total",
+                             "Engine steps: one llama_decode each, for every lane.")
+        self.step_tokens = Counter("statecache_step_tokens_total",
+                                   "Tokens decoded in engine steps (all lanes).")
+        self.step_lane_work = Counter("statecache_step_lane_work_total",
+                                      "Lanes served by engine steps, summed over steps.")
+        self.steps_multi_lane = Counter("statecache_steps_multi_lane_total",
+                                        "Engine steps that carried more than one lane.")
+        self.steps_alone = Counter("statecache_steps_alone_total",
+                                   "Engine steps of a lone decoding stream, run without planning "
+                                   "each one.")
+        self.idle_saves = Counter("statecache_idle_saves_total",
+                                  "Idle lanes whose state was saved in full.")
+        self.lanes_kept_in_line = Counter("statecache_lanes_kept_in_line_total",
+                                          "Requests started in another free lane than their "
+                                          "plan's, so the busy lanes stay one run of ids.")
+        self.lane_copies = Counter("statecache_lane_copies_total",
+                                   "Live lane states copied to such a lane at the start of a "
+                                   "request.")
+        self.lane_moves = Counter("statecache_lane_moves_total",
+                                  "Decoding requests moved into the gap a finished request left "
+                                  "among the busy lanes.")
+        self.cancelled_queued = Counter("statecache_cancelled_queued_total",
+                                        "Requests whose client left while queued.")
+        self.waits_for_shared_prefix = Counter("statecache_waits_for_shared_prefix_total",
+                                               "Requests that waited for another one's checkpoint "
+                                               "of a prefix they share.")
+        self.fetches_in_background = Counter("statecache_fetches_in_background_total",
+                                             "Checkpoints read from disk or the shared store on "
+                                             "the fetch thread while other requests ran.")
+        self.prewarms = Counter("statecache_prewarms_total",
+                                "Pre-warm requests (max_tokens 0) served: prefilled and cached, "
+                                "nothing generated.")
+        self.prewarms_dropped = Counter("statecache_prewarms_dropped_total",
+                                        "Waiting pre-warms dropped (503) to make room in a full "
+                                        "queue for a request that generates.")
+        self.spec_rests = Counter("statecache_spec_rests_total",
+                                  "Lanes that stopped drafting: drafts did not pay there (or "
+                                  "prompt lookup kept finding nothing).")
+        self.spec_probes = Counter("statecache_spec_probes_total",
+                                   "Drafts a resting lane tried, to see whether drafting pays "
+                                   "again.")
 
     def families(self) -> list[Family]:
-        fixed = [v for v in vars(self).values() if isinstance(v, Family)]
-        return fixed + list(self.counts.values())
+        return [v for v in vars(self).values() if isinstance(v, Family)]
 
 
 class _Untyped(Counter):
@@ -179,78 +192,115 @@ _BANDWIDTH = _g("statecache_read_bandwidth_bytes_per_second",
                 "Measured checkpoint read bandwidth per tier, the planner's input (0: not yet).",
                 ("tier",))
 
-# pool.stats() key -> (family, label values)
-POOL_KEYS: Mapping[str, tuple[Spec, tuple[str, ...]]] = {
-    "hits_ram": (_POOL_HITS, ("ram",)), "hits_disk": (_POOL_HITS, ("disk",)),
-    "hits_remote": (_POOL_HITS, ("remote",)),
-    "ram_bytes": (_BYTES, ("ram",)), "disk_bytes": (_BYTES, ("disk",)),
-    "ram_budget": (_BUDGET, ("ram",)), "disk_budget": (_BUDGET, ("disk",)),
-    "ram_entries": (_ENTRIES, ("ram",)), "disk_entries": (_ENTRIES, ("disk",)),
-    "evictions": (_EVICTIONS, ("ram",)), "disk_evictions": (_EVICTIONS, ("disk",)),
-    "ram_pages": (_PAGES, ("ram",)), "disk_pages": (_PAGES, ("disk",)),
-    "ram_page_bytes": (_PAGE_BYTES, ("ram",)), "disk_page_bytes": (_PAGE_BYTES, ("disk",)),
-    "ram_whole_states": (_g("statecache_whole_states",
-                            "Checkpoints kept whole in RAM beside their pages (the newest "
-                            "of each conversation: a hit on one assembles nothing)."), ()),
-    "ram_whole_bytes": (_g("statecache_whole_state_bytes",
-                           "Bytes of the checkpoints kept whole in RAM; their pages are "
-                           "views into them, so only the rest adds to "
-                           "statecache_checkpoint_bytes."), ()),
-    "bad_states": (_c("statecache_checkpoint_bad_states_total",
-                      "Checkpoints whose assembled state was not the one saved (a miss)."), ()),
-    "remote_read_bytes": (_REMOTE_BYTES, ("read",)),
-    "remote_written_bytes": (_REMOTE_BYTES, ("written",)),
-    "remote_up": (_g("statecache_remote_up",
-                     "1 while the shared tier answers, 0 while it is off."), ()),
-    "remote_queue": (_g("statecache_remote_write_queue",
-                        "Checkpoints waiting to be written to the shared tier."), ()),
-    "remote_queue_bytes": (_g("statecache_remote_write_queue_bytes",
-                              "Bytes waiting to be written to the shared tier."), ()),
-    "remote_misses": (_c("statecache_remote_misses_total",
-                         "Remote offers the planner picked that could not be used (refused "
-                         "or gone)."), ()),
-    "prefill_tps": (_g("statecache_prefill_tokens_per_second",
-                       "Measured prefill rate the planner uses (0: not yet)."), ()),
-    "kept": (_c("statecache_kept_checkpoints_total",
-                "Checkpoints a client's cache breakpoint asked to keep."), ()),
-    "kept_entries": (_g("statecache_kept_checkpoints",
-                        "Checkpoints kept now for a client's breakpoint."), ()),
-    "disk_writes": (_c("statecache_disk_writes_total", "Checkpoints written to disk."), ()),
-    "disk_write_errors": (_c("statecache_disk_write_errors_total",
-                             "Checkpoint writes to disk that failed."), ()),
-    "direct_writes": (_c("statecache_disk_direct_writes_total",
-                         "States larger than the RAM budget sent straight to disk."), ()),
-    "write_queue": (_g("statecache_disk_write_queue",
-                       "Checkpoints waiting for the background disk writer."), ()),
-}
-# keys that name a label value after a fixed start (role, tier, reason, event)
-POOL_PREFIXES = (("hits_role_", _ROLE_HITS), ("bandwidth_", _BANDWIDTH),
-                 ("remote_rejected_", _REJECTED), ("remote_", _REMOTE))
+_WHOLE_STATES = _g("statecache_whole_states",
+                   "Checkpoints kept whole in RAM beside their pages (the newest of each "
+                   "conversation: a hit on one assembles nothing).")
+_WHOLE_BYTES = _g("statecache_whole_state_bytes",
+                  "Bytes of the checkpoints kept whole in RAM; their pages are views into "
+                  "them, so only the rest adds to statecache_checkpoint_bytes.")
+_BAD_STATES = _c("statecache_checkpoint_bad_states_total",
+                 "Checkpoints whose assembled state was not the one saved (a miss).")
+_REMOTE_UP = _g("statecache_remote_up", "1 while the shared tier answers, 0 while it is off.")
+_REMOTE_QUEUE = _g("statecache_remote_write_queue",
+                   "Checkpoints waiting to be written to the shared tier.")
+_REMOTE_QUEUE_BYTES = _g("statecache_remote_write_queue_bytes",
+                         "Bytes waiting to be written to the shared tier.")
+_STORE_MISSES = _c("statecache_remote_misses_total",
+                   "Remote offers the planner picked that could not be used (refused or gone).")
+_PREFILL_TPS = _g("statecache_prefill_tokens_per_second",
+                  "Measured prefill rate the planner uses (0: not yet).")
+_KEPT = _c("statecache_kept_checkpoints_total",
+           "Checkpoints a client's cache breakpoint asked to keep.")
+_KEPT_NOW = _g("statecache_kept_checkpoints", "Checkpoints kept now for a client's breakpoint.")
+_DISK_WRITES = _c("statecache_disk_writes_total", "Checkpoints written to disk.")
+_DISK_WRITE_ERRORS = _c("statecache_disk_write_errors_total",
+                        "Checkpoint writes to disk that failed.")
+_DIRECT_WRITES = _c("statecache_disk_direct_writes_total",
+                    "States larger than the RAM budget sent straight to disk.")
+_WRITE_QUEUE = _g("statecache_disk_write_queue",
+                  "Checkpoints waiting for the background disk writer.")
 
 
-def pool_families(stats: Mapping[str, float]) -> list[Family]:
-    """The pool's report as families: each known key where ``POOL_KEYS`` or a start of
-    ``POOL_PREFIXES`` puts it; any other as an untyped ``statecache_pool_<key>``."""
+# shown untyped, with the names and help they always had
+_POOL_ENTRIES = ("untyped", "statecache_pool_entries", "Engine metric 'pool.entries'.", ())
+_POOL_PINNED = ("untyped", "statecache_pool_ram_pinned_bytes",
+                "Engine metric 'pool.ram_pinned_bytes'.", ())
+_POOL_QUARANTINED = ("untyped", "statecache_pool_quarantined",
+                     "Engine metric 'pool.quarantined'.", ())
+_POOL_INSERTS = ("untyped", "statecache_pool_inserts", "Engine metric 'pool.inserts'.", ())
+_POOL_REFRESHES = ("untyped", "statecache_pool_refreshes", "Engine metric 'pool.refreshes'.", ())
+_POOL_MISSES = ("untyped", "statecache_pool_misses", "Engine metric 'pool.misses'.", ())
+_POOL_SPILLS = ("untyped", "statecache_pool_spills", "Engine metric 'pool.spills'.", ())
+_POOL_PROMOTIONS = ("untyped", "statecache_pool_promotions",
+                    "Engine metric 'pool.promotions'.", ())
+_POOL_REFUSED = ("untyped", "statecache_pool_refused", "Engine metric 'pool.refused'.", ())
+
+
+def pool_families(stats: PoolStats) -> list[Family]:
+    """The pool's report as families, field by field: each tier's figures with its name
+    as the ``tier`` label, the shared store's own traffic, the pool's counts."""
     out: dict[str, Family] = {}
 
-    def family(spec: Spec) -> Family:
-        kind, name, help_, labels = spec
+    def put(spec: Spec, value: float | None, *labels: str) -> None:
+        if value is None:
+            return
+        kind, name, help_, label_names = spec
         fam = out.get(name)
         if fam is None:
             cls = {"counter": Counter, "gauge": Gauge, "untyped": _Untyped}[kind]
-            fam = out[name] = cls(name, help_, labels)
-        return fam
+            fam = out[name] = cls(name, help_, label_names)
+        fam.put(labels, value)
 
-    for key, value in stats.items():
-        if key in POOL_KEYS:
-            spec, labels = POOL_KEYS[key]
-        else:
-            found = next(((spec, key[len(start):]) for start, spec in POOL_PREFIXES
-                          if key.startswith(start)), None)
-            if found is None:
-                spec = ("untyped", f"statecache_pool_{key}", f"Engine metric 'pool.{key}'.", ())
-                labels = ()
-            else:
-                spec, labels = found[0], (found[1],)
-        family(spec).put(labels, value)
+    for t in (*stats.tiers, *stats.off):  # a tier that is off: its zeros
+        put(_POOL_HITS, t.hits, t.name)
+        put(_BYTES, t.bytes, t.name)
+        put(_BUDGET, t.budget, t.name)
+        put(_ENTRIES, t.entries, t.name)
+        put(_EVICTIONS, t.evictions, t.name)
+        put(_PAGES, t.pages, t.name)
+        put(_PAGE_BYTES, t.page_bytes, t.name)
+        put(_BANDWIDTH, t.bandwidth, t.name)
+        if t.store is not None:
+            _store(put, t.store)
+    for role, n in stats.counts.hits_by_role.items():
+        put(_ROLE_HITS, n, role.name.lower())
+    c = stats.counts
+    put(_WHOLE_STATES, stats.whole_states)
+    put(_WHOLE_BYTES, stats.whole_bytes)
+    put(_BAD_STATES, c.bad_states)
+    put(_STORE_MISSES, c.store_misses)
+    put(_PREFILL_TPS, stats.prefill_tps)
+    put(_KEPT, c.kept)
+    put(_KEPT_NOW, stats.kept_entries)
+    put(_DISK_WRITES, c.disk_writes)
+    put(_DISK_WRITE_ERRORS, c.disk_write_errors)
+    put(_DIRECT_WRITES, c.direct_writes)
+    put(_WRITE_QUEUE, stats.write_queue)
+    put(_POOL_ENTRIES, stats.entries)
+    put(_POOL_PINNED, stats.pinned_bytes)
+    put(_POOL_QUARANTINED, stats.quarantined)
+    put(_POOL_INSERTS, c.inserts)
+    put(_POOL_REFRESHES, c.refreshes)
+    put(_POOL_MISSES, c.misses)
+    put(_POOL_SPILLS, c.spills)
+    put(_POOL_PROMOTIONS, c.promotions)
+    put(_POOL_REFUSED, c.refused)
     return list(out.values())
+
+
+def _store(put: Callable[..., None], s: StoreStats) -> None:
+    """A store's traffic: the shared tier's families."""
+    put(_REMOTE_BYTES, s.read_bytes, "read")
+    put(_REMOTE_BYTES, s.written_bytes, "written")
+    put(_REMOTE_UP, int(s.up))
+    put(_REMOTE_QUEUE, s.queue)
+    put(_REMOTE_QUEUE_BYTES, s.queue_bytes)
+    for event, n in (("probes", s.probes), ("hits", s.hits), ("rejected", s.rejected),
+                     ("writes", s.writes), ("write_dupes", s.write_dupes),
+                     ("write_drops", s.write_drops), ("write_skipped", s.write_skipped),
+                     ("errors", s.errors), ("reconnects", s.reconnects),
+                     ("pages_written", s.pages_written), ("pages_present", s.pages_present),
+                     ("pages_fetched", s.pages_fetched), ("pages_local", s.pages_local)):
+        put(_REMOTE, n, event)
+    for reason, n in s.refusals.items():
+        put(_REJECTED, n, reason)

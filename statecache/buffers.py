@@ -21,6 +21,9 @@ from __future__ import annotations
 import mmap
 import threading
 
+# Bytes a function reads (a state, a rest, a page): any of these, never copied to convert.
+Buffer = bytes | bytearray | memoryview
+
 _FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere faulted page by page
 

@@ -40,14 +40,6 @@ class Role(enum.Enum):
     REPLAY = "replay"
 
 
-# Refreshing an entry keeps the role that is evicted last (see ram.EvictionClass).
-ROLE_STRENGTH: dict[Role, int] = {
-    Role.END_OF_REPLY: 0,
-    Role.PERIODIC: 1,
-    Role.REPLAY: 2,
-    Role.BRANCH: 3,
-}
-
 PREVIEW_MAX = 80
 
 
@@ -145,7 +137,7 @@ class CheckpointRecord:
 class RecordHead:
     """What the pool keeps in memory of a checkpoint held on disk alone: its record less
     the parts that grow with its length (tokens, page hashes, page keys), which its
-    record file holds (``statecache.disk`` reads them back, authenticated, on a hit).
+    record file holds (``statecache.tiers.disk`` reads them back, authenticated, on a hit).
 
     Its tokens are still known exactly enough to find it: the id hashes them with
     everything else that makes two checkpoints interchangeable (``record_id``, the

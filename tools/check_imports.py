@@ -12,8 +12,15 @@ functions and under ``TYPE_CHECKING`` too, and ``importlib.import_module("...")`
   events, sampling), ``proxy.engine.tokens`` (the tokenizer's face) and
   ``proxy.engine.grammar`` (checking grammars and schemas);
 - statecache imports nothing of proxy, tools or bench;
+- inside statecache, the tiers (statecache/tiers/) import nothing of the pool
+  (statecache/pool/), and the formats (statecache/formats/) nothing of the tiers or
+  the pool: formats -> tiers -> pool, never back;
 - proxy imports nothing of tools or bench;
-- the binding imports nothing of proxy but itself and ``proxy.engine.vocab``.
+- the binding imports nothing of proxy but itself and ``proxy.engine.vocab``;
+- no import circle anywhere: no module reaches itself through the imports of these
+  packages (each import of a circle is listed, with the circle). Circles are looked
+  for among the imports that keep the rules above: one that breaks a rule is listed
+  for that, and mending it mends any circle it closes.
 
 Exit status 1 with one line per import that breaks a rule, else 0. Tests are not
 checked (tests/model reads llama.cpp directly to establish facts about it).
@@ -69,6 +76,19 @@ def storage_stands_alone(imp: Import) -> str | None:
     return None
 
 
+def the_tiers_import_no_pool(imp: Import) -> str | None:
+    if _within(imp.module, "statecache.tiers") and _within(imp.target, "statecache.pool"):
+        return "the tiers (statecache/tiers) import nothing of the pool"
+    return None
+
+
+def the_formats_import_no_tiers(imp: Import) -> str | None:
+    if (_within(imp.module, "statecache.formats")
+            and _within(imp.target, "statecache.tiers", "statecache.pool")):
+        return "the formats (statecache/formats) import nothing of the tiers or the pool"
+    return None
+
+
 def the_runtime_needs_no_tools(imp: Import) -> str | None:
     if _within(imp.module, "proxy") and _within(imp.target, "tools", "bench"):
         return "proxy imports nothing of tools or bench"
@@ -86,6 +106,8 @@ RULES: tuple[Callable[[Import], str | None], ...] = (
     only_the_binding_imports_llama_cpp,
     the_api_imports_only_the_engines_contract,
     storage_stands_alone,
+    the_tiers_import_no_pool,
+    the_formats_import_no_tiers,
     the_runtime_needs_no_tools,
     the_binding_stands_alone,
 )
@@ -156,17 +178,76 @@ def sources(root: Path) -> Iterator[Path]:
             yield from sorted(p for p in folder.rglob("*.py") if "__pycache__" not in p.parts)
 
 
+def circles(found: list[Import]) -> list[tuple[Import, tuple[str, ...]]]:
+    """Each import whose module and target import each other, through any number of
+    modules of the packages, with the modules of that circle (sorted): the strongly
+    connected components of the import graph (Tarjan's algorithm), a module that
+    imports itself included."""
+    modules = {imp.module for imp in found}
+    graph: dict[str, set[str]] = {}
+    for imp in found:
+        if imp.target in modules:
+            graph.setdefault(imp.module, set()).add(imp.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    part: dict[str, tuple[str, ...]] = {}
+
+    def visit(v: str) -> None:  # iterative: the graph is deep enough for recursion limits
+        work = [(v, iter(sorted(graph.get(v, ()))))]
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        while work:
+            node, edges = work[-1]
+            for w in edges:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                    break
+                if w in on_stack:
+                    low[node] = min(low[node], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    members: list[str] = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        members.append(w)
+                        if w == node:
+                            break
+                    for m in members:
+                        part[m] = tuple(sorted(members))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [(imp, part[imp.module]) for imp in found
+            if imp.module in part and part[imp.module] == part.get(imp.target)
+            and (len(part[imp.module]) > 1 or imp.module == imp.target)]
+
+
 def violations(root: Path) -> list[str]:
     """One line per import that breaks a rule: "path:line: module imports target: rule"."""
     out: list[str] = []
+    kept: list[Import] = []  # the imports that keep every rule: where circles are looked for
     for file in sources(root):
         for imp in imports(root, file):
-            for rule in RULES:
-                why = rule(imp)
-                if why is not None:
-                    out.append(f"{imp.path}:{imp.line}: {imp.module} imports {imp.target}: "
-                               f"{why}")
-    return out
+            broken = [why for rule in RULES if (why := rule(imp)) is not None]
+            out += [f"{imp.path}:{imp.line}: {imp.module} imports {imp.target}: {why}"
+                    for why in broken]
+            if not broken:
+                kept.append(imp)
+    for imp, members in circles(kept):
+        out.append(f"{imp.path}:{imp.line}: {imp.module} imports {imp.target}: an import "
+                   f"circle ({' <-> '.join(members)})")
+    return list(dict.fromkeys(out))  # "from x import a, b": one line, not two
 
 
 def main(argv: list[str] | None = None) -> int:

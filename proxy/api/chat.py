@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.api.fields import ApiError, obj
 from proxy.engine.types import SamplingParams
 
 
@@ -98,3 +99,28 @@ def joined_parts(texts: list[str], sep: str = "\n") -> tuple[str, tuple[int, ...
             starts.append(at)
         at += len(t)
     return sep.join(texts), tuple(starts)
+
+
+def content_text(v: object, param: str, fields: Mapping[str, str]
+                 ) -> tuple[str, tuple[int, ...]]:
+    """A message's content as one text, and where its parts after the first start: a
+    string, or a list of parts whose types ``fields`` maps to the key that holds each
+    one's text, joined with "\\n" (as vLLM does). A part of another type (an image,
+    audio, a file) is refused: the models served here read text only."""
+    if isinstance(v, str):
+        return v, ()
+    if not isinstance(v, list):
+        raise ApiError(f"'{param}' must be a string or a list of content parts", param)
+    texts: list[str] = []
+    for j, part in enumerate(v):
+        p = f"{param}[{j}]"
+        kind = obj(part, p).get("type")
+        field = fields.get(kind) if isinstance(kind, str) else None
+        if field is None:
+            raise ApiError(f"content parts of type {kind!r} are not supported: this server "
+                           "serves text-only models", p)
+        text = part.get(field)
+        if not isinstance(text, str):
+            raise ApiError(f"'{p}' must be {{\"type\": \"{kind}\", \"{field}\": <string>}}", p)
+        texts.append(text)
+    return joined_parts(texts)

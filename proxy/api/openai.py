@@ -30,7 +30,14 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.api.chat import ChatMessage, ChatRequest, CompletionRequest, Mark, ToolCall, joined_parts
+from proxy.api.chat import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    Mark,
+    ToolCall,
+    content_text,
+)
 from proxy.api.fields import (
     ApiError,
     opt_bool,
@@ -45,7 +52,7 @@ from proxy.api.structured import constrained, constraint, json_format
 
 _ROLES = {"system": "system", "developer": "system", "user": "user",
           "assistant": "assistant", "tool": "tool"}
-_UNSUPPORTED_PARTS = {"image_url", "input_image", "image", "input_audio", "audio", "file"}
+_TEXT_PARTS = {"text": "text"}  # the content parts read, and the key of their text
 _COMPLETION_ONLY = (("echo", False), ("best_of", 1), ("suffix", ""))
 
 
@@ -67,22 +74,9 @@ def _common(body: object) -> tuple[Mapping[str, Any], bool, bool]:
 
 
 def _content(v: object, param: str) -> tuple[str | None, tuple[int, ...]]:
-    """A message's content as one text, and where its parts after the first start."""
-    if v is None or isinstance(v, str):
-        return v, ()
-    if not isinstance(v, list):
-        raise ApiError(f"'{param}' must be a string or a list of content parts", param)
-    texts: list[str] = []
-    for j, part in enumerate(v):
-        p = f"{param}[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _UNSUPPORTED_PARTS:
-            raise ApiError(f"content parts of type '{kind}' are not supported: "
-                           "this server serves text-only models", p)
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise ApiError(f"'{p}' must be {{\"type\": \"text\", \"text\": <string>}}", p)
-        texts.append(part["text"])
-    return joined_parts(texts)
+    """A message's content as one text (None: absent), and where its parts after the
+    first start."""
+    return (None, ()) if v is None else content_text(v, param, _TEXT_PARTS)
 
 
 def _tool_call(v: object, param: str) -> ToolCall:

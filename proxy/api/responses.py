@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.api.chat import ChatMessage, ChatRequest, Mark, ToolCall, joined_parts
+from proxy.api.chat import ChatMessage, ChatRequest, Mark, ToolCall, content_text
 from proxy.api.fields import (
     ApiError,
     obj,
@@ -56,7 +56,9 @@ from proxy.engine.types import SamplingParams
 
 # Reasoning sent back in ``encrypted_content`` is ours only with this prefix.
 REASONING_MARK = "statecache-reasoning:"
-_TEXT_PARTS = ("input_text", "output_text", "text")
+# the content parts read, and the key of their text
+_TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text",
+               "refusal": "refusal"}
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _REJECTED_FIELDS = ("background", "conversation", "prompt")
 # Tools that OpenAI's servers run (by type, or its prefix: web_search_preview_2025_03_11)
@@ -108,22 +110,7 @@ def _text(v: object, param: str) -> str:
 
 def _parts(v: object, param: str) -> tuple[str, tuple[int, ...]]:
     """``_text``, and where its parts after the first start."""
-    if isinstance(v, str):
-        return v, ()
-    if not isinstance(v, list):
-        raise ApiError(f"'{param}' must be a string or a list of content parts", param)
-    out: list[str] = []
-    for j, part in enumerate(v):
-        p = f"{param}[{j}]"
-        kind = obj(part, p).get("type")
-        if kind == "refusal":
-            out.append(_str(part, "refusal", p))
-        elif kind in _TEXT_PARTS:
-            out.append(_str(part, "text", p))
-        else:
-            raise ApiError(f"content parts of type {kind!r} are not supported: this server "
-                           "serves text-only models", p)
-    return joined_parts(out)
+    return content_text(v, param, _TEXT_PARTS)
 
 
 def _reasoning_text(item: Mapping[str, Any], param: str) -> str | None:

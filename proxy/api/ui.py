@@ -11,7 +11,8 @@ from elsewhere) that asks for ``/admin/ui.json`` once a second while it is shown
   points gone since an earlier look;
 - the last requests: prompt, cached, prefilled, TTFT, and why one missed, with the text
   on each side of the difference;
-- the tiers against their budgets, and the share of prompt tokens reused over the last
+- each tier against its budget (a store: whether it answers, what went in and out),
+  and each tier that is off, with why; the share of prompt tokens reused over the last
   ten minutes (from the last requests, ``GET /admin/requests``).
 
 Both routes are admin routes (proxy/api/auth.py): open where no key is configured,
@@ -35,6 +36,7 @@ from aiohttp import web
 from proxy.api.appstate import ENGINE, RECENT, STARTED, UI_TREE
 from proxy.api.auth import UI_PATH
 from proxy.api.ui_tree import TreeView
+from statecache.pool import PoolStats
 
 PAGE = Path(__file__).with_name("static") / "ui.html"
 DATA_PATH = "/admin/ui.json"
@@ -47,11 +49,9 @@ _PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'uns
                                             "style-src 'unsafe-inline'; connect-src 'self'; "
                                             "img-src data:",
                  "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
-_STATS = ("ram_bytes", "ram_budget", "ram_entries", "disk_bytes", "disk_budget", "disk_entries",
-          "evictions", "disk_evictions", "hits_ram", "hits_disk", "hits_remote", "kept_entries",
-          "write_queue", "quarantined", "remote_up", "remote_queue", "remote_queue_bytes",
-          "remote_writes", "remote_hits", "remote_read_bytes", "remote_written_bytes",
-          "prefill_tps")
+# what the page draws of each tier, and of a store's own traffic
+_DRAWN = ("name", "label", "where", "status", "hits", "entries", "bytes", "budget", "evictions")
+_TRAFFIC = ("up", "queue", "queue_bytes", "read_bytes", "written_bytes")
 
 
 @dataclass(slots=True, frozen=True)
@@ -99,7 +99,6 @@ async def ui_data(request: web.Request) -> web.Response:
     tree = app[UI_TREE].build(engine.describe_checkpoints(), engine.checkpoint_pages(),
                               lanes, now)
     recent: list[dict[str, Any]] = [*app[RECENT]]
-    stats = tiers.get("stats", {})
     body = {
         "time": now, "started": app[STARTED], "model": engine.model_name,
         "model_file": engine.model_file,
@@ -108,11 +107,24 @@ async def ui_data(request: web.Request) -> web.Response:
         "tree": tree,
         "requests": requests(recent, engine.recent_misses()),
         "history": history(recent, now),
-        "tiers": {"disk_path": tiers.get("disk_path"), "disk": tiers.get("disk"),
-                  "remote": tiers.get("remote"),
-                  **{k: stats[k] for k in _STATS if k in stats}},
+        "tiers": tier_rows(tiers.get("stats")),
     }
     return web.json_response(body, headers={"Cache-Control": "no-store"}, dumps=_compact)
+
+
+def tier_rows(stats: PoolStats | None) -> list[dict[str, Any]]:
+    """Each tier the pool holds, nearest first, with what the page draws of it; then
+    each tier that is off, by its label, and why."""
+    if stats is None:  # the cache is off
+        return []
+    rows: list[dict[str, Any]] = []
+    for t, is_open in [(t, True) for t in stats.tiers] + [(t, False) for t in stats.off]:
+        row: dict[str, Any] = {k: getattr(t, k) for k in _DRAWN}
+        row["open"] = is_open
+        if t.store is not None:
+            row["store"] = {k: getattr(t.store, k) for k in _TRAFFIC}
+        rows.append(row)
+    return rows
 
 
 def _compact(obj: Any) -> str:

@@ -67,7 +67,7 @@ class Accounting:
         m.tokens_prefilled.inc(by=s.prefilled)
         m.tokens_generated.inc(by=completion)
         if job.req.prewarm:
-            m.count("prewarms")
+            m.prewarms.inc()
         if s.source != "cold":  # where the reused prefix came from, and its checkpoint's role
             m.hits.inc(s.source, s.role or "live")
         if job.req.divergence is not None:

@@ -96,7 +96,7 @@ class Admission:
                 self.board.waiting.remove((job, box))
                 job.wait.drop_prefetched()
                 box.put(QueueFull(retry_after=5.0))
-                self.p.meter.count("prewarms_dropped")
+                self.p.meter.prewarms_dropped.inc()
                 return True
         return False
 
@@ -105,7 +105,7 @@ class Admission:
         if any(job.cancelled for job, _ in b.waiting):
             for job, _ in [w for w in b.waiting if w[0].cancelled]:
                 job.wait.drop_prefetched()
-                self.p.meter.count("cancelled_queued")
+                self.p.meter.cancelled_queued.inc()
                 log.info("request %s left while queued", job.req.request_id)
             b.waiting = collections.deque(w for w in b.waiting if not w[0].cancelled)
 
@@ -220,7 +220,7 @@ class Admission:
         if self.publisher.share_point(k, at) != at:
             return False
         job.wait.waiting_for, job.wait.wait_point = k, at
-        self.p.meter.count("waits_for_shared_prefix")
+        self.p.meter.waits_for_shared_prefix.inc()
         return True
 
     def _fetch(self, job: Job, box: Outbox, offer: Offer) -> None:
@@ -228,7 +228,7 @@ class Admission:
         starts from it when the read is done (or plans anew if it failed)."""
         b, w = self.board, job.wait
         w.fetching = w.fetched = True
-        self.p.meter.count("fetches_in_background")
+        self.p.meter.fetches_in_background.inc()
         self._requeue(job, box)
 
         def read() -> None:

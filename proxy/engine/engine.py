@@ -128,7 +128,7 @@ class Engine:
             capacity = len(self.parts.lanes) + self.cfg.server.queue_size
             if len(b.waiting) + len(b.active) >= capacity and \
                     (req.prewarm or not self.admission.drop_a_prewarm()):
-                self.meter.count("rejected_busy")
+                self.meter.rejected_busy.inc()
                 raise QueueFull(retry_after=1.0)
             b.waiting.append((job, box))
             b.cv.notify()
@@ -204,7 +204,7 @@ class Engine:
                 if disk else None,
                 "disk": pool.disk_status if pool is not None else "cache off",
                 "remote": pool.remote_status if pool is not None else "off",
-                "stats": pool.stats() if pool is not None else {}}
+                "stats": pool.stats() if pool is not None else None}
 
     def queue(self) -> dict[str, int]:
         """Requests waiting for a lane and requests holding one, now."""

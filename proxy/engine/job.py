@@ -16,7 +16,7 @@ from proxy.engine.detok import TextStream
 from proxy.engine.lanes import Lane
 from proxy.engine.sampling import Sampler
 from proxy.engine.types import GenerationRequest, RequestStats, TokenLogprob
-from statecache.lease import Lease
+from statecache.pool.lease import Lease
 from statecache.records import Kind, Role
 
 Delta = tuple[str, tuple[int, ...]]
@@ -69,7 +69,7 @@ class Drafting:
     # staged state) decodes again in its next step, before ``pending``
     replay: np.ndarray = field(default_factory=lambda: NONE)
     staged: bytes | None = None  # the lane's partial state before this step's verification
-    # what drafting has paid off on this lane (proxy/engine/speculation.py): per source
+    # what drafting has paid off on this lane (proxy/engine/draftlength.py): per source
     # (prompt lookup from a new match, the draft model, prompt lookup where its copy
     # holds), the drafts the target accepted and the rejections, both decaying
     accepted: list[float] = field(default_factory=lambda: [0.0] * 4)
@@ -85,7 +85,7 @@ class Drafting:
     since: int = 0  # tokens decoded since this lane rests
     misses: int = 0  # steps in a row that found nothing to draft
     probing: bool = False  # this step's drafts are a probe
-    # a resting lane's last lookup check (proxy/engine/speculation.py _worth_now): at
+    # a resting lane's last lookup check (proxy/engine/draftlength.py _worth_now): at
     # which (tokens held, pending token), and whether it found drafts that pay
     watched: tuple[tuple[int, int], bool] = ((-1, -1), False)
 

@@ -45,7 +45,7 @@ class Placement:
         better = _closing([ln for ln in free if ln is not src], busy, _runs(busy + [src.id]))
         if not better:
             return
-        copy = plan.source is Source.LANE and src.n > 0
+        copy = plan.source == Source.LANE and src.n > 0
         if copy and self.p.memory.kind is MemoryKind.SWA and plan.truncate:
             # a restored SWA state is never cut below its own position (docs/design.md
             return  # fact 8)
@@ -54,9 +54,9 @@ class Placement:
             self.publisher.hand_off_timed(dst, job)
             if not self.copy(src, dst):
                 return
-            self.p.meter.count("lane_copies")
+            self.p.meter.lane_copies.inc()
         plan.lane = dst
-        self.p.meter.count("lanes_kept_in_line")
+        self.p.meter.lanes_kept_in_line.inc()
 
     def close_gap(self, jobs: list[Job], pass_s: float) -> None:
         """A request that ended may leave a gap among the lanes that decode: move one
@@ -97,7 +97,7 @@ class Placement:
         src.last_used = self.p.clock()
         job.lane = dst
         job.stats.lane = dst.id
-        self.p.meter.count("lane_moves")
+        self.p.meter.lane_moves.inc()
 
     def copy(self, src: Lane, dst: Lane) -> bool:
         """Make ``dst`` hold ``src``'s live state (FULL save and restore)."""

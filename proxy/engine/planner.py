@@ -22,14 +22,15 @@ Pure decisions over lanes and the pool; the engine carries them out. The rules:
   (``statecache.costs``: measured read bandwidth per tier, measured prefill rate);
   the cheapest wins. A RAM copy and a live lane fetch nothing, so among them the
   longest reuse wins; a disk or remote copy is read only when fetching it is cheaper
-  than prefilling the tokens it saves. At equal cost a live lane beats RAM beats disk
-  beats the store. The plan's ``estimate`` says what was chosen and why.
+  than prefilling the tokens it saves. At equal cost a live lane beats RAM beats the
+  tier read faster (disk before the store, by their priors). The plan's ``estimate``
+  says what was chosen and why.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,24 +39,24 @@ import numpy as np
 from proxy.engine.binding import MemoryInfo, MemoryKind
 from proxy.engine.lanes import Lane
 from statecache.costs import Costs, Estimate
-from statecache.lease import Lease
 from statecache.pages import PageChain
 from statecache.pool import CheckpointPool, Offer
+from statecache.pool.lease import Lease
 from statecache.records import Kind, Role
 
 
-class Source(enum.Enum):
+class Source:
+    """Where a plan's state comes from: ``COLD``, a live ``LANE``, or the name of the
+    tier its checkpoint was read from (``Lease.tier``)."""
+
     COLD = "cold"
     LANE = "lane"
-    RAM = "ram"
-    DISK = "disk"
-    REMOTE = "remote"
 
 
 @dataclass(slots=True)
 class Plan:
     lane: Lane
-    source: Source
+    source: str  # a Source, or a tier's name
     reuse: int  # prompt tokens the lane holds once the plan's restore/truncate is done
     truncate: bool = False  # seq_rm(lane, reuse, -1) on the live state
     partial: Lease | None = None  # restore into the lane, then seq_rm(reuse, -1)
@@ -174,7 +175,7 @@ def make_plan(
         if n > (best.reuse if best else 0) and usable and held.record.matches(prompt):
             if best is not None:
                 best.release()
-            best = Plan(_lane_for_restore(free, prompt, tenant, session), Source(held.tier), n,
+            best = Plan(_lane_for_restore(free, prompt, tenant, session), held.tier, n,
                         full=held, role=held.record.role.value,
                         logits=held.logits if n == end else None,
                         estimate=f"read in the background ({held.tier})")
@@ -184,12 +185,12 @@ def make_plan(
         have = best.reuse if best else 0
         offers = [o for o in pool.full_offers(prompt, chain, max_n=end, tenant=tenant)
                   if o.n > have]
-        current = pool.costs.estimate(best.source.value if best else "cold", have, 0,
+        current = pool.costs.estimate(best.source if best else Source.COLD, have, 0,
                                       len(prompt))
         for est, offer in rank(offers, pool.costs, len(prompt)):
             if est.total_s >= current.total_s:
                 break  # prefilling what this one saves is cheaper than fetching it
-            if defer_reads and offer.tier != "ram":
+            if defer_reads and offer.read:
                 if best is None:
                     best = Plan(cold_lane(free, session), Source.COLD, 0)
                 best.fetch = offer
@@ -209,10 +210,10 @@ def make_plan(
             target = _lane_for_restore(free, prompt, tenant, session)
             got = pool.costs.estimate(lease.tier, lease.record.n, lease.record.nbytes,
                                       len(prompt))
-            best = Plan(target, Source(lease.tier), lease.record.n, full=lease,
+            best = Plan(target, lease.tier, lease.record.n, full=lease,
                         role=lease.record.role.value,
                         logits=lease.logits if lease.record.n == end else None,
-                        estimate=got.describe(pool.costs.estimate("cold", 0, 0,
+                        estimate=got.describe(pool.costs.estimate(Source.COLD, 0, 0,
                                                                   len(prompt)).total_s))
             break
     if best is None:
@@ -239,13 +240,15 @@ def cold_lane(free: Sequence[Lane], session: str | None = None) -> Lane:
     return max(free, key=lambda ln: (_own(ln, session), -ln.last_used))
 
 
-_ORDER = {"ram": 0, "disk": 1, "remote": 2}
-
-
 def rank(offers: Sequence[Offer], costs: Costs, prompt: int) -> list[tuple[Estimate, Offer]]:
-    """Offers by estimated time to the first token, cheapest first (ties: nearer tier)."""
+    """Offers by estimated time to the first token, cheapest first (ties: the tier read
+    faster, RAM, which is not read, first)."""
+    def faster(o: Offer) -> float:
+        bw = costs.bandwidth(o.tier)
+        return -math.inf if bw is None else -bw
+
     ranked = [(costs.estimate(o.tier, o.n, o.nbytes, prompt), o) for o in offers]
-    ranked.sort(key=lambda eo: (eo[0].total_s, _ORDER.get(eo[1].tier, 3), -eo[1].n))
+    ranked.sort(key=lambda eo: (eo[0].total_s, faster(eo[1]), -eo[1].n))
     return ranked
 
 

@@ -213,8 +213,8 @@ class Publisher:
                             owned=owned)
         if rec is None:
             return 0
-        p.meter.count("checkpoints_saved")
-        p.meter.count("checkpoint_bytes_saved", rec.nbytes)
+        p.meter.checkpoints_saved.inc()
+        p.meter.checkpoint_bytes_saved.inc(by=rec.nbytes)
         if kind is Kind.FULL:
             lane.saved_full = True
         if p.draft is not None:  # the draft's partial state where it stands the same
@@ -241,7 +241,7 @@ class Publisher:
         request served without the cache keeps nothing of its own: it replaces
         nothing."""
         if job.use_cache and lane.replaced_by(job.prompt, job.req.tenant):
-            self.p.meter.count("replaced_replies")
+            self.p.meter.replaced_replies.inc()
             return
         self.hand_off_timed(lane, job, convert_replay=convert_replay)
 
@@ -261,7 +261,7 @@ class Publisher:
         if p.pool is None or lane.n == 0:
             return
         if not lane.saved_full:
-            p.meter.count("handoffs")
+            p.meter.handoffs.inc()
             # a lane ends where its last request's reply ended
             self.save(lane, Role.END_OF_REPLY, Kind.FULL)
         if not convert_replay or lane.replay_saved or self.kind() is not Kind.PARTIAL:
@@ -294,7 +294,7 @@ class Publisher:
         """Keep an idle lane's live state as a FULL checkpoint without cutting it back,
         so a crash loses no conversation (the pool writes full states to disk)."""
         if not lane.saved_full and lane.n and self.p.pool is not None:
-            self.p.meter.count("idle_saves")
+            self.p.meter.idle_saves.inc()
             self.save(lane, Role.END_OF_REPLY, Kind.FULL)
 
     def shutdown(self) -> None:

@@ -23,8 +23,8 @@ from proxy.engine.lanes import Lane
 from proxy.engine.placement import Placement
 from proxy.engine.planner import Plan, Source, cold_lane, make_plan
 from proxy.engine.publishing import Publisher
-from statecache.lease import Lease
 from statecache.pool import Offer
+from statecache.pool.lease import Lease
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +120,8 @@ class Restorer:
     def carry_out(self, plan: Plan, job: Job) -> None:
         p, publisher = self.p, self.publisher
         lane, prompt, tenant = plan.lane, job.prompt, job.req.tenant
-        job.stats.source, job.stats.role = plan.source.value, plan.role
-        if plan.source is Source.LANE:
+        job.stats.source, job.stats.role = plan.source, plan.role
+        if plan.source == Source.LANE:
             if plan.partial is not None or plan.truncate:
                 publisher.hand_off_unless_replaced(lane, job, convert_replay=False)
             if plan.partial is not None and not p.ctx.restore(
@@ -153,7 +153,7 @@ class Restorer:
 
     def _fall_back_cold(self, lane: Lane, job: Job, why: str) -> None:
         log.warning("lane %d: %s; starting cold", lane.id, why)
-        self.p.meter.count("restore_failures")
+        self.p.meter.restore_failures.inc()
         self.publisher.clear(lane)
         lane.tenant = job.req.tenant
-        job.stats.source, job.stats.role = Source.COLD.value, ""
+        job.stats.source, job.stats.role = Source.COLD, ""

@@ -126,7 +126,7 @@ class Stepper:
             elif job.stopping and not job.done and job.prefilling:
                 job.finish_reason = "length"  # shutting down: nothing more to prefill
         ec = self.p.cfg.engine
-        # drafts weigh against what the step yields without them (proxy/engine/speculation.py)
+        # drafts weigh against what the step yields without them (proxy/engine/draftlength.py)
         self.exec.speculation.lanes_decoding = max(
             sum(1 for job, _ in active if not job.done and not job.prefilling), 1)
         works = plan_step([job for job, _ in active if not job.done], self.exec, self.timer,
@@ -158,12 +158,12 @@ class Stepper:
                 self.timer.record(dt, n_decode, n_prefill, drafts=drafts, yielded=yielded)
                 if self.p.pool is not None and not n_decode:  # the planner's prefill rate
                     self.p.pool.costs.note_prefill(n_prefill, dt)
-                count = self.p.meter.count
-                count("steps")
-                count("step_tokens", sum(w.n for w in works))  # with the drafts it carried
-                count("step_lane_work", len(works))
+                m = self.p.meter
+                m.steps.inc()
+                m.step_tokens.inc(by=sum(w.n for w in works))  # with the drafts it carried
+                m.step_lane_work.inc(by=len(works))
                 if len(works) > 1:
-                    count("steps_multi_lane")
+                    m.steps_multi_lane.inc()
         self._after_step(active)
 
     def _alone(self, job: Job) -> bool:
@@ -195,9 +195,9 @@ class Stepper:
         else:
             dt = self.timer.took(time.perf_counter() - t0, 1, 0, steps=steps)
             self.timer.record(dt, 1, 0, steps=steps, alone=True)
-            count = self.p.meter.count
-            for name in ("steps", "step_tokens", "step_lane_work", "steps_alone"):
-                count(name, steps)
+            m = self.p.meter
+            for counter in (m.steps, m.step_tokens, m.step_lane_work, m.steps_alone):
+                counter.inc(by=steps)
         self._after_step(pair)
 
     def _after_step(self, active: list[Entry]) -> None:

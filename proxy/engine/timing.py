@@ -4,7 +4,7 @@ A step costs about ``a(d) + b * p``: ``a(d)`` a decode-only step of ``d`` lanes,
 one prefill token of a large batch. Both are moving averages of what the steps took,
 so the sizes follow the model, the machine and the load. Beside them, what drafts add
 to a step (a verification of ``k`` drafts, the draft model's own time), which
-proxy/engine/speculation.py weighs against the tokens it expects them to yield.
+proxy/engine/draftlength.py weighs against the tokens it expects them to yield.
 
 Where a test sets ``StepTimer.costs`` (``StepCosts``), each piece of work is charged
 what that cost model says instead of the seconds it took, so every decision these
@@ -49,7 +49,7 @@ class StepTimer:
     decode_s: dict[int, float] = field(default_factory=dict)  # a(d)
     # what a verification of k drafts adds to a decode step, per lane (a bigger batch, a
     # staged save, a rollback), and the draft model's seconds per drafted token:
-    # proxy/engine/speculation.py weighs them against the drafts it expects accepted
+    # proxy/engine/draftlength.py weighs them against the drafts it expects accepted
     verify_s: dict[int, float] = field(default_factory=dict)
     # the step of one lane those costs go with (0: as they are): a draft costs about a
     # share of a step, and both grow with the lane's context (docs/design.md fact 17),
@@ -69,7 +69,7 @@ class StepTimer:
     model_step_s: float = 0.0
     model_yielded: float = 0.0
     per_token_s: float = 0.0  # b; 0 until measured
-    lookup_s: float = 0.0  # what a prompt lookup costs (proxy/engine/speculation.py)
+    lookup_s: float = 0.0  # what a prompt lookup costs (proxy/engine/draftlength.py)
     steps: int = 0
     share: float = 0.5  # of the time, the streams' while a long prompt prefills
     owed_s: float = 0.0  # time the streams get before the next burst

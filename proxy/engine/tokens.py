@@ -74,7 +74,7 @@ class Tokenizer:
             return self.tokenize(text)
         ids, n = tokenize_spliced(text, self.tokenize, self.replies.recent(tenant))
         if n:
-            self.meter.count("replies_spliced", n)
+            self.meter.replies_spliced.inc(by=n)
         return ids
 
     def remember_reply(self, tenant: str, generated: list[int]) -> None:

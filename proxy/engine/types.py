@@ -141,7 +141,7 @@ class TokenEvent:
 @dataclass(slots=True)
 class RequestStats:
     lane: int = -1
-    source: str = "cold"  # cold | lane | ram | disk
+    source: str = "cold"  # cold | lane | the tier it was read from (ram, disk, remote)
     role: str = ""  # role of the checkpoint used, if any
     prefilled: int = 0
     ttft_s: float = 0.0

@@ -65,7 +65,7 @@ async def test_drafting_stops_on_a_pair_where_it_loses(
         got = await ask(srv.client, messages, 200)
         m = srv.app[ENGINE].meter
         drafted, accepted = _drafted(m)
-        rests, probes, alone = m.get("spec_rests"), m.get("spec_probes"), m.get("steps_alone")
+        rests, probes, alone = m.spec_rests.get(), m.spec_probes.get(), m.steps_alone.get()
     n = got["completion_tokens"]
     assert n == 200
     assert rests >= 1, (rests, drafted, accepted)
@@ -132,12 +132,12 @@ async def test_a_draft_model_that_drafts_nothing_costs_no_planned_steps(
         planned, followed = [], []
         for i in range(3):
             messages = [{"role": "user", "content": f"Conversation {i}. Tell me a story."}]
-            steps, alone = m.get("steps"), m.get("steps_alone")
+            steps, alone = m.steps.get(), m.steps_alone.get()
             decoded = m.draft_total.get("tokens_decoded")
             got = await ask(srv.client, messages, 400,  # (no history to draft from)
                             extra_headers={"X-Statecache-Session": f"conversation-{i}"})
             assert got["completion_tokens"] == 400
-            planned.append(m.get("steps") - steps - (m.get("steps_alone") - alone))
+            planned.append(m.steps.get() - steps - (m.steps_alone.get() - alone))
             # what the draft model decoded beyond following the prompt
             followed.append(m.draft_total.get("tokens_decoded") - decoded
                             - got["prompt_tokens"])

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from proxy.api.app import ENGINE
-from statecache.disk import DiskTier
+from statecache.tiers.disk import DiskTier
 from tests.http.conftest import DoneLines, Hold, serve
 
 pytestmark = pytest.mark.http

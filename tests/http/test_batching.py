@@ -41,8 +41,8 @@ async def test_four_concurrent_sessions_match_cold_answers(
 
         await asyncio.gather(*(run(s) for s in sessions))
         m = srv.app[ENGINE].meter
-    assert m.get("steps_multi_lane") > 0, "no step carried two lanes"
-    assert m.get("checkpoints_saved") > 0
+    assert m.steps_multi_lane.get() > 0, "no step carried two lanes"
+    assert m.checkpoints_saved.get() > 0
     assert any(("ram" in e or "disk" in e) for e in done_lines.events), done_lines.events
     all_turns: list[Turn] = [t for s in sessions for t in s.turns]
     await _same_as_cold(model, tmp_path, all_turns, 24, NEAR_TIE[which])
@@ -68,8 +68,8 @@ async def test_two_streams_share_each_step(hybrid_path: Path, tmp_path: Path) ->
     each = [t.completion_tokens for t in a.turns + b.turns]
     assert min(each) >= 50
     # while both decode, a step carries both lanes; one lane per step would make this 0
-    assert m.get("steps_multi_lane") >= 0.5 * min(each), m
-    assert m.get("steps") < sum(each), m
+    assert m.steps_multi_lane.get() >= 0.5 * min(each), m
+    assert m.steps.get() < sum(each), m
     await _same_as_cold(hybrid_path, tmp_path, a.turns + b.turns, 80, NEAR_TIE["hybrid"])
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from proxy.api.app import ENGINE
-from statecache.disk import PAGE_SUFFIX
-from statecache.diskfmt import read_meta
+from statecache.formats.diskfmt import read_meta
+from statecache.tiers.diskfiles import PAGE_SUFFIX
 from tests.http.agent import Session, user_message
 from tests.http.conftest import serve
 from tests.http.test_sessions import NEAR_TIE, PAGE, _same_as_cold
@@ -36,7 +36,7 @@ async def _shared(srv, timeout: float = 30) -> None:  # type: ignore[no-untyped-
     deadline = time.monotonic() + timeout
     while True:
         s = pool.stats()
-        if s["remote_writes"] >= 1 and s["remote_queue"] == 0:
+        if s.tier("remote").store.writes >= 1 and s.tier("remote").store.queue == 0:
             return
         assert time.monotonic() < deadline, s
         await asyncio.sleep(0.1)
@@ -54,20 +54,20 @@ async def test_the_next_turn_restores_from_the_store_then_from_disk(
         t1 = await s.turn()
         await _shared(a)
         pool_a = a.app[ENGINE].pool.stats()
-        assert pool_a["remote_pages_written"] > 0
+        assert pool_a.tier("remote").store.pages_written > 0
     # B has its own, empty disk: turn 2 starts from A's state in the store
     async with serve(model, tmp_path / "b", **opts, **remote) as b:
         s.client = b.client
         t2 = await s.turn(user_message(1))
         stats_b = b.app[ENGINE].pool.stats()
     assert t2.cached_tokens >= t1.prompt_tokens + t1.completion_tokens - PAGE, t2
-    assert stats_b["hits_remote"] >= 1 and stats_b["remote_pages_fetched"] > 0
+    assert stats_b.tier("remote").hits >= 1 and stats_b.tier("remote").store.pages_fetched > 0
     # C over A's disk, no store: turn 3 starts from what A left on disk (turn 1's end)
     async with serve(model, tmp_path / "a", **opts) as c:
         s.client = c.client
         t3 = await s.turn(user_message(2))
         stats_c = c.app[ENGINE].pool.stats()
-    assert stats_c["hits_disk"] >= 1 and stats_c["disk_pages"] > 0
+    assert stats_c.tier("disk").hits >= 1 and stats_c.tier("disk").pages > 0
     assert t3.cached_tokens >= t1.prompt_tokens + t1.completion_tokens - PAGE, t3
     await _same_as_cold(model, tmp_path, s.turns, s.max_tokens, NEAR_TIE[which])
 
@@ -87,6 +87,6 @@ async def test_a_page_missing_on_disk_is_a_miss_not_a_wrong_state(tmp_path: Path
         s.client = b.client
         t2 = await s.turn(user_message(1))
         st = b.app[ENGINE].pool.stats()
-    assert st["quarantined"] >= 1 and st["hits_disk"] == 0
+    assert st.quarantined >= 1 and st.tier("disk").hits == 0
     assert t2.cached_tokens < t1.prompt_tokens
     await _same_as_cold(hybrid_path, tmp_path, s.turns, s.max_tokens, NEAR_TIE["hybrid"])

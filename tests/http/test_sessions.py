@@ -186,7 +186,7 @@ async def test_a_disk_read_waits_off_the_engine_thread_while_others_stream(
         other = await _streaming(srv2, 3000)
         t2 = await s.turn(user_message(1))
         assert not other.done()  # it streamed all along
-        assert engine.meter.get("fetches_in_background") == 1
+        assert engine.meter.fetches_in_background.get() == 1
         assert await other > 0
     assert t2.cached_tokens >= t1.prompt_tokens + t1.completion_tokens - PAGE
     for f in (tmp_path / "ckpt").glob("*.ckpt"):
@@ -198,7 +198,7 @@ async def test_a_disk_read_waits_off_the_engine_thread_while_others_stream(
         engine = srv3.app[ENGINE]
         other = await _streaming(srv3, 3000)
         t3 = await s.turn(user_message(2))
-        assert engine.meter.get("fetches_in_background") == 1
+        assert engine.meter.fetches_in_background.get() == 1
         await other
     assert t3.cached_tokens == 0  # the corrupt state was a miss, never a wrong state
     await _same_as_cold(hybrid_path, tmp_path, s.turns, s.max_tokens, NEAR_TIE["hybrid"])

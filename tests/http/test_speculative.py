@@ -98,7 +98,7 @@ async def test_two_lanes_draft_in_the_same_steps(spec_target_path: Path, spec_dr
         m = srv.app[ENGINE].meter
     drafted, accepted, verifications = _spec(m)
     assert drafted > 0 and accepted > 0, m
-    assert m.get("steps_multi_lane") > 0, m
+    assert m.steps_multi_lane.get() > 0, m
     await _same_as_cold(spec_target_path, tmp_path, a.turns + b.turns, 80, NEAR_TIE["hybrid"])
 
 

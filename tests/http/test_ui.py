@@ -69,9 +69,23 @@ async def test_the_page_and_what_it_shows_after_an_agent_session(
     history = data["history"]
     assert sum(b["requests"] for b in history) == 5
     assert sum(b["cached"] for b in history) == sum(c for _, c in sent.usage)
-    tiers = data["tiers"]
-    assert tiers["ram_bytes"] > 0 and tiers["ram_budget"] > 0 and tiers["disk"] == "ok"
-    assert tiers["disk_path"] == str((tmp_path / "ckpt").resolve())
+    tiers = {t["label"]: t for t in data["tiers"]}
+    assert tiers["RAM"]["bytes"] > 0 and tiers["RAM"]["budget"] > 0
+    assert tiers["Disk"]["status"] == "ok"
+    assert tiers["Disk"]["where"] == str((tmp_path / "ckpt").resolve())
+
+
+async def test_the_page_with_the_cache_off(hybrid_path: Path, tmp_path: Path) -> None:
+    """No pool: the page draws no tier, and the checkpoint list is empty, not an error."""
+    async with serve(hybrid_path, tmp_path / "ckpt", cache__enabled=False) as srv:
+        await srv.client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        status, _, raw = await _get(srv, "/admin/ui.json")
+        assert status == 200, raw
+        data = json.loads(raw)
+        status, _, listed = await _get(srv, "/admin/checkpoints")
+    assert data["tiers"] == [] and data["requests"][0]["prompt_tokens"] > 0
+    assert status == 200 and json.loads(listed)["checkpoints"] == []
 
 
 def _basic(key: str) -> dict[str, str]:

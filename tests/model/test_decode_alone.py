@@ -76,8 +76,8 @@ def test_a_lone_stream_decodes_what_a_plain_greedy_loop_does(
         # every token after the first came from a lone run (the first: the prefill's),
         # unless they are off: every step planned
         alone = len(ids) - 1 if lone_run_ms else 0
-        assert eng.meter.get("steps_alone") == alone
-        assert eng.meter.get("steps") == len(ids)
+        assert eng.meter.steps_alone.get() == alone
+        assert eng.meter.steps.get() == len(ids)
     finally:
         eng.close()
 
@@ -99,10 +99,10 @@ def test_a_request_that_arrives_ends_the_lone_run(hybrid_path: Path) -> None:
         long_ids, short_ids = asyncio.run(go())
         # the short request did not wait for the long one's run (of up to LONG_MS)
         assert done == ["short", "long"], done
-        assert eng.meter.get("steps_multi_lane") >= 3
+        assert eng.meter.steps_multi_lane.get() >= 3
         assert short_ids and len(long_ids) == 600
         # and the long one went on alone once the short one was gone
-        assert eng.meter.get("steps_alone") > 20 + eng.meter.get("steps_multi_lane")
+        assert eng.meter.steps_alone.get() > 20 + eng.meter.steps_multi_lane.get()
     finally:
         eng.close()
 
@@ -127,9 +127,9 @@ def test_a_cancelled_lone_stream_stops_at_once(hybrid_path: Path) -> None:
         while eng.queue()["active_requests"] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert eng.queue()["active_requests"] == 0
-        steps = eng.meter.get("steps_alone")
+        steps = eng.meter.steps_alone.get()
         time.sleep(0.1)
-        assert eng.meter.get("steps_alone") == steps  # nothing decodes any more
+        assert eng.meter.steps_alone.get() == steps  # nothing decodes any more
         assert steps < 1000, "the cancelled stream decoded on to its limit"
         # the engine serves the next request from the same lanes, correctly
         ids, _ = asyncio.run(_collect(eng, _request("next", OTHER, 12), []))

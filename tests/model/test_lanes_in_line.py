@@ -68,14 +68,14 @@ def test_a_follow_up_beside_a_gap_moves_next_to_the_busy_lane(hybrid_path: Path)
 
             # a reply of a few tokens is not worth a copy: it runs where its state is
             _, fin = await beside_x("z2-short", z2, 4)
-            assert fin.stats.lane == 2 and eng.meter.get("lane_copies") == 0
+            assert fin.stats.lane == 2 and eng.meter.lane_copies.get() == 0
             held = eng.exec.lanes.lanes[2].tokens.copy()
             # a longer one runs next to lane 0, from a copy of lane 2 cut back to its
             # checkpoint at the prompt's end (with the logits of its last row)
             got, fin = await beside_x("z2", z2, 32)
             assert fin.stats.lane == 1
             assert fin.usage.cached_tokens == len(z2) and fin.stats.prefilled == 0
-            assert eng.meter.get("lane_copies") == 1
+            assert eng.meter.lane_copies.get() == 1
             assert (eng.exec.lanes.lanes[2].tokens == held).all()  # lane 2 kept its state
             cold, _ = await _one(eng, "z2-cold", z2, 32, use_cache=False)
             assert got == cold
@@ -105,7 +105,7 @@ def test_a_request_that_ends_leaves_no_gap_behind(hybrid_path: Path) -> None:
             got = await asyncio.gather(*(_one(eng, k, p, sizes[k]) for k, p in prompts.items()))
             lanes = [fin.stats.lane for _, fin in got]
             assert lanes == [0, 1, 1], lanes  # z ended in lane 1
-            assert eng.meter.get("lane_moves") == 1
+            assert eng.meter.lane_moves.get() == 1
             for (out, _), (k, p) in zip(got, prompts.items(), strict=True):
                 cold, _ = await _one(eng, f"{k}-cold", p, sizes[k], use_cache=False)
                 assert out == cold, k
@@ -143,11 +143,11 @@ def test_a_new_conversation_takes_the_lane_that_closes_the_gap_unless_it_is_shor
             # a new conversation would go to the least recently used lane, 2, beside a
             # gap: it takes lane 1 (nothing live to copy: a cold start)
             assert (await beside_a("other", p["other"], 64)).stats.lane == 1
-            assert eng.meter.get("lanes_kept_in_line") == 1
-            assert eng.meter.get("lane_copies") == 0
+            assert eng.meter.lanes_kept_in_line.get() == 1
+            assert eng.meter.lane_copies.get() == 0
             # lane 2 is the least recently used again; a reply of a few tokens stays there
             assert (await beside_a("new", p["new"], 4)).stats.lane == 2
-            assert eng.meter.get("lanes_kept_in_line") == 1
+            assert eng.meter.lanes_kept_in_line.get() == 1
         asyncio.run(go())
     finally:
         eng.begin_shutdown()

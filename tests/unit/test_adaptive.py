@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from proxy.engine.draftlength import LOOKUP
 from proxy.engine.job import Job, StepDrafts, Work
 from proxy.engine.lanes import Lane
-from proxy.engine.speculation import LOOKUP, Speculation
+from proxy.engine.speculation import Speculation
 from proxy.engine.timing import StepCosts, StepTimer
 from proxy.meters import EngineMeter
 from statecache.config import load_config
@@ -88,7 +89,7 @@ def test_a_reply_that_copies_its_prompt_keeps_drafting() -> None:
     assert job.out.generated == reply  # drafts never change what the target said
     assert meter.spec_tokens.get("drafted") >= 60, meter
     assert verifications < 0.3 * len(reply), verifications
-    assert meter.get("spec_rests") == 0, meter
+    assert meter.spec_rests.get() == 0, meter
 
 
 def test_drafts_that_cost_more_than_they_yield_rest() -> None:
@@ -99,7 +100,7 @@ def test_drafts_that_cost_more_than_they_yield_rest() -> None:
     reply = _reply(prompt, 200)
     meter, job, _ = _run(prompt, reply, STEP * 1.2)
     assert job.out.generated == reply
-    assert meter.get("spec_rests") >= 1, meter
+    assert meter.spec_rests.get() >= 1, meter
     assert meter.spec_tokens.get("drafted") < 0.5 * len(reply), meter
 
 
@@ -111,7 +112,7 @@ def test_a_new_request_where_no_drafts_pay_goes_on_resting() -> None:
     prompt = list(range(10, 130))
     reply = _reply(prompt, 240)
     meter, _, spec = _run(prompt, reply, STEP * 1.2)
-    assert meter.get("spec_rests") >= 1, meter
+    assert meter.spec_rests.get() >= 1, meter
     before = meter.spec_verifications.get()
     for _ in range(4):
         meter, job, _ = _run(prompt, reply, STEP * 1.2, spec=spec)
@@ -134,7 +135,7 @@ def test_a_copy_from_the_first_token_is_probed_at_once() -> None:
     reply = (prompt * 2)[:64]
     meter, job, _ = _run(prompt, reply, 0.005, _measured())
     assert job.out.generated == reply
-    assert meter.get("spec_rests") == 0, meter
+    assert meter.spec_rests.get() == 0, meter
     assert meter.spec_verifications.get() < 0.5 * len(reply), meter
 
 
@@ -160,7 +161,7 @@ def test_probes_that_copy_well_but_lose_grow_apart() -> None:
     reply = _reply(prompt, 1000)
     meter, job, _ = _run(prompt, reply, STEP * 1.2)
     assert job.out.generated == reply
-    assert meter.get("spec_probes") <= 6, meter  # 32, 64, ... 1024 tokens apart
+    assert meter.spec_probes.get() <= 6, meter  # 32, 64, ... 1024 tokens apart
     assert meter.spec_verifications.get() <= 12, meter
 
 
@@ -258,7 +259,7 @@ def test_a_resting_lane_drafts_a_copy_as_soon_as_it_starts() -> None:
     spec.verify = noting  # type: ignore[method-assign]
     meter, job, _ = _run(prompt, reply, 0.005, spec=spec)
     assert job.out.generated == reply
-    assert meter.get("spec_rests") >= 1, meter  # it rested through its own words
+    assert meter.spec_rests.get() >= 1, meter  # it rested through its own words
     assert verified_at and verified_at[0] <= len(own) + 4, verified_at
 
 

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.batching import PER_TOKEN, finite_median, median_ci, paired, summary, system_config
-from bench.report import _batching, _paired
+from bench.batching import PER_TOKEN, finite_median, summary, system_config
+from bench.paired import median_ci, paired
+from bench.paired import table as _paired
+from bench.report import _batching
 from bench.servers import ModelSpec, _command, checkout
 
 

@@ -14,6 +14,11 @@ CLEAN = {
     "statecache/__init__.py": "",
     "statecache/pages.py": "import numpy as np\n",
     "statecache/pool.py": "from statecache.pages import np\nfrom . import pages\n",
+    "statecache/formats/__init__.py": "",
+    "statecache/formats/diskfmt.py": "from statecache.pages import np\n",
+    "statecache/tiers/__init__.py": "",
+    "statecache/tiers/disk.py": "from statecache.formats import diskfmt\n",
+    "statecache/tiers/ram.py": "from . import disk\n",
     "proxy/__init__.py": "",
     "proxy/engine/__init__.py": "",
     "proxy/engine/types.py": "from dataclasses import dataclass\n",
@@ -110,6 +115,49 @@ def test_the_api_imports_only_the_engines_contract(tree: Path, text: str, target
 def test_statecache_imports_nothing_above_it(tree: Path, text: str) -> None:
     found = broken(tree, "statecache/pool.py", text)
     assert len(found) == 1 and "statecache imports nothing of proxy, tools or bench" in found[0]
+
+
+@pytest.mark.parametrize("text", [
+    "from statecache import pool\n", "import statecache.pool\n",
+    "def f():\n    from statecache.pool import CheckpointPool\n",
+])
+def test_the_tiers_import_no_pool(tree: Path, text: str) -> None:
+    found = broken(tree, "statecache/tiers/ram.py", text)
+    assert len(found) == 1 and found[0].startswith("statecache/tiers/ram.py:"), found
+    assert "statecache.pool: the tiers (statecache/tiers) import nothing of the pool" in found[0]
+
+
+@pytest.mark.parametrize(("text", "target"), [
+    ("from statecache.tiers import disk\n", "statecache.tiers.disk"),
+    ("from ..tiers.ram import x\n", "statecache.tiers.ram"),
+    ("import statecache.pool\n", "statecache.pool"),
+])
+def test_the_formats_import_no_tier_and_no_pool(tree: Path, text: str, target: str) -> None:
+    found = broken(tree, "statecache/formats/diskfmt.py", text)
+    assert len(found) == 1 and f"statecache.formats.diskfmt imports {target}: the formats " \
+        "(statecache/formats) import nothing of the tiers or the pool" in found[0], found
+
+
+def test_import_circles_are_found_with_their_members(tree: Path) -> None:
+    assert broken(tree, "bench/report.py", "import json\n") == []  # no circle yet
+    # report -> table <- ceiling: no circle; then table imports both back, one of them
+    # only from inside a function: one circle of the three
+    write(tree, {"bench/report.py": "from bench import table\n",
+                 "bench/table.py": "import json\n",
+                 "bench/ceiling.py": "import bench.table\n"})
+    assert violations(tree) == []
+    found = broken(tree, "bench/table.py",
+                   "import bench.ceiling\ndef f():\n    from bench.report import x\n")
+    circle = "(bench.ceiling <-> bench.report <-> bench.table)"
+    assert found == [
+        f"bench/ceiling.py:1: bench.ceiling imports bench.table: an import circle {circle}",
+        f"bench/report.py:1: bench.report imports bench.table: an import circle {circle}",
+        f"bench/table.py:1: bench.table imports bench.ceiling: an import circle {circle}",
+        f"bench/table.py:3: bench.table imports bench.report: an import circle {circle}"]
+    # a module that imports itself is a circle of one
+    write(tree, {"bench/table.py": "import json\n"})
+    assert broken(tree, "tools/draft.py", "import tools.draft\n") == [
+        "tools/draft.py:1: tools.draft imports tools.draft: an import circle (tools.draft)"]
 
 
 @pytest.mark.parametrize("text", ["from tools import draft\n", "import bench.run\n"])

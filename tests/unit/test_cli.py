@@ -176,7 +176,7 @@ def test_a_kept_checkpoint_says_for_how_long() -> None:
     import io
     import time
 
-    from statecache.cli import _table
+    from statecache.cli.inspect import _table
 
     out = io.StringIO()
     now = time.time()

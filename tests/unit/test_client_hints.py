@@ -18,8 +18,8 @@ from proxy.api.render import ChatTemplate, load_chat_template, render_chat
 from proxy.api.responses import chat_request, parse_responses_request
 from proxy.engine.detok import TextStream
 from statecache.kvpages import REST_HEAD_BYTES
-from statecache.ram import EvictionClass
 from statecache.records import Kind, Owner, Role
+from statecache.tiers.policy import EvictionClass
 from tests.unit.conftest import PoolFactory, put
 
 CHATML = (Path(__file__).resolve().parents[2] / "vendor" / "templates"
@@ -152,7 +152,7 @@ def test_kept_checkpoints_go_last_until_their_time_is_up(make_pool: PoolFactory)
     put(pool, [13, 14, 15, 16], b"c" * 10, role=Role.BRANCH)  # evicts the oldest unkept
     ids = {d["id"] for d in pool.describe()}
     assert kept.id in ids and a.id not in ids
-    assert pool.stats()["kept_entries"] == 1
+    assert pool.stats().kept_entries == 1
     [desc] = [d for d in pool.describe() if d["id"] == kept.id]
     assert desc["kept_until"] > desc["created"] + 990
     # a breakpoint on a prefix the pool holds keeps it again; one it does not hold: False
@@ -170,11 +170,11 @@ def test_a_kept_checkpoint_whose_time_is_up_is_evicted_as_usual(
     for i in range(3):
         put(pool, [20 + i, 2, 3, 4], bytes([i]) * 10, role=Role.BRANCH)
     assert kept.id not in {d["id"] for d in pool.describe()}
-    assert pool.stats()["kept_entries"] == 0
+    assert pool.stats().kept_entries == 0
 
 
 def test_eviction_class_of_a_kept_entry() -> None:
-    from statecache.ram import eviction_class
+    from statecache.tiers.policy import eviction_class
     assert eviction_class(Role.PERIODIC, 0, kept=True) is EvictionClass.KEPT
     assert max(EvictionClass) is EvictionClass.KEPT  # evicted last
 

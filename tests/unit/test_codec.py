@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from statecache import codec
+from statecache.formats import codec
 
 
 def floats(n: int, dtype: str) -> bytes:

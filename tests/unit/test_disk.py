@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from statecache.diskfmt import HEADER, file_size, read_checkpoint
+from statecache.formats.diskfmt import HEADER, file_size, read_checkpoint
 from statecache.kvpages import assemble
 from statecache.records import Kind, Owner, Role
 from tests.unit.conftest import PoolFactory, put
@@ -72,7 +72,7 @@ def test_corrupt_file_is_a_miss_and_quarantined(
     assert pool.lookup(T, pool.chain(T)) is None
     assert not path.exists()
     assert len(list((tmp_path / "ckpt" / "quarantine").iterdir())) == 1
-    assert pool.stats()["quarantined"] == 1 and pool.stats()["entries"] == 0
+    assert pool.stats().quarantined == 1 and pool.stats().entries == 0
 
 
 def test_bad_deep_file_falls_back_to_the_next_candidate(
@@ -86,7 +86,7 @@ def test_bad_deep_file_falls_back_to_the_next_candidate(
     pool = make_pool()
     with pool.lookup(T, pool.chain(T)) as lease:  # type: ignore[union-attr]
         assert lease.record.id == shallow.id and bytes(lease.data) == b"a" * 32
-    assert pool.stats()["quarantined"] == 1
+    assert pool.stats().quarantined == 1
 
 
 def test_foreign_fingerprint_is_left_alone(make_pool: PoolFactory, tmp_path: Path) -> None:
@@ -96,7 +96,7 @@ def test_foreign_fingerprint_is_left_alone(make_pool: PoolFactory, tmp_path: Pat
     mine = make_pool()
     assert mine.lookup(T, mine.chain(T)) is None
     assert (tmp_path / "ckpt" / f"{rec.id}.ckpt").exists()
-    assert mine.stats()["quarantined"] == 0
+    assert mine.stats().quarantined == 0
 
 
 def test_renamed_file_symlink_and_bad_names(make_pool: PoolFactory, tmp_path: Path) -> None:
@@ -115,7 +115,7 @@ def test_renamed_file_symlink_and_bad_names(make_pool: PoolFactory, tmp_path: Pa
     quarantined = sorted(p.name.rsplit(".", 1)[0] for p in (d / "quarantine").iterdir())
     assert quarantined == sorted(["..ckpt", "NOT-HEX.ckpt", f"{other_id}.ckpt", f"{'1' * 32}.ckpt"])
     assert target.exists() and (d / "notes.pkl").exists()
-    assert pool.stats()["quarantined"] == 4
+    assert pool.stats().quarantined == 4
     with pool.lookup(T, pool.chain(T)) as lease:  # type: ignore[union-attr]
         assert bytes(lease.data) == b"S" * 64
 
@@ -140,7 +140,7 @@ def test_disk_budget_evicts_least_recently_used(make_pool: PoolFactory, tmp_path
         ["ram", "disk"],
         ["ram", "disk"],
     ]
-    assert pool.stats()["disk_evictions"] == 1
+    assert pool.stats().tier("disk").evictions == 1
     assert not (tmp_path / "ckpt" / f"{recs[0].id}.ckpt").exists()
 
 
@@ -154,7 +154,7 @@ def test_the_disk_holds_at_most_its_checkpoint_count(make_pool: PoolFactory,
     pool.flush()
     held = {e["id"] for e in pool.describe()}
     assert held == {r.id for r in recs[2:]}, held
-    assert pool.stats()["disk_evictions"] == 2
+    assert pool.stats().tier("disk").evictions == 2
     assert sorted(p.stem for p in (tmp_path / "ckpt").glob("*.ckpt")) == \
         sorted(r.id for r in recs[2:])
     pool.close()

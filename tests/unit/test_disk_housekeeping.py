@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from statecache.diskfmt import file_size
+from statecache.formats.diskfmt import file_size
 from statecache.records import Kind
 from tests.unit.conftest import PoolFactory, put
 from tests.unit.test_disk_trust import old_format_file, statecache_warnings
@@ -34,7 +34,7 @@ def test_leftover_temp_files_are_swept_at_start_and_counted_if_they_stay(
     stuck.mkdir()
     pool = make_pool()
     assert not fresh.exists() and not old.exists() and stuck.exists()
-    assert pool.stats()["disk_bytes"] == stuck.lstat().st_size > 0
+    assert pool.stats().tier("disk").bytes == stuck.lstat().st_size > 0
 
 
 def test_a_write_in_progress_counts_in_the_budget(make_pool: PoolFactory) -> None:
@@ -43,13 +43,14 @@ def test_a_write_in_progress_counts_in_the_budget(make_pool: PoolFactory) -> Non
     rec = put(pool, T, b"S" * 64)
     assert gate.entered.wait(30)
     # Reserved before the temporary file exists, until the file is committed.
-    assert pool.stats()["disk_bytes"] == file_size(rec) and pool.stats()["disk_entries"] == 0
+    disk = pool.stats().tier("disk")
+    assert disk.bytes == file_size(rec) and disk.entries == 0
     gate.open.set()
     pool.flush()
     # Committed, the file counts what it takes (its rest compressed: less than reserved).
-    size = (pool._disk.path / f"{rec.id}.ckpt").stat().st_size  # type: ignore[union-attr]
+    size = (pool.disk.path / f"{rec.id}.ckpt").stat().st_size  # type: ignore[union-attr]
     assert size < file_size(rec)
-    assert pool.stats()["disk_bytes"] == size and pool.stats()["disk_entries"] == 1
+    assert pool.stats().tier("disk").bytes == size and pool.stats().tier("disk").entries == 1
 
 
 def test_a_second_pool_on_the_same_directory_refuses_it(
@@ -61,7 +62,7 @@ def test_a_second_pool_on_the_same_directory_refuses_it(
     second = make_pool()
     expected = f"is in use by another statecache process (pid {os.getpid()})"
     assert expected in second.disk_status
-    assert second.describe() == [] and second.stats()["disk_budget"] == 0
+    assert second.describe() == [] and second.stats().tier("disk").budget == 0
     put(second, T[:9], b"R" * 64)
     second.flush()
     assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 1  # the second wrote nothing
@@ -85,7 +86,7 @@ def test_ram_budget_smaller_than_a_state_goes_straight_to_disk(
             assert lease.record.id == rec.id and bytes(lease.data) == bytes([i]) * 64
             assert lease.tier == "disk"
     s = pool.stats()
-    assert (s["direct_writes"], s["refused"], s["ram_bytes"]) == (3, 0, 0)
+    assert (s.counts.direct_writes, s.counts.refused, s.tier("ram").bytes) == (3, 0, 0)
     (warning,) = statecache_warnings(caplog)
     assert "smaller than a 64 B state: such states go straight to disk" in warning
     # A partial state has no disk to go to: refused, as before.
@@ -131,7 +132,8 @@ def test_write_failures_while_running_warn_once(
         put(pool, [i] + T, b"S" * 64)
     pool.flush()
     s = pool.stats()
-    assert s["disk_write_errors"] == 4 and s["disk_entries"] == 0 and s["disk_bytes"] == 0
+    disk = s.tier("disk")
+    assert s.counts.disk_write_errors == 4 and disk.entries == 0 and disk.bytes == 0
     (warning,) = statecache_warnings(caplog)
     assert "writing" in warning and "later failures are logged at debug level" in warning
     # The states are still served from RAM.
@@ -147,6 +149,6 @@ def test_files_of_an_older_statecache_are_set_aside_with_one_warning(
     for i in range(5):  # what an upgrade finds: files without a MAC
         old_format_file(d, [i] + T, b"S" * 64)
     pool = make_pool()
-    assert pool.describe() == [] and pool.stats()["quarantined"] == 5
+    assert pool.describe() == [] and pool.stats().quarantined == 5
     (warning,) = statecache_warnings(caplog)
     assert "moved 5 bad file(s)" in warning and "format version 1" in warning

@@ -10,9 +10,9 @@ import gc
 import tracemalloc
 from pathlib import Path
 
-from statecache.diskfmt import read_meta, write_checkpoint
-from statecache.index import Index
+from statecache.formats.diskfmt import read_meta, write_checkpoint
 from statecache.pages import PageChain, namespace_hash
+from statecache.pool.index import Index
 from statecache.records import CheckpointRecord, RecordHead, Role
 from tests.unit.conftest import PoolFactory
 from tests.unit.kvstate import conversation_state
@@ -24,7 +24,7 @@ NS = namespace_hash("m", "")
 
 
 def heads(pool) -> dict[str, RecordHead]:  # type: ignore[no-untyped-def]
-    return {i: e.record for i, e in pool._entries.items() if isinstance(e.record, RecordHead)}
+    return {i: e.record for i, e in pool._e.entries.items() if isinstance(e.record, RecordHead)}
 
 
 def test_a_pool_opened_on_many_checkpoints_holds_little_for_each(
@@ -88,7 +88,7 @@ def test_a_state_evicted_from_ram_is_found_on_disk_by_its_head(
     for n in (8, 24, 40):
         assert state_of(pool, 0, n) == conversation_state(n)
         pool.sanity_check()
-    assert pool.stats()["hits_disk"] >= 3
+    assert pool.stats().tier("disk").hits >= 3
 
 
 def test_a_refreshed_head_keeps_its_role_when_it_is_read_back(make_pool: PoolFactory) -> None:
@@ -115,7 +115,7 @@ def test_a_record_file_replaced_after_indexing_is_a_miss(
     toks = tokens(0, 40) + [3]
     with pool.lookup(toks, pool.chain(toks)) as lease:  # type: ignore[union-attr]
         assert lease.record.n == 24 and bytes(lease.data) == conversation_state(24)
-    assert pool.stats()["quarantined"] == 1
+    assert pool.stats().quarantined == 1
     assert {d["id"] for d in pool.describe()} == {recs[0].id, recs[1].id}
     pool.sanity_check()
 

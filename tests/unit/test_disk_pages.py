@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from statecache import disk
-from statecache.disk import PAGE_SUFFIX, pages_dir
+from statecache.tiers import diskfiles
+from statecache.tiers.diskfiles import PAGE_SUFFIX, pages_dir
 from tests.unit.conftest import FP, PoolFactory
 from tests.unit.kvstate import conversation_state
 from tests.unit.test_pool_pages import save, state_of
@@ -39,33 +39,34 @@ def test_pages_are_files_written_once(make_pool: PoolFactory, tmp_path: Path) ->
     files = page_files(tmp_path)
     assert len(files) == 10 + 2  # conversation 0's ten pages once, conversation 1's two
     s = pool.stats()
-    assert (s["disk_pages"], s["disk_page_bytes"]) == (12, sum(p.stat().st_size for p in files))
+    held = s.tier("disk")
+    assert (held.pages, held.page_bytes) == (12, sum(p.stat().st_size for p in files))
     records = sum(record_file(tmp_path, r.id).stat().st_size for r in recs)
-    assert s["disk_bytes"] == records + s["disk_page_bytes"] + sum(
+    assert s.tier("disk").bytes == records + s.tier("disk").page_bytes + sum(
         f.stat().st_size for f in (tmp_path / "ckpt").glob("*.ckpt")
         if f.stem not in {r.id for r in recs})
     pool.close()
     again = make_pool(kv_sections=1)
     for n in (8, 24, 40):
         assert state_of(again, 0, n) == conversation_state(n)
-    assert again.stats()["hits_disk"] >= 1  # the later ones found pages in RAM already
+    assert again.stats().tier("disk").hits >= 1  # the later ones found pages in RAM already
 
 
 def test_a_missing_page_makes_its_records_misses(make_pool: PoolFactory, tmp_path: Path) -> None:
     recs = saved(make_pool)
     # page 4 (tokens 16..19): named by the records at 24 and 40, not by the one at 8
     pool = make_pool(kv_sections=1)
-    assert pool.stats()["disk_pages"] == 10
+    assert pool.stats().tier("disk").pages == 10
     pool.close()
     victim = _page_of(tmp_path, recs[2], 4)
     victim.unlink()
     pool = make_pool(kv_sections=1)  # found at scan: both records quarantined
     assert {d["id"] for d in pool.describe()} == {recs[0].id}
-    assert pool.stats()["quarantined"] == 2
+    assert pool.stats().quarantined == 2
     assert state_of(pool, 0, 40) is None and state_of(pool, 0, 24) is None
     assert state_of(pool, 0, 8) == conversation_state(8)
     # pages only the quarantined records named are gone too
-    assert pool.stats()["disk_pages"] == 2 and len(page_files(tmp_path)) == 2
+    assert pool.stats().tier("disk").pages == 2 and len(page_files(tmp_path)) == 2
 
 
 def test_a_bad_page_found_at_read_is_a_miss_for_every_record_that_needs_it(
@@ -81,7 +82,7 @@ def test_a_bad_page_found_at_read_is_a_miss_for_every_record_that_needs_it(
     # the deepest is tried first: its page 4 fails its MAC; so do the 24's; 8 serves
     assert state_of(pool, 0, 40) is None
     s = pool.stats()
-    assert s["quarantined"] == 1 and {d["id"] for d in pool.describe()} == {recs[0].id}
+    assert s.quarantined == 1 and {d["id"] for d in pool.describe()} == {recs[0].id}
     assert not victim.exists()
     assert any(p.name.startswith(victim.name) for p in (tmp_path / "ckpt" / "quarantine").iterdir())
     toks = list(range(1000, 1040)) + [1]
@@ -98,7 +99,7 @@ def test_a_page_file_grown_after_the_scan_is_refused_unread(make_pool: PoolFacto
     fds = len(os.listdir("/proc/self/fd"))
     assert state_of(pool, 0, 40) is None
     assert len(os.listdir("/proc/self/fd")) == fds  # the batch's other files closed
-    assert pool.stats()["quarantined"] == 1 and not victim.exists()
+    assert pool.stats().quarantined == 1 and not victim.exists()
     assert state_of(pool, 0, 8) == conversation_state(8)
 
 
@@ -107,7 +108,7 @@ def test_pages_read_in_groups_of_open_files_come_back_in_order(
     make_pool: PoolFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ahead: int
 ) -> None:
     recs = saved(make_pool)
-    monkeypatch.setattr(disk, "_AHEAD", ahead)  # ten pages: groups of 1, of 3 and one
+    monkeypatch.setattr(diskfiles, "_AHEAD", ahead)  # ten pages: groups of 1, of 3 and one
     pool = make_pool(kv_sections=1)
     assert state_of(pool, 0, 40) == conversation_state(40)
     pool.close()
@@ -117,7 +118,7 @@ def test_pages_read_in_groups_of_open_files_come_back_in_order(
     fds = len(os.listdir("/proc/self/fd"))
     assert state_of(pool, 0, 40) is None
     assert len(os.listdir("/proc/self/fd")) == fds  # the group's other files closed
-    assert pool.stats()["quarantined"] == 1
+    assert pool.stats().quarantined == 1
 
 
 def test_a_page_under_another_name_or_key_is_refused(make_pool: PoolFactory,
@@ -128,7 +129,7 @@ def test_a_page_under_another_name_or_key_is_refused(make_pool: PoolFactory,
     a.write_bytes(b.read_bytes())  # a valid page, of another name
     pool = make_pool(kv_sections=1)
     assert state_of(pool, 0, 8) is None
-    assert pool.stats()["quarantined"] == 1 and pool.stats()["entries"] == 0
+    assert pool.stats().quarantined == 1 and pool.stats().entries == 0
     del a_bytes
 
 
@@ -149,11 +150,11 @@ def test_orphan_pages_are_removed_and_the_budget_counts_each_page_once(
     one = record_file(tmp_path, recs[1].id).stat().st_size + sum(p.stat().st_size for p in files)
     small = make_pool(kv_sections=1, disk=one)
     assert {d["id"] for d in small.describe()} == {recs[1].id}
-    assert small.stats()["disk_pages"] == 6
+    assert small.stats().tier("disk").pages == 6
     small.sanity_check()
 
 
 def _page_of(tmp_path: Path, rec, i: int) -> Path:  # type: ignore[no-untyped-def]
-    from statecache.disk import page_path
+    from statecache.tiers.diskfiles import page_path
 
     return page_path(pages_dir(tmp_path / "ckpt", FP), rec.page_keys[i])

@@ -18,10 +18,10 @@ import msgpack
 import pytest
 import xxhash
 
-from statecache.diskfmt import HEADER, TAG_BYTES, encode_meta, key_id, write_checkpoint
+from statecache.formats.diskfmt import HEADER, TAG_BYTES, encode_meta, key_id, write_checkpoint
+from statecache.formats.trust import Untrusted, load_key
 from statecache.kvpages import REST_HEAD_BYTES, split
 from statecache.records import CheckpointRecord, Kind, Owner, Role, new_record
-from statecache.trust import Untrusted, load_key
 from tests.unit.conftest import FP, PoolFactory, put
 
 A = list(range(1, 21))  # Alice's conversation
@@ -111,7 +111,7 @@ def test_version_2_file_of_our_own_key_is_a_miss(
     pool = make_pool()
     assert hit(pool, A) is None
     assert quarantined(ckpt) == [f"{rec.id}.ckpt"]
-    assert pool.stats()["entries"] == 0
+    assert pool.stats().entries == 0
 
 
 def test_old_format_file_with_a_valid_digest_is_never_served(
@@ -141,7 +141,7 @@ def test_file_made_with_another_key_is_never_served(
     pool = make_pool()
     assert hit(pool, A) is None
     assert quarantined(ckpt) == sorted([f"{rec.id}.ckpt", f"{rec2.id}.ckpt"])
-    assert pool.stats()["entries"] == 0
+    assert pool.stats().entries == 0
 
 
 def test_spliced_files_are_never_served(make_pool: PoolFactory, ckpt: Path, key: bytes) -> None:
@@ -173,7 +173,7 @@ def test_a_wrong_key_is_a_miss(make_pool: PoolFactory, tmp_path: Path, ckpt: Pat
     other = make_pool(secret_path=str(tmp_path / "other-keys" / "secret.key"))
     assert hit(other, A) is None
     assert quarantined(ckpt) == [f"{rec.id}.ckpt"]
-    assert other.stats()["quarantined"] == 1
+    assert other.stats().quarantined == 1
 
 
 # -- the directory ---------------------------------------------------------------------
@@ -197,7 +197,7 @@ def test_world_writable_directory_turns_the_disk_tier_off_with_one_warning(
         assert put(pool, [i] + A, STATE_A).id  # RAM still works
     pool.flush()
     assert len(list(ckpt.glob("*.ckpt"))) == 1  # only the planted one; nothing read
-    assert pool.stats()["disk_entries"] == 0 and pool.stats()["quarantined"] == 0
+    assert pool.stats().tier("disk").entries == 0 and pool.stats().quarantined == 0
     warnings = statecache_warnings(caplog)
     assert len(warnings) == 1 and "the disk tier is off" in warnings[0]
     assert "chmod go-w" in warnings[0]

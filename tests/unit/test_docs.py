@@ -3,7 +3,7 @@
 Every relative link reaches a file (an ``#anchor`` a heading there, by GitHub's slug
 rules); every ``make`` target, ``statecache`` subcommand and its ``--flags``,
 ``python -m`` module and repository path that their code names exists; every config key
-they name is in ``statecache/config.py``'s schema, and every TOML config they show
+they name is in ``statecache/config/sections.py``'s schema, and every TOML config they show
 loads; docs/configuration.md lists every key with its default; the README stays short
 enough to read in five minutes. No model, no server: a second.
 """
@@ -24,10 +24,11 @@ import pytest
 
 from statecache import config as config_mod
 from statecache.config import ConfigError, RemoteConfig, load_config
+from statecache.config import load as config_load
 
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 250
-SECTIONS = dict(config_mod._SECTIONS)
+SECTIONS = dict(config_load._SECTIONS)
 # file names that look like "section.key" (engine.py, model.gguf): not keys
 _EXTENSIONS = {"py", "gguf", "md", "toml", "json", "jinja", "sh", "txt", "png", "html"}
 _REPO_DIRS = ("statecache", "proxy", "bench", "tools", "tests", "docs", "configs", "scripts",
@@ -233,7 +234,7 @@ def named_keys(page: Page) -> set[str]:
 def key_exists(key: str) -> bool:
     section, name, *sub = key.split(".")
     fields = {f.name for f in dataclasses.fields(SECTIONS[section])}
-    if key in config_mod._RETIRED:
+    if key in config_load._RETIRED:
         return True
     if name not in fields:
         return False
@@ -352,8 +353,8 @@ def test_pointers_in_the_code_name_headings() -> None:
 def test_config_keys_exist(all_pages: list[Page]) -> None:
     named = {(_name(page.path), k) for page in all_pages for k in named_keys(page)}
     assert len(named) > 50, "the scan found almost no config keys: is it broken?"
-    problems = [f"{where}: {key}: not in statecache/config.py" for where, key in sorted(named)
-                if not key_exists(key)]
+    problems = [f"{where}: {key}: not in statecache/config/sections.py"
+                for where, key in sorted(named) if not key_exists(key)]
     assert not problems, "\n".join(problems)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from proxy.engine.drafting import History, lookup, lookup_draft
-from proxy.engine.speculation import best_length, expected_tokens
+from proxy.engine.draftlength import best_length, expected_tokens
 
 
 def _a(*xs: int) -> np.ndarray:

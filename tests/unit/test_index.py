@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from statecache.index import Index
 from statecache.pages import PageChain, namespace_hash
+from statecache.pool.index import Index
 from statecache.records import CheckpointRecord, Kind, Owner, Role, new_record
 
 NS = namespace_hash("m", "")

@@ -260,7 +260,7 @@ def test_which_cells_are_paged_for_runs_and_for_any_order() -> None:
     # A run of positions in order (a live lane, an SWA window) takes a shortcut; it must
     # page exactly what the general rule pages: the pages the chain has whose every
     # position one cell holds.
-    from statecache.kvpages import _covered
+    from statecache.kvpages.layout import covered as _covered
 
     rnd = random.Random(11)
     for _ in range(300):

@@ -8,12 +8,16 @@ import pytest
 
 from proxy.meter import Counter, Gauge, Histogram, render
 from proxy.meters import EngineMeter, pool_families
+from statecache.pool import Counts, PoolStats
+from statecache.records import Role
+from statecache.tiers.tier import StoreStats, TierStats
 
 
 def test_the_lane_counters_are_typed_counters() -> None:
     m = EngineMeter()
-    for name, value in (("lanes_kept_in_line", 3), ("lane_copies", 1), ("lane_moves", 2)):
-        m.count(name, value)
+    m.lanes_kept_in_line.inc(by=3)
+    m.lane_copies.inc(by=1)
+    m.lane_moves.inc(by=2)
     text = render(m.families())
     for name, value in (("lanes_kept_in_line", 3), ("lane_copies", 1), ("lane_moves", 2)):
         assert f"# TYPE statecache_{name}_total counter" in text
@@ -40,10 +44,19 @@ def test_families_render_with_their_labels_and_only_when_they_hold_samples() -> 
         hits.inc("ram")
 
 
-def test_the_pool_report_maps_by_its_keys() -> None:
-    text = render(pool_families({"hits_ram": 2, "hits_role_end_of_reply": 1, "ram_bytes": 10,
-                                 "remote_rejected_forged": 1, "remote_probes": 4,
-                                 "bandwidth_disk": 5.0, "inserts": 7}))
+def test_the_pool_report_maps_by_its_fields() -> None:
+    counts = Counts(inserts=7)
+    counts.hit("ram", Role.END_OF_REPLY)
+    counts.hit("ram")
+    store = StoreStats(probes=4)
+    store.refused("forged")
+    stats = PoolStats(entries=0, kept_entries=0, pinned_bytes=0, whole_states=0,
+                      whole_bytes=0, quarantined=0, write_queue=0, prefill_tps=0.0,
+                      counts=counts, tiers=(
+                          TierStats("ram", "RAM", hits=2, bytes=10),
+                          TierStats("disk", "Disk", bandwidth=5.0),
+                          TierStats("remote", "Shared store", store=store)))
+    text = render(pool_families(stats))
     assert 'statecache_pool_hits_total{tier="ram"} 2' in text
     assert 'statecache_pool_hits_by_role_total{role="end_of_reply"} 1' in text
     assert 'statecache_checkpoint_bytes{tier="ram"} 10' in text

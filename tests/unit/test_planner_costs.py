@@ -36,7 +36,7 @@ def test_disk_is_read_when_it_beats_the_prefill(make_pool: PoolFactory) -> None:
     pool = _on_disk_only(make_pool, 160, 1 << 20)
     # 1 MiB at 1 GB/s (about 1 ms) against 160 tokens at 1,000 tokens/s (160 ms): read it
     plan = _plan(pool, [Lane(0)])
-    assert (plan.source, plan.reuse) == (Source.DISK, 160)
+    assert (plan.source, plan.reuse) == ("disk", 160)
     assert plan.estimate.startswith("est. disk ") and "vs cold 200 ms" in plan.estimate
     plan.release()
 
@@ -47,7 +47,7 @@ def test_disk_is_skipped_when_prefilling_is_cheaper(make_pool: PoolFactory) -> N
     pool.costs.note_prefill(100_000, 1.0)  # a fast prefill: 160 tokens in 1.6 ms
     plan = _plan(pool, [Lane(0)])
     assert (plan.source, plan.reuse, plan.full) == (Source.COLD, 0, None)
-    assert pool.stats()["hits_disk"] == 0  # not even read
+    assert pool.stats().tier("disk").hits == 0  # not even read
 
 
 def test_a_live_lane_beats_a_slow_deeper_copy(make_pool: PoolFactory) -> None:

@@ -24,8 +24,8 @@ def test_deepest_hit_and_lease_pins(make_pool: PoolFactory) -> None:
         assert lease is not None
         assert lease.record.id == r13.id and lease.tier == "ram"
         assert bytes(lease.data) == b"b" * 10
-        assert pool.stats()["ram_pinned_bytes"] == 10 + H + 13 * 4
-    assert pool.stats()["ram_pinned_bytes"] == 0
+        assert pool.stats().pinned_bytes == 10 + H + 13 * 4
+    assert pool.stats().pinned_bytes == 0
     # max_n stops short of n=13 (the engine keeps a token to decode).
     lease = pool.lookup(T, chain, max_n=12)
     assert lease is not None and lease.record.id == r8.id
@@ -37,7 +37,7 @@ def test_deepest_hit_and_lease_pins(make_pool: PoolFactory) -> None:
     lease.close()
     assert pool.lookup([5, 6, 7], pool.chain([5, 6, 7])) is None
     s = pool.stats()
-    assert (s["hits_ram"], s["misses"], s["hits_role_replay"]) == (3, 1, 3)
+    assert (s.tier("ram").hits, s.counts.misses, s.counts.hits_by_role[Role.REPLAY]) == (3, 1, 3)
     pool.sanity_check()
 
 
@@ -48,7 +48,7 @@ def test_refresh_keeps_one_entry_and_the_stronger_role(make_pool: PoolFactory) -
     c = put(pool, T[:8], b"x" * 10, role=Role.END_OF_REPLY)
     assert a.id == b.id == c.id
     assert [d["role"] for d in pool.describe()] == ["branch"]
-    assert pool.stats()["refreshes"] == 2
+    assert pool.stats().counts.refreshes == 2
 
 
 def test_pool_eviction_order_and_write_through(make_pool: PoolFactory) -> None:
@@ -60,7 +60,7 @@ def test_pool_eviction_order_and_write_through(make_pool: PoolFactory) -> None:
         recs[i] = put(pool, [100 + i] + T[:7], bytes([i]) * 20, role=role)
     # FULL states reach the disk in the background, in the order they came.
     pool.flush()
-    assert list(pool._disk.ids()) == [recs[i].id for i in range(4)]  # type: ignore[union-attr]
+    assert list(pool.disk.ids()) == [recs[i].id for i in range(4)]  # type: ignore[union-attr]
     # Hit entry 1 (end-of-reply): it moves to the warm class, and to the disk's MRU end.
     toks = [101] + T[:7]
     pool.lookup(toks, pool.chain(toks)).close()  # type: ignore[union-attr]
@@ -73,16 +73,17 @@ def test_pool_eviction_order_and_write_through(make_pool: PoolFactory) -> None:
     pool.flush()
     assert ids_in(pool, "disk") == {r.id for r in recs.values()}
     s = pool.stats()
-    assert (s["evictions"], s["ram_bytes"], s["disk_writes"]) == (4, 4 * (52 + H), 8)
+    ram = s.tier("ram")
+    assert (ram.evictions, ram.bytes, s.counts.disk_writes) == (4, 4 * (52 + H), 8)
     # A disk hit is promoted back into RAM, evicting the oldest: entry 4 (on disk already).
     toks = [100] + T[:7]
     with pool.lookup(toks, pool.chain(toks)) as lease:  # type: ignore[union-attr]
         assert lease.tier == "disk" and bytes(lease.data) == bytes([0]) * 20
-    assert recs[0].id in ids_in(pool, "ram") and pool.stats()["promotions"] == 1
+    assert recs[0].id in ids_in(pool, "ram") and pool.stats().counts.promotions == 1
     assert recs[4].id not in ids_in(pool, "ram")
     # Disk LRU order: 0..3 written, 1 used, 4..7 written, 0 used.
     disk_order = [recs[i].id for i in (2, 3, 1, 4, 5, 6, 7, 0)]
-    assert list(pool._disk.ids()) == disk_order  # type: ignore[union-attr]
+    assert list(pool.disk.ids()) == disk_order  # type: ignore[union-attr]
 
 
 def test_partial_entries_never_reach_disk_and_drop_with_their_lane(
@@ -100,7 +101,7 @@ def test_partial_entries_never_reach_disk_and_drop_with_their_lane(
     # Evicting a partial entry drops it; flush writes nothing.
     put(pool, T[:9], b"f" * 16)
     put(pool, T[:10], b"g" * 12)
-    assert pool.stats()["entries"] == 2 and pool.stats()["spills"] == 0
+    assert pool.stats().entries == 2 and pool.stats().counts.spills == 0
     assert pool.flush() == 2
     assert all(d["kind"] == "full" for d in pool.describe())
 
@@ -135,7 +136,7 @@ def test_too_big_is_refused(make_pool: PoolFactory) -> None:
         )
         is None
     )
-    assert pool.stats()["refused"] == 1 and pool.stats()["entries"] == 0
+    assert pool.stats().counts.refused == 1 and pool.stats().entries == 0
 
 
 def test_restart_serves_hits_from_disk(make_pool: PoolFactory) -> None:
@@ -186,7 +187,7 @@ def test_random_workload_never_exceeds_ram_budget(make_pool: PoolFactory) -> Non
             toks = base[: rnd.randrange(1, len(base) + 1)]
             data = bytes([step % 256]) * rnd.randrange(1, 400)
             kind = rnd.choice([Kind.FULL, Kind.PARTIAL])
-            before = pool.stats()["inserts"]
+            before = pool.stats().counts.inserts
             rec = pool.insert(
                 kind=kind,
                 owner=Owner.TARGET,
@@ -195,7 +196,7 @@ def test_random_workload_never_exceeds_ram_budget(make_pool: PoolFactory) -> Non
                 role=rnd.choice(list(Role)),
                 data=data,
             )
-            if rec is not None and pool.stats()["inserts"] > before:
+            if rec is not None and pool.stats().counts.inserts > before:
                 stored[rec.id] = data  # new entry (a refresh keeps the old bytes)
         else:
             # A request: the prefix plus a new turn.
@@ -214,9 +215,9 @@ def test_random_workload_never_exceeds_ram_budget(make_pool: PoolFactory) -> Non
             held.pop(0).close()
         measured = sum(d["rest_nbytes"] + 4 * d["n"] for d in pool.describe()
                        if "ram" in d["tiers"])
-        assert measured <= pool.stats()["ram_bytes"] <= budget
+        assert measured <= pool.stats().tier("ram").bytes <= budget
         pool.sanity_check()
     for lease in held:
         lease.close()
     s = pool.stats()
-    assert s["evictions"] > 0 and s["hits_ram"] > 0 and s["disk_writes"] > 0
+    assert s.tier("ram").evictions > 0 and s.tier("ram").hits > 0 and s.counts.disk_writes > 0

@@ -75,7 +75,7 @@ def test_logits_edited_on_disk_are_a_miss(make_pool: PoolFactory, tmp_path: Path
     again = make_pool(ram=1, disk=1 << 20, path=tmp_path / "d", kv_sections=1)
     toks = tokens(0, 32)
     assert again.lookup(toks, again.chain(toks), max_n=32) is None
-    assert again.stats()["quarantined"] == 1
+    assert again.stats().quarantined == 1
 
 
 def test_the_shared_tier_gives_the_logits_back(proxy) -> None:  # type: ignore[no-untyped-def]

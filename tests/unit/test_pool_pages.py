@@ -67,12 +67,12 @@ def test_checkpoints_of_one_conversation_hold_its_kv_once(make_pool: PoolFactory
     recs = [save(pool, 0, n) for n in ns]
     s = pool.stats()
     # ten pages, each held once, whatever the number of checkpoints that name them
-    assert (s["ram_pages"], s["ram_page_bytes"]) == (10, 10 * PAGE)
+    assert (s.tier("ram").pages, s.tier("ram").page_bytes) == (10, 10 * PAGE)
     assert [r.n_keys for r in recs] == [2, 4, 6, 8, 10]
     own = sum(rest(0, n) + 4 * n for n in ns)
-    assert s["ram_bytes"] == own + 10 * PAGE + extra(0, 40)  # the newest is kept whole
+    assert s.tier("ram").bytes == own + 10 * PAGE + extra(0, 40)  # the newest is kept whole
     whole = sum(len(conversation_state(n)) for n in ns)
-    assert s["ram_bytes"] < whole * 0.45  # the states whole: every page 3 times on average
+    assert s.tier("ram").bytes < whole * 0.45  # the states whole: every page 3 times on average
     for n in ns:  # each assembles to exactly the state that was saved
         assert state_of(pool, 0, n) == conversation_state(n)
     pool.sanity_check()
@@ -87,15 +87,15 @@ def test_eviction_chooses_checkpoints_and_a_page_goes_with_its_last_user(
         + extra(0, 32) + extra(1, 32)  # A32 and B32 kept whole, A16 not (A32 hosts its pages)
     pool = make_pool(ram=budget, disk=None, kv_sections=1)
     a16, a32, b32 = save(pool, 0, 16), save(pool, 0, 32), save(pool, 1, 32)
-    assert pool.stats()["ram_bytes"] == budget
+    assert pool.stats().tier("ram").bytes == budget
     # C at 8 tokens: the oldest checkpoint, A16, goes first but frees only its own bytes
     # (A32 names its pages); A32 goes next, and its 8 pages with it. B stays.
     c8 = save(pool, 2, 8)
     held = {d["id"] for d in pool.describe()}
-    assert held == {b32.id, c8.id} and pool.stats()["evictions"] == 2
-    assert pool.stats()["ram_pages"] == 8 + 2
+    assert held == {b32.id, c8.id} and pool.stats().tier("ram").evictions == 2
+    assert pool.stats().tier("ram").pages == 8 + 2
     assert state_of(pool, 1, 32) == conversation_state(32, conv=1)
-    assert pool.stats()["ram_bytes"] == (rest(1, 32) + 128) + (rest(2, 8) + 32) + 10 * PAGE \
+    assert pool.stats().tier("ram").bytes == (rest(1, 32) + 128) + (rest(2, 8) + 32) + 10 * PAGE \
         + extra(1, 32) + extra(2, 8)
     del a16, a32
 
@@ -109,13 +109,13 @@ def test_a_leased_checkpoint_keeps_its_pages_while_others_go(make_pool: PoolFact
     lease = pool.lookup(toks, pool.chain(toks))
     assert lease is not None and lease.record.id == a32.id
     # pinned: A32 (kept whole) and every page it names (A16's too) are out of eviction's reach
-    assert pool.stats()["ram_pinned_bytes"] == rest(0, 32) + 128 + 8 * PAGE + extra(0, 32)
+    assert pool.stats().pinned_bytes == rest(0, 32) + 128 + 8 * PAGE + extra(0, 32)
     c8 = save(pool, 2, 8)  # A16 goes (its own bytes only), then B32 (its 8 pages)
     assert {d["id"] for d in pool.describe()} == {a32.id, c8.id}
-    assert pool.stats()["ram_pages"] == 8 + 2
+    assert pool.stats().tier("ram").pages == 8 + 2
     assert bytes(lease.data) == conversation_state(32)
     lease.close()
-    assert pool.stats()["ram_pinned_bytes"] == 0
+    assert pool.stats().pinned_bytes == 0
     del a16, b32
 
 
@@ -129,13 +129,13 @@ def test_a_removed_checkpoint_under_lease_keeps_its_pages_counted(
     assert lease is not None
     assert pool.remove(a16.id)
     s = pool.stats()
-    assert (s["entries"], s["ram_pages"]) == (0, 4)  # gone, its bytes leased
+    assert (s.entries, s.tier("ram").pages) == (0, 4)  # gone, its bytes leased
     a16b = save(pool, 0, 16)  # the same state again: its pages are those still held
-    assert a16b.id == a16.id and pool.stats()["ram_pages"] == 4
+    assert a16b.id == a16.id and pool.stats().tier("ram").pages == 4
     lease.close()
-    assert pool.stats()["ram_pages"] == 4 and state_of(pool, 0, 16) == conversation_state(16)
+    assert pool.stats().tier("ram").pages == 4 and state_of(pool, 0, 16) == conversation_state(16)
     pool.remove(a16b.id)
-    assert pool.stats()["ram_pages"] == 0 and pool.stats()["ram_bytes"] == 0
+    assert pool.stats().tier("ram").pages == 0 and pool.stats().tier("ram").bytes == 0
 
 
 def test_ram_hits_assemble_in_one_buffer_and_never_into_a_state_kept_whole(
@@ -183,8 +183,8 @@ def test_the_newest_state_of_a_conversation_is_handed_over_as_saved(
     with lease_of(pool, tokens(0, 24), 24) as lease:
         assert lease.data.obj is kept
     s = pool.stats()
-    assert s["ram_page_bytes"] == 6 * PAGE
-    assert s["ram_bytes"] == sum(rest(0, n) + 4 * n for n in (8, 16, 24)) + 6 * PAGE \
+    assert s.tier("ram").page_bytes == 6 * PAGE
+    assert s.tier("ram").bytes == sum(rest(0, n) + 4 * n for n in (8, 16, 24)) + 6 * PAGE \
         + extra(0, 24)
     for n in (8, 16):
         with lease_of(pool, tokens(0, n), n) as lease:
@@ -194,13 +194,13 @@ def test_the_newest_state_of_a_conversation_is_handed_over_as_saved(
     assert whole_ids(pool) == {a32.id}
     with lease_of(pool, tokens(0, 24), 24) as lease:
         assert bytes(lease.data) == conversation_state(24)
-    assert pool.stats()["ram_bytes"] == sum(rest(0, n) + 4 * n for n in (8, 16, 24, 32)) \
+    assert pool.stats().tier("ram").bytes == sum(rest(0, n) + 4 * n for n in (8, 16, 24, 32)) \
         + 8 * PAGE + extra(0, 32)
     # An older state saved after (a hybrid's replay points, converted at a hand-off) is
     # not kept whole, and takes nothing over: copying it whole would buy nothing.
     a20 = save(pool, 0, 20)
     s = pool.stats()
-    assert (s["ram_whole_states"], s["ram_whole_bytes"]) == (1, len(conversation_state(32)))
+    assert (s.whole_states, s.whole_bytes) == (1, len(conversation_state(32)))
     assert [d.get("whole", False) for d in pool.describe() if d["id"] in (a20.id, a32.id)] \
         == [d["id"] == a32.id for d in pool.describe() if d["id"] in (a20.id, a32.id)]
     assert whole_ids(pool) == {a32.id}
@@ -217,7 +217,7 @@ def test_pages_outlive_the_state_they_were_views_of(make_pool: PoolFactory) -> N
     a32 = save(pool, 0, 32)
     assert pool.remove(a32.id)
     pool.sanity_check()
-    assert pool.stats()["ram_bytes"] == rest(0, 16) + 64 + 4 * PAGE
+    assert pool.stats().tier("ram").bytes == rest(0, 16) + 64 + 4 * PAGE
     assert state_of(pool, 0, 16) == conversation_state(16)
     assert state_of(pool, 0, 32) is None
     # evicted: the budget holds A16 and A32 whole, not a third state
@@ -244,8 +244,8 @@ def test_a_conversation_that_shares_a_prefix_takes_its_pages_over(
     b = put(pool, b_toks, b_state)
     assert whole_ids(pool) == {b.id}
     s = pool.stats()
-    assert s["ram_pages"] == 4 + 4 + 4  # the shared four held once
-    assert s["ram_bytes"] == (rest(0, 32) + 128) + (len(_rest(b_toks, b_state)) + 128) \
+    assert s.tier("ram").pages == 4 + 4 + 4  # the shared four held once
+    assert s.tier("ram").bytes == (rest(0, 32) + 128) + (len(_rest(b_toks, b_state)) + 128) \
         + 12 * PAGE + len(b_state) - 8 * PAGE
     with lease_of(pool, b_toks, 32) as lease:
         assert bytes(lease.data) == b_state
@@ -309,7 +309,7 @@ def test_partial_and_unpaged_states_are_kept_whole(make_pool: PoolFactory) -> No
     part = pool.insert(kind=Kind.PARTIAL, owner=Owner.TARGET, lane=0, tokens=tokens(0, 16),
                        role=Role.REPLAY, data=conversation_state(16))
     assert part is not None and part.n_keys == 0
-    assert pool.stats()["ram_pages"] == 0
+    assert pool.stats().tier("ram").pages == 0
 
 
 def test_random_conversations_keep_every_invariant(make_pool: PoolFactory) -> None:
@@ -354,12 +354,12 @@ def test_random_conversations_keep_every_invariant(make_pool: PoolFactory) -> No
             held.pop(0).close()
         pool.sanity_check()
         s = pool.stats()
-        assert s["ram_bytes"] <= 14_000 and s["disk_bytes"] <= 40_000
+        assert s.tier("ram").bytes <= 14_000 and s.tier("disk").bytes <= 40_000
     for lease in held:
         lease.close()
     s = pool.stats()
-    assert s["evictions"] > 0 and s["hits_ram"] > 0 and s["disk_writes"] > 0
-    assert s["hits_disk"] > 0 and s["ram_whole_states"] > 0
+    assert s.tier("ram").evictions > 0 and s.tier("ram").hits > 0 and s.counts.disk_writes > 0
+    assert s.tier("disk").hits > 0 and s.whole_states > 0
 
 
 def test_a_state_handed_over_is_kept_as_it_is(make_pool: PoolFactory) -> None:

@@ -41,7 +41,7 @@ class Gate:
 
     @classmethod
     def on_writes(cls, pool: CheckpointPool) -> Gate:
-        disk = pool._disk
+        disk = pool.disk
         assert disk is not None
         gate = cls(disk.write_file)
         disk.write_file = gate  # type: ignore[method-assign,assignment]
@@ -49,7 +49,7 @@ class Gate:
 
     @classmethod
     def on_reads(cls, pool: CheckpointPool) -> Gate:
-        disk = pool._disk
+        disk = pool.disk
         assert disk is not None
         gate = cls(disk.read_file)
         disk.read_file = gate  # type: ignore[method-assign,assignment]
@@ -95,7 +95,7 @@ def test_full_states_reach_the_disk_while_the_pool_runs(
 def test_the_writer_yields_the_cores_to_the_engine(make_pool: PoolFactory) -> None:
     # the writer's MAC and writes of tens of MB would otherwise take a core from a decode:
     # its thread runs BACKGROUND_NICE lower than the rest of the process, and still writes
-    from statecache.writer import BACKGROUND_NICE
+    from statecache.tiers.background import BACKGROUND_NICE
 
     if not sys.platform.startswith("linux"):
         return  # a thread has its own nice value on Linux only; elsewhere nothing changes
@@ -161,7 +161,7 @@ def test_event_loop_calls_answer_while_a_disk_read_is_slow(make_pool: PoolFactor
     (lease,) = got
     with lease:
         assert lease.tier == "disk" and bytes(lease.data) == b"S" * 64
-    assert pool.stats()["promotions"] == 1
+    assert pool.stats().counts.promotions == 1
 
 
 def test_event_loop_calls_answer_while_a_disk_write_is_slow(make_pool: PoolFactory) -> None:
@@ -221,11 +221,11 @@ def test_an_evicted_state_waits_in_ram_for_the_writer(make_pool: PoolFactory) ->
         inserter.start()
         # c evicts b, which has not reached the disk: its bytes stay, counted, for the
         # writer; c waits for them rather than break the budget.
-        assert wait_for(lambda: pool.stats()["spills"] == 1)
+        assert wait_for(lambda: pool.stats().counts.spills == 1)
         time.sleep(0.1)
         assert inserter.is_alive()
         s = pool.stats()
-        assert s["ram_bytes"] == budget and s["entries"] == 2
+        assert s.tier("ram").bytes == budget and s.entries == 2
         with pool.lookup([1] + T, pool.chain([1] + T)) as lease:  # type: ignore[union-attr]
             assert lease.tier == "ram" and bytes(lease.data) == b"b" * 64
         pool.sanity_check()
@@ -233,7 +233,7 @@ def test_an_evicted_state_waits_in_ram_for_the_writer(make_pool: PoolFactory) ->
         gate.open.set()
     inserter.join(10)
     pool.flush()
-    assert len(on_disk(pool)) == 3 and pool.stats()["ram_bytes"] <= budget
+    assert len(on_disk(pool)) == 3 and pool.stats().tier("ram").bytes <= budget
     assert {d["id"] for d in pool.describe() if d["tiers"] == ["disk"]} == {b.id}
     with pool.lookup([1] + T, pool.chain([1] + T)) as lease:  # type: ignore[union-attr]
         assert lease.tier == "disk" and bytes(lease.data) == b"b" * 64
@@ -250,8 +250,8 @@ def test_removed_while_being_written_leaves_no_file(
     assert pool.remove(rec.id)
     gate.open.set()
     pool.flush()
-    assert wait_for(lambda: pool.stats()["write_queue"] == 0)
+    assert wait_for(lambda: pool.stats().write_queue == 0)
     assert not list((tmp_path / "ckpt").glob("*.ckpt"))
-    assert pool.stats()["disk_bytes"] == 0 and pool.describe() == []
+    assert pool.stats().tier("disk").bytes == 0 and pool.describe() == []
     pool.sanity_check()
     assert not os.path.exists(tmp_path / "ckpt" / f"{rec.id}.ckpt")

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
-from statecache.ram import EvictionClass, Pin, RamTier, eviction_class
 from statecache.records import Role
+from statecache.tiers.policy import EvictionClass, eviction_class
+from statecache.tiers.ram import RamTier
+from statecache.tiers.rampages import Pin
 
 COLD, PERIODIC, WARM = EvictionClass.COLD, EvictionClass.PERIODIC, EvictionClass.WARM
 

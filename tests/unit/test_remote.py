@@ -12,9 +12,9 @@ import pytest
 
 from statecache.config import CacheConfig, RemoteConfig
 from statecache.costs import Costs
+from statecache.formats.remotefmt import chunk_key, header_key, index_key
 from statecache.kvpages import REST_HEAD_BYTES
 from statecache.pool import CheckpointPool, Offer
-from statecache.remotefmt import chunk_key, header_key, index_key
 from tests.store import Store
 from tests.unit.conftest import FP, Clock, put
 
@@ -24,7 +24,7 @@ STATE = random.Random(7).randbytes(10_240)
 
 
 def _sync(pool: CheckpointPool) -> None:
-    assert pool._remote is not None and pool._remote.flush(10)
+    assert pool.remote is not None and pool.remote.flush(10)
 
 
 def _remote_offers(pool: CheckpointPool, tokens: list[int], tenant: str = "") -> list[Offer]:
@@ -41,26 +41,26 @@ def test_a_state_written_by_one_pool_is_restored_by_another(proxy) -> None:  # t
     a, b = proxy("a"), proxy("b")
     put(a, T[:13], STATE)
     _sync(a)
-    assert a.stats()["remote_writes"] == 1
+    assert a.stats().tier("remote").store.writes == 1
     # B holds nothing locally; the store's index offers n=13 (deepest), unread so far.
     offers = _remote_offers(b, T)
     assert [(o.n, o.nbytes) for o in offers] == [(13, len(STATE))]
-    assert b.stats()["remote_hits"] == 0
+    assert b.stats().tier("remote").store.hits == 0
     lease = _take(b, offers[0], T)
     assert lease is not None and lease.tier == "remote" and lease.record.n == 13
     assert bytes(lease.data) == STATE
     lease.close()
     # It joined B's RAM: the next lookup is local, and B never sends it back.
     s = b.stats()
-    assert (s["hits_remote"], s["remote_hits"], s["ram_entries"]) == (1, 1, 1)
+    assert (s.tier("remote").hits, s.tier("remote").store.hits, s.tier("ram").entries) == (1, 1, 1)
     _sync(b)
-    assert b.stats().get("remote_writes", 0) == 0
+    assert b.stats().tier("remote").store.writes == 0
     assert [o.tier for o in b.full_offers(T, b.chain(T), max_n=40)] == ["ram"]
     # A second writer of the same state stores nothing twice.
     c = proxy("c")
     put(c, T[:13], STATE)
     _sync(c)
-    assert c.stats()["remote_write_dupes"] == 1
+    assert c.stats().tier("remote").store.write_dupes == 1
 
 
 def test_a_prompt_that_diverges_gets_only_the_prefix_it_shares(proxy) -> None:  # type: ignore[no-untyped-def]
@@ -81,7 +81,7 @@ def test_a_prompt_that_diverges_gets_only_the_prefix_it_shares(proxy) -> None:  
     offers = _remote_offers(c, twisted)
     assert [o.n for o in offers] == [13, 8]
     assert _take(c, offers[0], twisted) is None
-    assert c.stats()["remote_rejected_tokens"] == 1
+    assert c.stats().tier("remote").store.refusals["tokens"] == 1
     lease = _take(c, offers[1], twisted)
     assert lease is not None and bytes(lease.data) == STATE
     lease.close()
@@ -96,7 +96,7 @@ def test_tenants_never_share_entries(proxy) -> None:  # type: ignore[no-untyped-
     # Even a hit pointed at alice's entry directly is refused for bob.
     hit = _remote_offers(proxy("c", tenant="alice"), T)[0]
     assert _take(bob, hit, T, tenant="bob") is None
-    assert bob.stats()["remote_rejected_tenant"] == 1
+    assert bob.stats().tier("remote").store.refusals["tenant"] == 1
 
 
 def test_foreign_key_corrupt_chunk_and_other_model_are_misses(proxy, store: Store) -> None:  # type: ignore[no-untyped-def]
@@ -108,7 +108,8 @@ def test_foreign_key_corrupt_chunk_and_other_model_are_misses(proxy, store: Stor
     [offer] = _remote_offers(stranger, T)
     assert _take(stranger, offer, T) is None
     s = stranger.stats()
-    assert (s["remote_rejected_foreign_key"], s["hits_remote"], s["ram_entries"]) == (1, 0, 0)
+    remote = s.tier("remote")
+    assert (remote.store.refusals["foreign_key"], remote.hits, s.tier("ram").entries) == (1, 0, 0)
     # Another model never even finds it (its namespace differs).
     assert _remote_offers(proxy("m", fingerprint="other-model:1"), T) == []
     # One flipped byte in a chunk: a miss and a metric; the index forgets it.
@@ -121,7 +122,7 @@ def test_foreign_key_corrupt_chunk_and_other_model_are_misses(proxy, store: Stor
     raw[100] ^= 1
     r.set(key, bytes(raw))
     assert _take(b, offer, T) is None
-    assert b.stats()["remote_rejected_corrupt"] == 1
+    assert b.stats().tier("remote").store.refusals["corrupt"] == 1
     _sync(b)
     assert _remote_offers(b, T) == []
     # A truncated header is refused as well (never a crash).
@@ -138,7 +139,7 @@ def test_a_reply_of_the_wrong_shape_is_a_miss(proxy, store: Store) -> None:  # t
     r.hset(ikey, "0" * 32, b"y" * 36)
     r.set(index_key("statecache", 1, chain.hashes[1]), b"a string, not a hash")
     assert _remote_offers(a, T) == []
-    assert a.stats()["remote_rejected"] >= 2
+    assert a.stats().tier("remote").store.rejected >= 2
 
 
 def test_store_down_degrades_then_reuse_resumes(proxy, store: Store, caplog) -> None:  # type: ignore[no-untyped-def]
@@ -148,7 +149,7 @@ def test_store_down_degrades_then_reuse_resumes(proxy, store: Store, caplog) -> 
     put(a, T[:13], STATE)  # never raises, never waits for the store
     assert _remote_offers(b, T) == []
     assert time.perf_counter() - t0 < 3
-    assert a.stats()["remote_up"] == 0 or b.stats()["remote_up"] == 0
+    assert a.stats().tier("remote").store.up == 0 or b.stats().tier("remote").store.up == 0
     warnings = [r for r in caplog.records if "serving from RAM and disk" in r.getMessage()]
     assert len(warnings) <= 2  # one per pool, not one per call
     for _ in range(5):
@@ -164,18 +165,18 @@ def test_store_down_degrades_then_reuse_resumes(proxy, store: Store, caplog) -> 
     lease = _take(b, offer, T)
     assert lease is not None and bytes(lease.data) == STATE
     lease.close()
-    assert a.stats()["remote_up"] == 1 and b.stats()["remote_errors"] >= 1
+    assert a.stats().tier("remote").store.up == 1 and b.stats().tier("remote").store.errors >= 1
 
 
 def test_writes_waiting_for_a_slow_store_drop_the_oldest(proxy, store: Store) -> None:  # type: ignore[no-untyped-def]
     store.stop()
     a = proxy("a", queue_bytes=2 * (len(STATE) + REST_HEAD_BYTES), retry_s=60)
-    a._remote.ping()  # type: ignore[union-attr]  # learn that it is down
+    a.remote.ping()  # type: ignore[union-attr]  # learn that it is down
     for i in range(4):
         put(a, [200 + i] + T[:12], STATE)
     s = a.stats()
-    assert s["remote_write_drops"] == 2
-    assert s["remote_queue_bytes"] <= 2 * (len(STATE) + REST_HEAD_BYTES)
+    assert s.tier("remote").store.write_drops == 2
+    assert s.tier("remote").store.queue_bytes <= 2 * (len(STATE) + REST_HEAD_BYTES)
 
 
 def test_costs_follow_measurements() -> None:
@@ -246,7 +247,7 @@ def test_a_cluster_serves_as_one_store(tmp_path: Path) -> None:
         for i in range(6):  # states of six conversations: their ids hash to all nodes
             put(a, [300 + i] + T[:12], STATE)
         _sync(a)
-        assert a.stats()["remote_writes"] == 6
+        assert a.stats().tier("remote").store.writes == 6
         per_node = [n.client().dbsize() for n in cluster.nodes]
         assert all(k > 0 for k in per_node), per_node
         for i in range(6):
@@ -256,7 +257,7 @@ def test_a_cluster_serves_as_one_store(tmp_path: Path) -> None:
             assert lease is not None and bytes(lease.data) == STATE
             lease.close()
         # inspect/purge see every node's entries
-        from statecache.remoteadmin import RemoteAdmin
+        from statecache.tiers.remoteadmin import RemoteAdmin
 
         admin = RemoteAdmin(cluster.url, cluster=True, page_size=4)
         rows, bad = admin.rows()
@@ -304,8 +305,8 @@ def test_a_store_that_never_answers_leaves_the_pool_local(tmp_path: Path) -> Non
         assert pool.remote_status.startswith("unreachable")
         put(pool, T[:13], STATE)
         assert [o.tier for o in pool.full_offers(T, pool.chain(T), max_n=40)] == ["ram"]
-        s = pool.stats()
-        assert (s["remote_up"], s["remote_errors"]) == (0, 1)  # tried once, then waits
+        store = pool.stats().tier("remote").store
+        assert (store.up, store.errors) == (0, 1)  # tried once, then waits
         pool.close()
 
 
@@ -322,11 +323,11 @@ def test_a_full_store_degrades_to_local_tiers(tmp_path: Path, caplog) -> None:  
         # until the store refuses a write (a write that fails goes back in the queue): the
         # writer's pace is the machine's, so no time decides it; 120 s guard a hang
         deadline = time.monotonic() + 120
-        while pool.stats()["remote_up"] and pool.stats()["remote_queue"] and \
-                time.monotonic() < deadline:
+        while pool.stats().tier("remote").store.up and pool.stats().tier("remote").store.queue \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
-        s = pool.stats()
-        assert s["remote_up"] == 0 and s["remote_errors"] >= 1 and s["remote_writes"] < 400
+        store = pool.stats().tier("remote").store
+        assert store.up == 0 and store.errors >= 1 and store.writes < 400
         oom = [r for r in caplog.records if "serving from RAM and disk" in r.getMessage()]
         assert len(oom) == 1 and "maxmemory" in oom[0].getMessage()
         # the states are still served from RAM

@@ -4,7 +4,7 @@ a miss, never a state; entries of the layout before pages are never read."""
 
 from __future__ import annotations
 
-from statecache.remotefmt import page_name
+from statecache.formats.remotefmt import page_name
 from tests.store import Store
 from tests.unit.conftest import FP
 from tests.unit.kvstate import conversation_state
@@ -29,21 +29,21 @@ def test_writes_send_new_pages_and_fetches_read_missing_ones(proxy) -> None:  # 
     save(a, 0, 16)
     _sync(a)
     s = a.stats()
-    assert (s["remote_pages_written"], s["remote_pages_present"]) == (4, 0)
+    assert (s.tier("remote").store.pages_written, s.tier("remote").store.pages_present) == (4, 0)
     save(a, 0, 40)  # six more pages: the first four are in the store already
     _sync(a)
     s = a.stats()
-    assert (s["remote_pages_written"], s["remote_pages_present"]) == (10, 4)
+    assert (s.tier("remote").store.pages_written, s.tier("remote").store.pages_present) == (10, 4)
     # B holds the 16-token state itself: of the 40's ten pages it fetches six
     b = proxy("b", kv_sections=1)
     save(b, 0, 16)
     assert fetch(b, 0, 40) == conversation_state(40)
     s = b.stats()
-    assert (s["remote_pages_local"], s["remote_pages_fetched"]) == (4, 6)
+    assert (s.tier("remote").store.pages_local, s.tier("remote").store.pages_fetched) == (4, 6)
     # C holds nothing: all ten come from the store
     c = proxy("c", kv_sections=1)
     assert fetch(c, 0, 40) == conversation_state(40)
-    assert c.stats()["remote_pages_fetched"] == 10
+    assert c.stats().tier("remote").store.pages_fetched == 10
 
 
 def test_a_missing_or_edited_page_is_a_miss(proxy, store: Store) -> None:  # type: ignore[no-untyped-def]
@@ -59,16 +59,16 @@ def test_a_missing_or_edited_page_is_a_miss(proxy, store: Store) -> None:  # typ
     r.set(name, bytes(raw))
     b = proxy("b", kv_sections=1)
     assert fetch(b, 0, 40) is None
-    assert b.stats()["remote_rejected_forged"] == 1
+    assert b.stats().tier("remote").store.refusals["forged"] == 1
     # another page's bytes under its name: refused (a page names itself)
     r.set(name, r.get(page_name("statecache", FP, recs[40].page_keys[2])))
     c = proxy("c", kv_sections=1)
     assert fetch(c, 0, 32) is None
-    assert c.stats()["remote_rejected_corrupt"] == 1
+    assert c.stats().tier("remote").store.refusals["corrupt"] == 1
     r.delete(name)  # evicted by the store, say
     d = proxy("d", kv_sections=1)
     assert fetch(d, 0, 24) is None
-    assert d.stats()["remote_rejected_missing"] == 1
+    assert d.stats().tier("remote").store.refusals["missing"] == 1
     # an entry that does not need that page is served
     assert fetch(proxy("e", kv_sections=1), 0, 8) == conversation_state(8)
 
@@ -83,4 +83,4 @@ def test_entries_of_the_layout_before_pages_are_not_seen(proxy, store: Store) ->
     r.hset(f"statecache:i:1:{chain.hashes[-1].hex()}", entry, b"\x00" * 36)
     r.set(f"statecache:e:{{{entry}}}", b"SCRM\x01\x00" + b"\x00" * 40)
     assert _remote_offers(a, tokens(0, 24) + [9]) == []
-    assert a.stats()["remote_rejected"] == 0
+    assert a.stats().tier("remote").store.rejected == 0

@@ -1,5 +1,5 @@
 """A context over a model: lanes (sequences), batches, decode, logits, state save and
-restore, and the ggml threadpool its decodes run on."""
+restore, and the ggml threadpool its decodes run on (threadpool.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import mmap
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import llama_cpp as _ll
 import numpy as np
@@ -17,6 +15,7 @@ import numpy as np
 from proxy.engine.binding.backend import FLAGS_FULL, FLAGS_PARTIAL, LlamaError, log
 from proxy.engine.binding.memory import MemoryInfo, MemoryKind
 from proxy.engine.binding.model import Model
+from proxy.engine.binding.threadpool import ThreadpoolParams, threadpool_api
 
 
 class Batch:
@@ -91,56 +90,6 @@ class StateBuffer:
         return self._arr
 
 
-class _ThreadpoolParams(ctypes.Structure):
-    """ggml.h's ``struct ggml_threadpool_params``."""
-
-    _fields_ = [("cpumask", ctypes.c_bool * 512),  # GGML_MAX_N_THREADS
-                ("n_threads", ctypes.c_int), ("prio", ctypes.c_int),
-                ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool),
-                ("paused", ctypes.c_bool)]
-
-
-def _loaded(prefix: str) -> list[Path]:
-    """Files whose name starts with ``prefix`` that this process has mapped (Linux)."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split(None, 5)[-1].strip() for line in f if prefix in line}
-    except OSError:
-        return []
-    return sorted(Path(p) for p in paths if Path(p).name.startswith(prefix))
-
-
-def _threadpool_api() -> tuple[Any, Any] | None:
-    """(libggml-cpu, libllama) with the threadpool functions typed; None if missing.
-
-    It must be the copy of libggml-cpu that libllama runs: the wheel ships its libraries
-    as files, not links (``libggml-cpu.so`` beside ``libggml-cpu.so.0``), and a pool made
-    by a second copy runs that copy's code with its own tables never initialised
-    (Gemma 3's logits came out NaN)."""
-    lib_dir = Path(_ll.__file__).parent / "lib"
-    names = _loaded("libggml-cpu") or \
-        [p for p in lib_dir.glob("libggml-cpu.*") if p.suffix in (".so", ".dylib")] or \
-        sorted(lib_dir.glob("libggml-cpu*"))
-    try:
-        cpu = ctypes.CDLL(str(names[0]))
-        llama = ctypes.CDLL(str((_loaded("libllama.") or sorted(lib_dir.glob("libllama.*")))[0]))
-        cpu.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(_ThreadpoolParams),
-                                                    ctypes.c_int]
-        cpu.ggml_threadpool_params_init.restype = None
-        cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_ThreadpoolParams)]
-        cpu.ggml_threadpool_new.restype = ctypes.c_void_p
-        cpu.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
-        cpu.ggml_threadpool_free.restype = None
-        llama.llama_attach_threadpool.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
-                                                  ctypes.c_void_p]
-        llama.llama_attach_threadpool.restype = None
-        llama.llama_detach_threadpool.argtypes = [ctypes.c_void_p]
-        llama.llama_detach_threadpool.restype = None
-    except (IndexError, StopIteration, OSError, AttributeError):
-        return None
-    return cpu, llama
-
-
 @dataclass(slots=True, frozen=True)
 class ContextParams:
     n_ctx: int = 8192
@@ -198,10 +147,10 @@ class Context:
         self.batch = Batch(params.n_batch)
         self._pool: int | None = None
         self._pool_owned = True
-        self._pool_api = _threadpool_api() if params.poll >= 0 and threads > 1 else None
+        self._pool_api = threadpool_api() if params.poll >= 0 and threads > 1 else None
         if self._pool_api is not None:
             cpu, llama = self._pool_api
-            tp = _ThreadpoolParams()
+            tp = ThreadpoolParams()
             cpu.ggml_threadpool_params_init(ctypes.byref(tp), threads)
             tp.poll = params.poll
             self._pool = cpu.ggml_threadpool_new(ctypes.byref(tp))

@@ -7,7 +7,7 @@ it names, each a key of its own that every entry naming it shares::
     <prefix>:v2:e:{<id>}                header: magic, version, key id, metadata, meta tag
     <prefix>:v2:e:{<id>}:<nonce>:<i>    chunk i of the stored rest (chunk_size bytes, the
                                         last less)
-    <prefix>:v2:p:<model>:<page key>    a KV page (statecache.pagefmt), <model> derived
+    <prefix>:v2:p:<model>:<page key>    a KV page (statecache.formats.pagefmt), <model> derived
                                         from the fingerprint
     <prefix>:v2:i:<state_format>:<hash> index: a hash of entry id -> (n, nbytes, stored,
                                         nonce, chunking) for each entry whose last whole
@@ -37,8 +37,9 @@ from typing import Any
 import msgpack
 import xxhash
 
-from statecache import codec
-from statecache.diskfmt import (
+from statecache.buffers import Buffer
+from statecache.formats import codec
+from statecache.formats.diskfmt import (
     KEY_BYTES,
     MAX_META_BYTES,
     BadFile,
@@ -47,6 +48,7 @@ from statecache.diskfmt import (
     key_id,
     record_from_meta,
 )
+from statecache.formats.header import Refused, check_header
 from statecache.kvpages import PageKey
 from statecache.pages import PageHash
 from statecache.records import CheckpointRecord
@@ -61,17 +63,12 @@ MAX_CHUNK = 64 << 20
 NONCE_BYTES = 8
 INDEX_VALUE = struct.Struct("<QQQ8sII")  # n, nbytes, stored, nonce, chunk_size, chunks
 _DATA_TAG = b"statecache remote data v2"
-Buffer = bytes | bytearray | memoryview
 _META = {"record": bytes, "nonce": bytes, "chunk_size": int, "chunks": int,
          "data_tag": bytes, "codec": int, "stored": int}
 
 
-class BadEntry(Exception):
+class BadEntry(Refused):
     """A stored entry that must never be served; the message says why (a metric label)."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 @dataclass(slots=True, frozen=True)
@@ -97,7 +94,7 @@ class IndexValue:
         if not (0 < v.chunk_size <= MAX_CHUNK) or v.chunks != n_chunks(v.stored, v.chunk_size):
             raise BadEntry("index", "chunking out of range")
         if not 0 < v.nbytes <= max_entry or v.n < 1:
-            raise BadEntry("too-big" if v.nbytes > max_entry else "index", f"{v.nbytes} bytes")
+            raise BadEntry("too_big" if v.nbytes > max_entry else "index", f"{v.nbytes} bytes")
         return v
 
 
@@ -181,6 +178,18 @@ class Header:
     stored: int
 
 
+def _head(raw: bytes, key: bytes | None) -> tuple[bytes, int]:
+    """A header value's key id and metadata length, its magic, version, key id (with
+    ``key``) and length checked; raises BadEntry."""
+    if len(raw) < HEAD.size + TAG_BYTES:
+        raise BadEntry("corrupt", "header truncated")
+    magic, version, kid, meta_len = HEAD.unpack_from(raw)
+    check_header(BadEntry, "entry", (magic, version, kid), (MAGIC, VERSION), key)
+    if len(raw) != HEAD.size + meta_len + TAG_BYTES:
+        raise BadEntry("corrupt", "header length disagrees with its value")
+    return kid, meta_len
+
+
 def _unpack_meta(raw: bytes) -> dict[str, Any]:
     try:
         meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_META_BYTES,
@@ -208,15 +217,9 @@ class Unchecked:
 
 def read_unchecked(raw: object) -> Unchecked:
     """A header's metadata without its key: never serve from it. Raises BadEntry."""
-    if not isinstance(raw, bytes) or len(raw) < HEAD.size + TAG_BYTES:
+    if not isinstance(raw, bytes):
         raise BadEntry("corrupt", "header truncated")
-    magic, version, kid, meta_len = HEAD.unpack_from(raw)
-    if magic != MAGIC:
-        raise BadEntry("corrupt", "wrong magic")
-    if version != VERSION:
-        raise BadEntry("version", f"format version {version}, expected {VERSION}")
-    if len(raw) != HEAD.size + meta_len + TAG_BYTES:
-        raise BadEntry("corrupt", "header length disagrees with its value")
+    kid, meta_len = _head(raw, None)
     meta = _unpack_meta(raw[HEAD.size:HEAD.size + meta_len])
     try:
         rec_meta = decode_meta(meta["record"])
@@ -227,19 +230,11 @@ def read_unchecked(raw: object) -> Unchecked:
 
 def decode_header(raw: object, key: bytes, page_size: int) -> Header:
     """Check a header value under ``key``; raises BadEntry with the reason."""
-    if not isinstance(raw, bytes) or len(raw) < HEAD.size + TAG_BYTES:
+    if not isinstance(raw, bytes) or not raw:
         raise BadEntry("missing" if raw in (None, b"") else "corrupt", "header truncated")
     if len(raw) > MAX_HEADER_BYTES:
         raise BadEntry("corrupt", "header too long")
-    magic, version, kid, meta_len = HEAD.unpack_from(raw)
-    if magic != MAGIC:
-        raise BadEntry("corrupt", "wrong magic")
-    if version != VERSION:
-        raise BadEntry("version", f"format version {version}, expected {VERSION}")
-    if kid != key_id(key):
-        raise BadEntry("foreign-key", "signed with another key")
-    if len(raw) != HEAD.size + meta_len + TAG_BYTES:
-        raise BadEntry("corrupt", "header length disagrees with its value")
+    _, meta_len = _head(raw, key)
     body, tag = raw[:HEAD.size + meta_len], raw[HEAD.size + meta_len:]
     if not hmac.compare_digest(hmac.new(key, body, hashlib.sha256).digest(), tag):
         raise BadEntry("forged", "metadata MAC mismatch")

@@ -1,13 +1,14 @@
 """RAM tier: checkpoints and the KV pages they share, under a hard byte budget, evicted
-by class then LRU.
+as its policy says (``statecache.tiers.policy``: by class, then least recently used).
 
 An entry is its rest (``statecache.kvpages``: everything of a state but its KV pages)
 and the keys of its pages; each page is held once, with a count of the entries that
 refer to it, and its bytes go with the last of them. Eviction chooses entries, never
 pages.
 
-Each unpinned entry sits in exactly one OrderedDict (its eviction class, oldest
-first); pinned entries sit in none, so eviction never scans and never touches them.
+Each unpinned entry sits in the policy's order (one ordered map per eviction class,
+oldest first); pinned entries sit in none, so eviction never scans and never touches
+them.
 An entry removed while pinned, or evicted into the hands of the disk writer, is
 "doomed": it keeps its bytes and its pages, counted in the budget, until its last pin
 goes.
@@ -20,7 +21,9 @@ hosts before it (a conversation's newer state holds its older one's pages), whic
 keep their rests and lose their whole states, and a page whose host goes while
 others still name it is copied out of it.
 
-Byte counts, kept in step by ``_hold``/``_let_go`` and recounted by ``sanity_check``:
+Entries' slots and their shared pages are statecache.tiers.rampages. Byte counts,
+kept in step by ``_hold``/``_let_go``/``_pin``/``_unpin``/``_doom`` (each page's change
+comes back from ``SharedPages`` as bytes) and recounted by ``sanity_check``:
 ``used`` is every entry's own bytes (live or doomed) plus every page's; ``pinned``
 the own bytes of pinned entries plus the pages any of them refers to; ``leaving`` the
 own bytes of doomed entries plus the pages only doomed entries refer to (freed when
@@ -29,79 +32,16 @@ their last pins go).
 
 from __future__ import annotations
 
-import enum
 import logging
-import mmap
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
-from statecache.kvpages import PageData, PageKey, page_bytes, page_nbytes
-from statecache.records import Role
+from statecache.kvpages import PageData, PageKey
 from statecache.sizes import format_size
+from statecache.tiers.policy import ByClass, EvictionClass
+from statecache.tiers.rampages import Pin, SharedPages, State, Whole
+from statecache.tiers.tier import TierStats
 
 log = logging.getLogger(__name__)
-
-State = bytes | mmap.mmap  # a whole state: never written while RAM holds it
-
-
-class EvictionClass(enum.IntEnum):
-    """Evicted in this order; LRU within a class."""
-
-    COLD = 0  # end-of-reply never hit
-    PERIODIC = 1
-    WARM = 2  # branch, replay, and end-of-reply entries that were hit
-    KEPT = 3  # a client asked to keep it (a cache breakpoint) and its time is not up
-
-
-def eviction_class(role: Role, hits: int, kept: bool = False) -> EvictionClass:
-    if kept:
-        return EvictionClass.KEPT
-    if role is Role.PERIODIC:
-        return EvictionClass.PERIODIC
-    if role is Role.END_OF_REPLY and hits == 0:
-        return EvictionClass.COLD
-    return EvictionClass.WARM
-
-
-@dataclass(slots=True, eq=False)
-class Pin:
-    """One entry's bytes; a lease holds it so a removed entry stays valid until released."""
-
-    entry_id: str
-    data: bytes | bytearray  # the rest (or a whole state that has no pages)
-    cost: int  # the entry's own bytes: rest + token bytes (+ extra)
-    cls: EvictionClass
-    keys: tuple[PageKey, ...] = ()  # the pages it refers to
-    pins: int = 0
-    doomed: bool = False  # removed while pinned: freed on the last unpin
-    whole: State | None = None  # a host's whole state, its pages views into it
-    extra: int = 0  # of cost, the whole state's bytes that are not its pages'
-
-
-@dataclass(slots=True, frozen=True)
-class Whole:
-    """A state kept whole beside its rest: ``parts[i]`` (views into ``state``) is the
-    page ``keys[i]`` of the entry."""
-
-    state: State
-    parts: Sequence[tuple[memoryview, ...]]
-
-
-@dataclass(slots=True, eq=False)
-class _Page:
-    data: PageData
-    size: int
-    refs: int = 0  # entries (live or doomed) that refer to it
-    live: int = 0  # of those, not doomed
-    pinned: int = 0  # of those, pinned (every doomed one is)
-    host: Pin | None = None  # the entry whose whole state ``data`` is a view into
-
-
-def _copy_out(page: _Page) -> None:
-    """A page that was a view into its host's state, copied out of it."""
-    page.data, page.host = bytes(page_bytes(page.data)), None
-
 
 # Told of each eviction; returns True to keep the bytes (the slot stays, doomed and
 # pinned once for the caller, who unpins it when done: the disk writer does so).
@@ -113,15 +53,18 @@ FreeCallback = Callable[[State], None]
 
 
 class RamTier:
+    name = "ram"
+    label = "RAM"
+    prior_bandwidth: float | None = None  # a state in memory is not read: nothing to fetch
+
     def __init__(self, budget: int, on_evict: EvictCallback | None = None,
-                 on_free: FreeCallback | None = None) -> None:
+                 on_free: FreeCallback | None = None, policy: ByClass | None = None) -> None:
         if budget < 0:
             raise ValueError(f"ram budget must be >= 0, got {budget}")
         self.budget = budget
         self.used = 0  # every byte held, including removed-but-leased entries
         self.pinned = 0  # bytes that cannot be evicted now
         self.leaving = 0  # bytes freed as the last pins of doomed entries go
-        self.page_bytes = 0  # of ``used``, the pages'
         self.whole_states = 0  # entries kept whole
         self.whole_bytes = 0  # their whole states' bytes (their pages' among them)
         self.evictions = 0
@@ -129,10 +72,9 @@ class RamTier:
         self._on_free = on_free
         self._slots: dict[str, Pin] = {}
         self._doomed: set[Pin] = set()
-        self._pages: dict[PageKey, _Page] = {}
-        self._lru: dict[EvictionClass, OrderedDict[str, None]] = {
-            c: OrderedDict() for c in EvictionClass
-        }
+        self._pages = SharedPages()
+        # what goes first, and the order of what may go (pinned entries are not in it)
+        self.policy = policy if policy is not None else ByClass()
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -143,6 +85,11 @@ class RamTier:
     @property
     def pages(self) -> int:
         return len(self._pages)
+
+    @property
+    def page_bytes(self) -> int:
+        """Of ``used``, the pages'."""
+        return self._pages.bytes
 
     def get(self, entry_id: str) -> bytes | bytearray | None:
         slot = self._slots.get(entry_id)
@@ -157,7 +104,7 @@ class RamTier:
     def page(self, key: PageKey) -> PageData:
         """A page's bytes, as one buffer or as its parts (immutable: valid after the
         page is freed)."""
-        return self._pages[key].data
+        return self._pages.data(key)
 
     def whole_of(self, entry_id: str) -> State | None:
         """The entry's whole state, where it keeps one."""
@@ -169,36 +116,12 @@ class RamTier:
         return self.whole_of(entry_id) is not None
 
     def would_host(self, keys: Sequence[PageKey]) -> bool:
-        """Whether a new entry naming ``keys`` would keep its whole state (room aside):
-        it names pages, no host of them is pinned (a lease reads its state), and it is
-        not an older state of one host (all its pages that host's, fewer than it has:
-        the state a newer one holds, as a conversation's earlier points are)."""
-        return self._would_host(keys, self._hosts_of(keys))
-
-    def _would_host(self, keys: Sequence[PageKey], olds: set[Pin]) -> bool:
-        """``would_host``, given the hosts of ``keys``' pages."""
-        if not keys:
-            return False
-        if any(h.pins or h.doomed for h in olds):
-            return False
-        if len(olds) == 1:
-            (old,) = olds
-            if len(old.keys) > len(keys) and all(
-                    (page := self._pages.get(k)) is not None and page.host is old for k in keys):
-                return False
-        return True
-
-    def _hosts_of(self, keys: Sequence[PageKey]) -> set[Pin]:
-        out: set[Pin] = set()
-        for key in keys:
-            page = self._pages.get(key)
-            if page is not None and page.host is not None:
-                out.add(page.host)
-        return out
+        """Whether a new entry naming ``keys`` would keep its whole state (room aside)."""
+        return self._pages.would_host(keys, self._pages.hosts_of(keys))
 
     def missing(self, keys: Sequence[PageKey]) -> list[int]:
         """Indices of ``keys`` whose pages this tier does not hold."""
-        return [i for i, k in enumerate(keys) if k not in self._pages]
+        return self._pages.missing(keys)
 
     def put(self, entry_id: str, data: bytes | bytearray, cost: int, cls: EvictionClass,
             keys: Sequence[PageKey] = (), sizes: Sequence[int] = (),
@@ -217,21 +140,14 @@ class RamTier:
             raise RuntimeError(f"ram: {entry_id} is already stored")
         if len(keys) != len(sizes) or len(set(keys)) != len(keys):
             raise RuntimeError("ram: page keys and sizes disagree, or a key repeats")
-        olds = self._hosts_of(keys)
+        olds = self._pages.hosts_of(keys)
         if whole is not None and (len(whole.parts) != len(keys)
-                                  or not self._would_host(keys, olds)):
+                                  or not self._pages.would_host(keys, olds)):
             whole = None
-        new = cost
-        pins = cost  # what the entry pins while it is being stored
-        back = 0  # bytes of shared pages that leave no more once it refers to them
-        for key, size in zip(keys, sizes, strict=True):
-            page = self._pages.get(key)
-            if page is None:
-                new += size
-                pins += size
-            else:
-                pins += 0 if page.pinned else page.size
-                back += 0 if page.live else page.size
+        # what the entry adds, what it pins while it is being stored, and the bytes of
+        # shared pages that leave no more once it refers to them
+        new, pins, back = self._pages.cost(keys, sizes)
+        new, pins = new + cost, pins + cost
         extra = 0 if whole is None else len(whole.state) - sum(sizes)
         if extra < 0:
             raise RuntimeError("ram: a whole state smaller than its pages")
@@ -248,22 +164,17 @@ class RamTier:
         # In, pinned, so that eviction keeps its pages; out again if room never comes.
         slot = Pin(entry_id, data, cost, cls, tuple(keys))
         for i, key in enumerate(keys):
-            page = self._pages.get(key)
-            if page is None:
+            if key not in self._pages:
                 if whole is not None:
                     blob: PageData = whole.parts[i]
                 elif source is None:
                     raise RuntimeError(f"ram: page {key.hex()} is neither held nor given")
                 else:
                     blob = source(i)
-                if page_nbytes(blob) != sizes[i]:
-                    raise RuntimeError(f"ram: page {key.hex()} has {page_nbytes(blob)} "
-                                       f"bytes, not {sizes[i]}")
-                page = self._pages[key] = _Page(blob, sizes[i])
+                self._pages.add(key, blob, sizes[i])
                 self.used += sizes[i]
-                self.page_bytes += sizes[i]
             if whole is not None:  # the same bytes (its key names them), now its view
-                page.data, page.host = whole.parts[i], slot
+                self._pages.view(key, whole.parts[i], slot)
         if whole is not None:
             slot.whole, slot.extra = whole.state, extra
             self.whole_states += 1
@@ -288,8 +199,7 @@ class RamTier:
         """Mark as most recently used, possibly in a new class."""
         slot = self._slots[entry_id]
         if slot.pins == 0:
-            del self._lru[slot.cls][entry_id]
-            self._lru[cls][entry_id] = None
+            self.policy.move(entry_id, slot.cls, cls)
         slot.cls = cls
 
     def pin(self, entry_id: str) -> Pin:
@@ -327,7 +237,7 @@ class RamTier:
         if slot.pins:
             self._doom(slot)
         else:
-            del self._lru[slot.cls][entry_id]
+            self.policy.remove(entry_id, slot.cls)
             self.used -= slot.cost
             self._let_go(slot, was_live=True)
         return True
@@ -337,47 +247,30 @@ class RamTier:
 
     def eviction_order(self) -> Iterator[str]:
         """Ids in the order they would be evicted."""
-        for cls in EvictionClass:
-            yield from self._lru[cls]
+        return self.policy.order()
+
+    def stats(self) -> TierStats:
+        return TierStats(self.name, self.label, entries=len(self._slots), bytes=self.used,
+                         budget=self.budget, pages=len(self._pages),
+                         page_bytes=self.page_bytes, evictions=self.evictions)
 
     # -- the one place counts change --------------------------------------------------
 
     def _hold(self, slot: Pin) -> None:
         """A new live, unpinned entry refers to its pages."""
-        for key in slot.keys:
-            page = self._pages[key]
-            if page.live == 0 and page.refs:
-                self.leaving -= page.size  # only doomed entries held it: it stays now
-            page.refs += 1
-            page.live += 1
+        self.leaving -= self._pages.hold(slot.keys)
 
     def _let_go(self, slot: Pin, *, was_live: bool) -> None:
         """An entry's references go (it was removed unpinned, or its last pin went)."""
-        for key in slot.keys:
-            page = self._pages[key]
-            page.refs -= 1
-            if was_live:
-                page.live -= 1
-            if page.refs == 0:
-                del self._pages[key]
-                self.used -= page.size
-                self.page_bytes -= page.size
-                if not was_live:
-                    self.leaving -= page.size
-            else:
-                if page.host is slot:  # others name it: out of the state that goes
-                    _copy_out(page)
-                if was_live and page.live == 0:
-                    self.leaving += page.size  # only doomed entries hold it now
+        freed, leaving = self._pages.let_go(slot, was_live=was_live)
+        self.used -= freed
+        self.leaving += leaving
         self._drop_whole(slot)
 
     def _demote(self, slot: Pin) -> None:
         """A host (live, unpinned) whose pages a newer host took over keeps its rest
         only; pages of its own that the newer one lacks are copied out of its state."""
-        for key in slot.keys:
-            page = self._pages[key]
-            if page.host is slot:
-                _copy_out(page)
+        self._pages.copy_out_of(slot)
         self.used -= slot.extra
         slot.cost -= slot.extra
         slot.extra = 0
@@ -394,116 +287,65 @@ class RamTier:
 
     def _pin(self, slot: Pin) -> None:
         """First pin: out of the eviction lists, its bytes and pages pinned."""
-        if slot.entry_id in self._slots and self._slots[slot.entry_id] is slot \
-                and slot.entry_id in self._lru[slot.cls]:
-            del self._lru[slot.cls][slot.entry_id]
+        if self._slots.get(slot.entry_id) is slot:
+            self.policy.discard(slot.entry_id, slot.cls)
         slot.pins = 1
-        self.pinned += slot.cost
-        for key in slot.keys:
-            page = self._pages[key]
-            if page.pinned == 0:
-                self.pinned += page.size
-            page.pinned += 1
+        self.pinned += slot.cost + self._pages.pin(slot.keys)
 
     def _unpin(self, slot: Pin) -> None:
         """Last pin: back in its eviction list unless doomed."""
         slot.pins = 0
-        self.pinned -= slot.cost
-        for key in slot.keys:
-            page = self._pages[key]
-            page.pinned -= 1
-            if page.pinned == 0:
-                self.pinned -= page.size
+        self.pinned -= slot.cost + self._pages.unpin(slot.keys)
         if not slot.doomed:
-            self._lru[slot.cls][slot.entry_id] = None  # released = most recently used
+            self.policy.add(slot.entry_id, slot.cls)  # released = most recently used
 
     def _doom(self, slot: Pin) -> None:
         slot.doomed = True
         self._doomed.add(slot)
-        self.leaving += slot.cost
-        for key in slot.keys:
-            page = self._pages[key]
-            page.live -= 1
-            if page.live == 0:
-                self.leaving += page.size
+        self.leaving += slot.cost + self._pages.doom(slot.keys)
 
     def _evict_one(self) -> bool:
-        for cls in EvictionClass:
-            lru = self._lru[cls]
-            if lru:
-                entry_id, _ = lru.popitem(last=False)
-                slot = self._slots.pop(entry_id)
-                self.evictions += 1
-                if self._on_evict is not None and self._on_evict(slot):
-                    self._pin(slot)
-                    self._doom(slot)
-                else:
-                    self.used -= slot.cost
-                    self._let_go(slot, was_live=True)
-                return True
-        return False
+        entry_id = self.policy.victim()
+        if entry_id is None:
+            return False
+        slot = self._slots.pop(entry_id)
+        self.evictions += 1
+        if self._on_evict is not None and self._on_evict(slot):
+            self._pin(slot)
+            self._doom(slot)
+        else:
+            self.used -= slot.cost
+            self._let_go(slot, was_live=True)
+        return True
 
     def sanity_check(self) -> None:
         live = list(self._slots.values())
         every = live + list(self._doomed)
-        refs: dict[PageKey, list[int]] = {}  # key -> [refs, live, pinned]
-        for s in every:
-            for key in s.keys:
-                r = refs.setdefault(key, [0, 0, 0])
-                r[0] += 1
-                r[1] += 0 if s.doomed else 1
-                r[2] += 1 if s.pins else 0
-        if set(refs) != set(self._pages):
-            raise RuntimeError("ram: pages held differ from the pages entries refer to")
-        for key, page in self._pages.items():
-            if [page.refs, page.live, page.pinned] != refs[key]:
-                raise RuntimeError(f"ram: page {key.hex()} counts {page.refs}/{page.live}/"
-                                   f"{page.pinned}, entries say {refs[key]}")
-        for key, page in self._pages.items():
-            if page_nbytes(page.data) != page.size:
-                raise RuntimeError(f"ram: page {key.hex()} holds other than its size")
-            host = page.host
-            if host is not None and (host.whole is None or key not in host.keys
-                                     or not (host in self._doomed or
-                                             self._slots.get(host.entry_id) is host)):
-                raise RuntimeError(f"ram: page {key.hex()} is a view of no host's state")
+        pages, pinned_pages, leaving_pages = self._pages.check(every, set(every))
         wholes = [s.whole for s in every if s.whole is not None]
         if (len(wholes), sum(map(len, wholes))) != (self.whole_states, self.whole_bytes):
             raise RuntimeError(f"ram: {self.whole_states} whole states of {self.whole_bytes} "
                                "bytes accounted, entries hold others")
         for s in every:
-            if s.whole is None:
-                if s.extra:
-                    raise RuntimeError(f"ram: {s.entry_id} counts a whole state it lacks")
-                continue
-            if any(self._pages[k].host is not s for k in s.keys):
-                raise RuntimeError(f"ram: {s.entry_id} keeps its state but not its pages")
-            if s.extra != len(s.whole) - sum(self._pages[k].size for k in s.keys):
-                raise RuntimeError(f"ram: {s.entry_id} counts {s.extra} bytes beyond its "
-                                   "pages, its state holds others")
-        pages = sum(p.size for p in self._pages.values())
-        if pages != self.page_bytes:
-            raise RuntimeError(f"ram: {self.page_bytes} page bytes accounted, {pages} held")
+            if s.whole is None and s.extra:
+                raise RuntimeError(f"ram: {s.entry_id} counts a whole state it lacks")
         total = sum(s.cost for s in every) + pages
         if total != self.used:
             raise RuntimeError(f"ram: {self.used} bytes accounted, entries hold {total}")
         if self.used > self.budget:
             raise RuntimeError(f"ram: {self.used} bytes used over a budget of {self.budget}")
-        pinned = sum(s.cost for s in every if s.pins) + sum(
-            p.size for p in self._pages.values() if p.pinned)
+        pinned = sum(s.cost for s in every if s.pins) + pinned_pages
         if pinned != self.pinned:
             raise RuntimeError(f"ram: {self.pinned} pinned bytes accounted, {pinned} held")
-        leaving = sum(s.cost for s in self._doomed) + sum(
-            p.size for p in self._pages.values() if not p.live)
+        leaving = sum(s.cost for s in self._doomed) + leaving_pages
         if leaving != self.leaving:
             raise RuntimeError(f"ram: {self.leaving} doomed bytes accounted, {leaving} held")
         listed = 0
-        for cls, lru in self._lru.items():
-            for entry_id in lru:
-                slot = self._slots.get(entry_id)
-                if slot is None or slot.cls is not cls or slot.pins:
-                    raise RuntimeError(f"ram: {entry_id} misplaced in eviction class {cls.name}")
-                listed += 1
+        for cls, entry_id in self.policy.listed():
+            slot = self._slots.get(entry_id)
+            if slot is None or slot.cls is not cls or slot.pins:
+                raise RuntimeError(f"ram: {entry_id} misplaced in eviction class {cls.name}")
+            listed += 1
         if listed + sum(1 for s in live if s.pins) != len(live):
             raise RuntimeError("ram: an unpinned entry is missing from the eviction lists")
         if any(not s.pins or not s.doomed for s in self._doomed):

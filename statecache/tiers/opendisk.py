@@ -12,9 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from statecache.config import CacheConfig
-from statecache.dirlock import Busy, DirLock
-from statecache.disk import DiskTier
-from statecache.trust import Untrusted, check_key_outside, load_key, make_private_dir
+from statecache.formats.trust import Untrusted, check_key_outside, load_key, make_private_dir
+from statecache.tiers.dirlock import Busy, DirLock
+from statecache.tiers.disk import DiskTier
 
 
 def open_disk(

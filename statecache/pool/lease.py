@@ -9,14 +9,13 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from statecache.ram import Pin
+from statecache.buffers import Buffer
 from statecache.records import CheckpointRecord
-
-Buffer = bytes | bytearray | memoryview
+from statecache.tiers.rampages import Pin
 
 
 class _Releaser(Protocol):
-    def _release(self, pin: Pin | None, spare: mmap.mmap | None = None) -> None: ...
+    def release(self, pin: Pin | None, spare: mmap.mmap | None = None) -> None: ...
 
 
 class Lease:
@@ -39,7 +38,7 @@ class Lease:
         # (a copy: valid after ``close``)
         self.logits = logits
         self._spare = spare  # the buffer ``data`` was assembled in: reused once closed
-        self.tier = tier  # "ram", "disk" or "remote": where the hit came from
+        self.tier = tier  # the name of the tier the hit came from ("ram", "disk", "remote" ...)
         self._data = memoryview(data).toreadonly()
         self._pool = pool
         self._pin = pin
@@ -55,7 +54,7 @@ class Lease:
         if not self._closed:
             self._closed = True
             self._data.release()
-            self._pool._release(self._pin, self._spare)
+            self._pool.release(self._pin, self._spare)
             self._spare = None
 
     def __enter__(self) -> Lease:

@@ -15,8 +15,10 @@ import hmac
 import struct
 from collections.abc import Callable
 
-from statecache import codec
-from statecache.diskfmt import KEY_BYTES, key_id
+from statecache.buffers import Buffer
+from statecache.formats import codec
+from statecache.formats.diskfmt import KEY_BYTES, key_id
+from statecache.formats.header import Refused, check_header
 from statecache.kvpages import PageKey
 from statecache.pages import HASH_BYTES
 
@@ -26,15 +28,9 @@ HEAD = struct.Struct("<4sHHII8s16s")
 TAG_BYTES = 32
 MAX_PAGE = 1 << 30
 
-Buffer = bytes | bytearray | memoryview
 
-
-class BadPage(Exception):
+class BadPage(Refused):
     """A stored page that must never be used; ``reason`` is a metric label."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 def _mac(key: bytes) -> hmac.HMAC:
@@ -71,12 +67,7 @@ def decode_page(secret: bytes, page: PageKey, blob: Buffer) -> Buffer:
     if view.nbytes < HEAD.size + TAG_BYTES:
         raise BadPage("missing" if view.nbytes == 0 else "corrupt", "page truncated")
     magic, version, kind, raw_len, stored_len, kid, name = HEAD.unpack_from(view)
-    if magic != MAGIC:
-        raise BadPage("corrupt", "wrong magic")
-    if version != VERSION:
-        raise BadPage("version", f"page format {version}, expected {VERSION}")
-    if kid != key_id(secret):
-        raise BadPage("foreign-key", "page signed with another key")
+    check_header(BadPage, "page", (magic, version, kid), (MAGIC, VERSION), secret)
     if len(name) != HASH_BYTES or name != page:
         raise BadPage("corrupt", "a page of another name")
     if raw_len > MAX_PAGE or HEAD.size + stored_len + TAG_BYTES != view.nbytes:

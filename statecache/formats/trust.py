@@ -13,7 +13,7 @@ import os
 import stat
 from pathlib import Path
 
-from statecache.diskfmt import KEY_BYTES
+from statecache.formats.diskfmt import KEY_BYTES
 
 
 class Untrusted(Exception):

@@ -1,9 +1,9 @@
 """The checkpoint file format, as free functions (no model, no pool needed).
 
 Layout: header | msgpack metadata | meta tag | stored rest | tag.
-Header: magic b"SCKP", format version u16, codec u16 (``statecache.codec``: how the rest
+Header: magic b"SCKP", format version u16, codec u16 (``statecache.formats.codec``: how the rest
 is stored), header/meta/data lengths, key id. The data is the state's rest
-(``statecache.kvpages``); its KV pages are files of their own (``statecache.pagefmt``),
+(``statecache.kvpages``); its KV pages are files of their own (``statecache.formats.pagefmt``),
 named by the page keys the metadata lists.
 Both tags are HMAC-SHA256 under the pool's secret key: the meta tag covers header and
 metadata (checked at scan, without reading the state), the tag covers everything before
@@ -31,9 +31,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from statecache import codec
+from statecache.buffers import Buffer
+from statecache.formats import codec
 from statecache.pages import HASH_BYTES
-from statecache.records import CheckpointRecord, Kind, Owner, Role, new_record
+from statecache.records import CheckpointRecord, Kind, Owner, Record, Role, new_record
 
 MAGIC = b"SCKP"
 FORMAT_VERSION = 3
@@ -48,7 +49,6 @@ MAX_META_BYTES = 16 << 20  # 4M tokens of context at most
 MAX_DATA_BYTES = 1 << 40
 _ID_RE = re.compile(r"^[0-9a-f]{32}$")
 _CHUNK = 8 << 20
-Buffer = bytes | bytearray | memoryview
 Encoder = Callable[[Buffer], tuple[int, Buffer]]  # (codec, stored bytes): codec.Packer.encode
 _META_TYPES: dict[str, tuple[type, ...]] = {
     "id": (str,),
@@ -172,6 +172,25 @@ def record_from_meta(meta: dict[str, Any], page_size: int) -> CheckpointRecord:
     if rec.id != meta["id"]:
         raise BadFile("metadata id does not match its content")
     return rec
+
+
+def same_claims(found: CheckpointRecord, rec: Record, keys: bytes) -> bool:
+    """The record rebuilt from a file's authenticated metadata (its id recomputed from its
+    content) says exactly what the indexed one says, and names the pages ``keys``."""
+    return (
+        found.id == rec.id
+        and found.n == rec.n
+        and (not isinstance(rec, CheckpointRecord) or found.tokens == rec.tokens)
+        and found.fingerprint == rec.fingerprint
+        and found.tenant == rec.tenant
+        and found.state_format == rec.state_format
+        and found.kind is rec.kind
+        and found.owner is rec.owner
+        and found.lane == rec.lane
+        and found.nbytes == rec.nbytes
+        and found.keys == keys
+        and found.rest_nbytes == rec.rest_nbytes
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -298,7 +317,7 @@ def read_checkpoint(path: Path, key: bytes) -> tuple[FileMeta, Buffer]:
         raise BadFile(f"the rest does not decode: {e}") from None
 
 
-def _write_all(fd: int, buf: bytes | bytearray | memoryview) -> None:
+def _write_all(fd: int, buf: Buffer) -> None:
     view = memoryview(buf).cast("B")
     while view:
         k = os.write(fd, view[:_CHUNK])

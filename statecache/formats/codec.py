@@ -19,6 +19,8 @@ import threading
 import numpy as np
 import zstandard
 
+from statecache.buffers import Buffer
+
 RAW = 0
 ZSTD = 1
 ZSTD_PLANES2 = 2
@@ -27,8 +29,6 @@ CODECS = (RAW, ZSTD, ZSTD_PLANES2, ZSTD_PLANES4)
 DEFAULT_LEVEL = 1  # higher levels saved under 1% more on every kind (bench.codec)
 MIN_SAVING = 0.25  # of a piece's bytes, for it to be kept compressed
 SAMPLE = 16  # while compression does not pay, one piece in this many is tried
-
-Buffer = bytes | bytearray | memoryview
 
 _local = threading.local()
 

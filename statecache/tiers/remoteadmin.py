@@ -11,9 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from statecache.pages import PageChain, namespace_hash
-from statecache.remote import connect
-from statecache.remotefmt import (
+from statecache.formats.remotefmt import (
     MAX_HEADER_BYTES,
     NS,
     BadEntry,
@@ -23,6 +21,9 @@ from statecache.remotefmt import (
     index_key,
     read_unchecked,
 )
+from statecache.pages import PageChain, namespace_hash
+from statecache.tiers.remote import RemoteTier
+from statecache.tiers.remotelink import connect
 
 
 class RemoteAdmin:
@@ -59,7 +60,7 @@ class RemoteAdmin:
                     "id": m["id"], "kind": m["kind"], "owner": m["owner"], "lane": m["lane"],
                     "role": m["role"], "n": m["n"], "nbytes": m["nbytes"],
                     "created": m["created"], "last_used": m["created"], "hits": None,
-                    "tiers": ["remote"], "preview": m["preview"],
+                    "tiers": [RemoteTier.name], "preview": m["preview"],
                     "fingerprint": m["fingerprint"], "tenant": m["tenant"],
                     "state_format": m["state_format"], "key": name,
                     "ttl_s": ttl / 1000 if isinstance(ttl, int) and ttl >= 0 else None,

@@ -1,0 +1,1 @@
+"""Where checkpoints are held: RAM, disk and the shared store (Redis/Valkey)."""

@@ -1,0 +1,288 @@
+"""The shared tier: FULL checkpoints in Redis or Valkey, for several proxies at once.
+
+Never in the way of the engine:
+
+- writes go out on one background thread from a queue bounded in bytes; when the
+  store is slower than the engine, the oldest waiting write is dropped;
+- a lookup is one pipelined round trip (the prompt's page hashes against the index,
+  deepest first) and reads nothing else; the state is fetched only when the planner
+  picks it, and its header (key, model, state format, tenant, tokens) and MAC are
+  checked before it is used; of its KV pages, only those the local tiers lack are
+  fetched, and a write sends only the pages the store lacks;
+- any failure of the store (down, slow, full, a reply that makes no sense) turns the
+  tier off for ``retry_s`` with one warning and a counter; it is tried again by
+  itself, and says so when it is back.
+
+Here: lookups and checks. The client and the store's health: tiers/remotelink.py;
+what goes out: tiers/remotewrites.py. Layout and checks: statecache/formats/remotefmt.py.
+Uses redis-py, which speaks to Valkey too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from statecache.buffers import Buffer
+from statecache.config import RemoteConfig
+from statecache.formats import codec
+from statecache.formats.diskfmt import valid_id
+from statecache.formats.pagefmt import BadPage, decode_page
+from statecache.formats.remotefmt import (
+    MAX_HEADER_BYTES,
+    BadEntry,
+    Header,
+    IndexValue,
+    chunk_key,
+    decode_header,
+    header_key,
+    index_key,
+    join_rest,
+    page_name,
+)
+from statecache.pages import PageChain
+from statecache.records import CheckpointRecord, Kind, Owner
+from statecache.tiers.remotelink import Link
+from statecache.tiers.remotewrites import PIPELINE_BYTES, STORE_ERRORS, Outgoing
+from statecache.tiers.tier import LocalPages, TierStats
+
+log = logging.getLogger(__name__)
+
+_CANDIDATES = 4  # remote hits returned by one probe, deepest first
+
+
+@dataclass(slots=True, frozen=True)
+class RemoteHit:
+    """An index entry deeper than what the local tiers hold (not yet checked)."""
+
+    entry_id: str
+    index_key: str
+    value: IndexValue
+
+    @property
+    def n(self) -> int:
+        return self.value.n
+
+    @property
+    def nbytes(self) -> int:
+        return self.value.nbytes
+
+
+class RemoteTier:
+    name = "remote"
+    label = "Shared store"
+    prior_bandwidth: float | None = 2e8  # bytes/s, read and checked, until measured
+
+    def __init__(self, cfg: RemoteConfig, key: bytes, fingerprint: str, *, state_format: int,
+                 page_size: int, client: Any = None, level: int = codec.DEFAULT_LEVEL) -> None:
+        self.cfg = cfg
+        self.prefix = cfg.prefix
+        self._key = key
+        self.fingerprint = fingerprint
+        self.state_format = state_format
+        self.page_size = page_size
+        self.link = Link(cfg, client)
+        self.where = self.link.where
+        self.counts = self.link.counts
+        self.out = Outgoing(self.link, key, fingerprint, state_format=state_format, level=level)
+
+    @property
+    def client(self) -> Any:
+        return self.link.client
+
+    def usable(self) -> bool:
+        return self.link.usable()
+
+    @property
+    def status(self) -> str:
+        return self.link.status
+
+    def ping(self) -> bool:
+        return self.link.ping()
+
+    # -- lookups (engine thread) -------------------------------------------------------
+
+    def probe(self, chain: PageChain, *, min_n: int, max_n: int) -> list[RemoteHit]:
+        """Index entries with ``min_n < n <= max_n`` for this chain, deepest first; one
+        round trip. Nothing is checked yet but the index value's own sanity."""
+        if not self.usable():
+            return []
+        page = chain.page_size
+        lo, hi = max(1, min_n // page), min(len(chain.hashes), max_n // page)
+        if hi < lo:
+            return []
+        keys = [index_key(self.prefix, self.state_format, chain.hashes[k - 1])
+                for k in range(hi, lo - 1, -1)]
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.hgetall(k)
+            replies = pipe.execute(raise_on_error=False)
+        except Exception as e:
+            self.link.failed(e)
+            return []
+        self.link.ok()
+        self.counts.probes += 1
+        hits: list[RemoteHit] = []
+        for key, reply in zip(keys, replies, strict=True):
+            if not isinstance(reply, dict):  # a WRONGTYPE error, say: some other key
+                self._reject("index", f"index reply is not a hash: {reply!r:.80}")
+                continue
+            for field, raw in reply.items():
+                hit = self._parse_hit(key, field, raw, page, min_n, max_n)
+                if hit is not None:
+                    hits.append(hit)
+        hits.sort(key=lambda h: h.n, reverse=True)
+        return hits[:_CANDIDATES]
+
+    def _parse_hit(self, key: str, field: object, raw: object, page: int, min_n: int,
+                   max_n: int) -> RemoteHit | None:
+        try:
+            entry_id = field.decode() if isinstance(field, bytes) else ""
+            if not valid_id(entry_id):
+                raise BadEntry("index", "not an entry id")
+            value = IndexValue.unpack(raw, self.cfg.max_entry)
+        except (BadEntry, UnicodeDecodeError) as e:
+            self._reject(getattr(e, "reason", "index"), str(e))
+            return None
+        if not min_n < value.n <= max_n:
+            return None  # a longer or shorter entry ending in this page
+        return RemoteHit(entry_id, key, value)
+
+    def fetch(self, hit: RemoteHit, tokens: Any, tenant: str,
+              local: LocalPages | None = None
+              ) -> tuple[CheckpointRecord, Buffer, list[Buffer]] | None:
+        """The verified rest and pages of ``hit``, or None (a miss, counted by its reason).
+        Pages ``local`` gives are not fetched."""
+        if not self.usable():
+            return None
+        v = hit.value
+        keys = [chunk_key(self.prefix, hit.entry_id, v.nonce, i) for i in range(v.chunks)]
+        per = max(1, PIPELINE_BYTES // v.chunk_size)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.getrange(header_key(self.prefix, hit.entry_id), 0, MAX_HEADER_BYTES)
+            for k in keys[:per]:
+                pipe.getrange(k, 0, v.chunk_size)  # one byte more than a chunk: never larger
+            replies = pipe.execute(raise_on_error=False)
+        except Exception as e:
+            self.link.failed(e)
+            return None
+        try:
+            header = decode_header(replies[0], self._key, self.page_size)
+            rec = header.record
+            self._check(hit, header, rec, tokens, tenant)
+            parts = list(replies[1:])
+            for i in range(per, len(keys), per):
+                pipe = self.client.pipeline(transaction=False)
+                for k in keys[i:i + per]:
+                    pipe.getrange(k, 0, v.chunk_size)
+                parts += pipe.execute(raise_on_error=False)
+            rest = join_rest(header, parts, self._key)
+            pages = self._fetch_pages(rec, local)
+        except BadEntry as e:
+            self._reject(e.reason, str(e), hit)
+            return None
+        except STORE_ERRORS as e:
+            self.link.failed(e)
+            return None
+        except Exception as e:  # a reply of an unexpected shape: never a crash
+            self._reject("corrupt", f"{type(e).__name__}: {e}", hit)
+            return None
+        self.link.ok()
+        self.counts.hits += 1
+        self.counts.read_bytes += header.stored
+        self.out.enqueue(("touch", (hit, rec)))
+        return rec, rest, pages
+
+    def _fetch_pages(self, rec: CheckpointRecord, local: LocalPages | None) -> list[Buffer]:
+        """``rec``'s pages: the local ones as given, the others from the store (in
+        batches of at most PIPELINE_BYTES bytes), each checked; raises BadEntry."""
+        keys = rec.page_keys
+        have = local(keys) if local is not None and keys else {}
+        want = [i for i in range(len(keys)) if i not in have]
+        self.counts.pages_local += len(have)
+        out: dict[int, Buffer] = dict(have)
+        batch = max(1, PIPELINE_BYTES // max(1, rec.nbytes // max(1, len(keys))))
+        for at in range(0, len(want), batch):
+            pipe = self.client.pipeline(transaction=False)
+            for i in want[at:at + batch]:
+                pipe.get(page_name(self.prefix, self.fingerprint, keys[i]))
+            for i, blob in zip(want[at:at + batch], pipe.execute(raise_on_error=False),
+                               strict=True):
+                if not isinstance(blob, bytes):
+                    raise BadEntry("missing", f"page {keys[i].hex()} is not in the store")
+                try:
+                    out[i] = decode_page(self._key, keys[i], blob)
+                except BadPage as e:
+                    raise BadEntry(e.reason, f"page {keys[i].hex()}: {e}") from None
+                self.counts.read_bytes += len(blob)
+        self.counts.pages_fetched += len(want)
+        return [out[i] for i in range(len(keys))]
+
+    def _check(self, hit: RemoteHit, header: Header, rec: CheckpointRecord, tokens: Any,
+               tenant: str) -> None:
+        if rec.id != hit.entry_id:
+            raise BadEntry("corrupt", "header of another entry")
+        if header.stored != hit.value.stored or header.chunks != hit.value.chunks:
+            raise BadEntry("stale", "the index names another write of this entry")
+        if header.nonce != hit.value.nonce:
+            raise BadEntry("stale", "the index names another write of this entry")
+        if rec.fingerprint != self.fingerprint:
+            raise BadEntry("foreign_model", "written for another model")
+        if rec.state_format != self.state_format:
+            raise BadEntry("state_format", f"state format {rec.state_format}")
+        if rec.tenant != tenant:
+            raise BadEntry("tenant", "another tenant's entry")
+        if rec.kind is not Kind.FULL or rec.owner is not Owner.TARGET:
+            raise BadEntry("corrupt", "not a full target state")
+        if rec.n != hit.n or rec.nbytes != hit.nbytes or not rec.matches(tokens):
+            raise BadEntry("tokens", "its tokens are not this prompt's")
+
+    def _reject(self, reason: str, detail: str, hit: RemoteHit | None = None) -> None:
+        level = logging.DEBUG if self.counts.refused(reason) > 1 else logging.WARNING
+        log.log(level, "remote tier: an entry was refused (%s): %s", reason, detail)
+        if hit is not None and reason in ("missing", "stale", "corrupt", "forged"):
+            self.out.enqueue(("forget", hit))  # its index field points at nothing usable
+
+    # -- writes (background) -----------------------------------------------------------
+
+    def put(self, rec: CheckpointRecord, rest: bytes, pages: Sequence[bytes] = ()) -> None:
+        """Queue ``rest`` and ``pages`` (not copied: pass immutable bytes) for the store."""
+        if rec.kind is not Kind.FULL or rec.owner is not Owner.TARGET:
+            return
+        if rec.nbytes > self.cfg.max_entry or rec.nbytes > self.cfg.queue_bytes:
+            self.counts.write_skipped += 1
+            return
+        self.out.write(rec, rest, pages)
+
+    def pending(self) -> int:
+        return self.out.queued()[0]
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for queued jobs to go out (tests, shutdown)."""
+        return self.out.flush(timeout)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Let queued writes go out for up to ``timeout`` s (none while the store is
+        down: shutdown never waits for it), then stop."""
+        self.out.close(timeout)
+
+    def sanity_check(self) -> None:
+        """The write queue's byte count is what its writes hold, within the bound."""
+        self.out.sanity_check()
+
+    @classmethod
+    def off(cls, why: str) -> TierStats:
+        """The figures of a shared tier that is off: nothing read from it."""
+        return TierStats(cls.name, cls.label, status=why, bandwidth=0.0)
+
+    def stats(self) -> TierStats:
+        queue, queue_bytes = self.out.queued()
+        with self.link.lock:
+            counts = self.counts.copy()
+            counts.up = self.link.up
+        counts.queue, counts.queue_bytes = queue, queue_bytes
+        return TierStats(self.name, self.label, self.where, self.status, store=counts)
