@@ -42,7 +42,7 @@ from statecache.kvpages import PageData, PageKey, unpack_keys
 from statecache.records import CheckpointRecord, Record
 from statecache.sizes import format_size
 from statecache.tiers.diskfiles import DiskFiles, Stored, page_path
-from statecache.tiers.diskscan import scan_pages, scan_records
+from statecache.tiers.diskscan import Lost, scan_pages, scan_records
 from statecache.tiers.tier import TierStats
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class DiskTier:
 
     # -- start -------------------------------------------------------------------------
 
-    def scan(self, found: Callable[[CheckpointRecord], None]) -> int:
+    def scan(self, found: Callable[[CheckpointRecord], None], lost: Lost | None = None) -> int:
         """Index this model's valid records and their pages, quarantine bad records and
         records whose pages are missing, remove pages no record names, sweep temp files;
         the number of records kept.
@@ -152,7 +152,7 @@ class DiskTier:
         a crash; one that cannot be removed is counted in the budget.
         """
         on_disk, stray = scan_pages(self.files)
-        listing = scan_records(self.files, found, on_disk)
+        listing = scan_records(self.files, found, on_disk, lost)
         self.stray += stray + listing.stray
         self.used += stray + listing.stray
         self.quarantined += listing.moved
@@ -167,7 +167,7 @@ class DiskTier:
                     self.used += page.size
                     self.page_bytes += page.size
                 page.refs += 1
-        orphans = [k for k in on_disk if k not in self._pages]  # (quarantined ones gone)
+        orphans = [k for k in on_disk if k not in self._pages]  # (quarantined: moved)
         for k in orphans:
             page_path(self.pages_path, k).unlink(missing_ok=True)
         if orphans:

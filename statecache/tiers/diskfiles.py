@@ -136,9 +136,10 @@ def quarantine(directory: Path, path: Path, reason: str, *, quiet: bool = False)
 class BadPageFile(BadFile):
     """A page file that must never be used: the records that name it are misses."""
 
-    def __init__(self, key: PageKey, reason: str) -> None:
+    def __init__(self, key: PageKey, reason: str, *, missing: bool = False) -> None:
         super().__init__(f"page {key.hex()}: {reason}")
         self.key = key
+        self.missing = missing  # gone, not refused
 
 
 @dataclass(slots=True)
@@ -268,7 +269,7 @@ class DiskFiles:
         try:
             fd, st = open_regular(page_file(self._pages_str, key))
         except FileNotFoundError:
-            raise BadPageFile(key, "missing") from None
+            raise BadPageFile(key, "missing", missing=True) from None
         except BadFile as e:
             raise BadPageFile(key, str(e)) from None
         limit = self._limit(key)
@@ -283,7 +284,8 @@ class DiskFiles:
         return quarantine(self.path, self.path / file_name(entry_id), reason)
 
     def quarantine_page(self, key: PageKey, reason: str) -> bool:
-        return quarantine(self.path, page_path(self.pages_path, key), reason)
+        """Quiet: the pool logs the page with the checkpoints it took (pool/lost.py)."""
+        return quarantine(self.path, page_path(self.pages_path, key), reason, quiet=True)
 
     def utime(self, entry_id: str) -> None:
         with contextlib.suppress(OSError):  # mtime carries the LRU order across restarts

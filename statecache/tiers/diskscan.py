@@ -22,10 +22,15 @@ from statecache.formats.diskfmt import (
     valid_id,
 )
 from statecache.kvpages import PageKey
-from statecache.records import CheckpointRecord
+from statecache.records import CheckpointRecord, RecordHead
 from statecache.tiers.diskfiles import PAGE_SUFFIX, QUARANTINE, DiskFiles, page_path, quarantine
 
 log = logging.getLogger(__name__)
+
+_MISSING, _REFUSED = "a page is missing", "a page was refused"
+_QUARANTINED = -1  # a page file's size in the listing once it is quarantined
+# A page gone (missing, or quarantined for its size) and the heads of the records it took
+Lost = Callable[[PageKey, str, list[RecordHead]], None]
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,13 +51,15 @@ def _moved(directory: Path, path: Path, reason: str, reasons: Counter[str]) -> N
 
 
 def scan_records(files: DiskFiles, found: Callable[[CheckpointRecord], None],
-                 pages: dict[PageKey, int]) -> Listing:
+                 pages: dict[PageKey, int], lost: Lost | None = None) -> Listing:
     """This model's valid records, each given to ``found`` as it is read; records
     that fail their checks or name a page not in ``pages`` (file sizes) are
     quarantined, and so is a page file whose size is not the one the first record
-    naming it says (nothing read of it: a file put in place may be huge)."""
+    naming it says (nothing read of it: a file put in place may be huge). ``lost`` is
+    told each page gone and the records it took."""
     kept: list[tuple[float, str, int, bytes]] = []
     held: dict[PageKey, int] = {}
+    gone: dict[PageKey, tuple[str, list[RecordHead]]] = {}  # page: why, records it took
     stray = 0
     reasons: Counter[str] = Counter()  # one warning for the whole scan, not one per file
     for entry in os.scandir(files.path):
@@ -84,9 +91,13 @@ def scan_records(files: DiskFiles, found: Callable[[CheckpointRecord], None],
         except OSError as e:
             log.warning("disk: skipped %s: %s", entry.name, e)
             continue
-        why = _pages_agree(files, rec.page_keys, page_sizes(fm.meta), pages, held, reasons)
+        why, page = _pages_agree(files, rec.page_keys, page_sizes(fm.meta), pages, held,
+                                 reasons)
         if why:
             _moved(files.path, p, why, reasons)
+            if page is not None:
+                gone.setdefault(page, ("missing" if why == _MISSING else "refused", []))
+                gone[page][1].append(rec.head())
             continue
         for k, n in zip(rec.page_keys, page_sizes(fm.meta), strict=True):
             held[k] = n
@@ -100,30 +111,36 @@ def scan_records(files: DiskFiles, found: Callable[[CheckpointRecord], None],
             files.path / QUARANTINE,
             ", ".join(f"{n} {why}" for why, n in reasons.most_common()),
         )
+    for page, (why, heads) in gone.items():
+        if lost is not None:
+            lost(page, why, heads)
     kept.sort(key=lambda t: t[0])
     return Listing(kept, held, stray, sum(reasons.values()))
 
 
 def _pages_agree(files: DiskFiles, keys: Sequence[PageKey], sizes: Sequence[int],
                  pages: dict[PageKey, int], held: dict[PageKey, int],
-                 reasons: Counter[str]) -> str:
-    """Why a record cannot be kept for its pages ("" if it can): one is missing, or
-    its file's size is not the one the record says (that page is quarantined unless
-    an earlier record's size for it holds: then this record is stale)."""
+                 reasons: Counter[str]) -> tuple[str, PageKey | None]:
+    """Why a record cannot be kept for its pages ("" if it can) and the page: one is
+    missing, or its file's size is not the one the record says (that page is
+    quarantined unless an earlier record's size for it holds: then this record is
+    stale). A page quarantined here stays in ``pages`` as _QUARANTINED."""
     if len(sizes) != len(keys):
-        return "no page sizes"
+        return "no page sizes", None
     for k, n in zip(keys, sizes, strict=True):
         if k not in pages:
-            return "a page is missing"
+            return _MISSING, k
+        if pages[k] == _QUARANTINED:
+            return _REFUSED, k
         if pages[k] == n:
             continue
         if k in held:
-            return "a page's size differs from the record's"
+            return "a page's size differs from the record's", None
         _moved(files.path, page_path(files.pages_path, k),
                f"{pages[k]} bytes, its record says {n}", reasons)
-        del pages[k]
-        return "a page is missing"
-    return ""
+        pages[k] = _QUARANTINED
+        return _REFUSED, k
+    return "", None
 
 
 def scan_pages(files: DiskFiles) -> tuple[dict[PageKey, int], int]:
