@@ -304,7 +304,8 @@ def _store(put: Callable[..., None], s: StoreStats) -> None:
                      ("write_drops", s.write_drops), ("write_skipped", s.write_skipped),
                      ("errors", s.errors), ("reconnects", s.reconnects),
                      ("pages_written", s.pages_written), ("pages_present", s.pages_present),
-                     ("pages_fetched", s.pages_fetched), ("pages_local", s.pages_local)):
+                     ("pages_fetched", s.pages_fetched), ("pages_local", s.pages_local),
+                     ("skipped", s.skipped), ("deleted", s.deleted)):
         put(_REMOTE, n, event)
     for reason, n in s.refusals.items():
         put(_REJECTED, n, reason)
