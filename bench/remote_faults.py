@@ -2,15 +2,18 @@
 by reason, in a healthy run and in one whose store is tampered with.
 
     python -m bench.remote_faults --model models/hybrid-tiny.gguf [--conversations 6]
-        [--turns 6] [--faults 8] [--seed 1]
+        [--turns 6] [--faults 8] [--local 1MiB] [--seed 1] [--root CHECKOUT]
 
 Starts a valkey-server and three ``statecache serve`` processes on it: A and B share a
 key (one deployment), S signs with a key of its own (another deployment on the same
 store). Conversations that share a system prompt go turn by turn to A or B at random
-(seeded), and S serves each turn too; then (the faulty run) ``--faults`` of the store's
+(seeded), and S serves each turn too. Each proxy has ``--local`` of RAM and no disk,
+so that a turn finds the states of the turns before in the store more often than in
+its own tiers. Then (the faulty run) ``--faults`` of the store's
 KV pages are overwritten with garbage, with another page's valid bytes, or deleted,
 and the conversations go on. For each run it prints, per proxy, its hits, its refusals
-by reason, refused / hits, and the share of prompt tokens reused.
+by reason, refused / hits, and the share of prompt tokens reused. ``--root``: the
+proxies from another checkout (a worktree of an older commit), for the same workload.
 """
 
 from __future__ import annotations
@@ -113,19 +116,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--words", type=int, default=200, help="words of the shared system prompt")
     p.add_argument("--faults", type=int, default=8, help="pages spoiled before the faulty run")
     p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--local", default="1MiB", help="each proxy's RAM budget (no disk)")
     p.add_argument("--n-ctx", type=int, default=8192)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log-dir", default="results/logs")
+    p.add_argument("--root", type=Path, help="run the proxies from this checkout")
     args = p.parse_args(argv)
-    model = ModelSpec(Path(args.model).stem, Path(args.model), is_gemma=False)
+    model = ModelSpec(Path(args.model).stem, Path(args.model).resolve(), is_gemma=False)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp, ExitStack() as stack:
         scratch = Path(tmp)
         url = stack.enter_context(valkey(scratch))
-        kw: dict[str, Any] = {"n_ctx": args.n_ctx, "lanes": 1, "log_dir": Path(args.log_dir)}
+        kw: dict[str, Any] = {"n_ctx": args.n_ctx, "lanes": 1, "log_dir": Path(args.log_dir),
+                              "root": args.root}
 
         def config(key: str) -> str:
-            return (f'[cache.remote]\nurl = "{url}"\nsecret_path = "{scratch / key}"\n'
+            return (f'ram_budget = "{args.local}"\ndisk_enabled = false\n'  # in [cache]
+                    f'[cache.remote]\nurl = "{url}"\nsecret_path = "{scratch / key}"\n'
                     "[engine]\nidle_save_s = 0.2\n")
         servers = {
             "A": stack.enter_context(running("statecache", model, extra_config=config(
