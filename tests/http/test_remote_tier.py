@@ -3,8 +3,8 @@ llama context, RAM and disk) and a real Valkey server, through the openai client
 
 A conversation served by proxy A continues on proxy B from the shared tier (cached
 tokens counted, answer equal to a cold run); a proxy with another key never even reads
-those entries (another key space), another tenant never uses them; a store killed mid-session costs reuse, never an
-answer, and reuse comes back with the store.
+those entries (another key space), another tenant never uses them; a store killed
+mid-session costs reuse, never an answer, and reuse comes back with the store.
 """
 
 from __future__ import annotations
