@@ -172,6 +172,8 @@ def _g(name: str, help_: str, labels: tuple[str, ...] = ()) -> Spec:
 _POOL_HITS = _c("statecache_pool_hits_total", "Checkpoint pool hits, per tier.", ("tier",))
 _ROLE_HITS = _c("statecache_pool_hits_by_role_total", "Checkpoint pool hits, by checkpoint role.",
                 ("role",))
+_DROPPED = _c("statecache_pool_dropped_total", "Checkpoints dropped because a KV page they "
+              "need went missing or was refused, by reason.", ("reason",))
 _BYTES = _g("statecache_checkpoint_bytes", "Bytes of checkpoints held, per tier.", ("tier",))
 _BUDGET = _g("statecache_checkpoint_budget_bytes", "Checkpoint budget, per tier.", ("tier",))
 _ENTRIES = _g("statecache_checkpoints", "Checkpoints held, per tier.", ("tier",))
@@ -285,6 +287,8 @@ def pool_families(stats: PoolStats) -> list[Family]:
     put(_POOL_SPILLS, c.spills)
     put(_POOL_PROMOTIONS, c.promotions)
     put(_POOL_REFUSED, c.refused)
+    for reason in ("missing", "refused"):  # the family whole from the start
+        put(_DROPPED, c.dropped.get(reason, 0), reason)
     return list(out.values())
 
 
@@ -300,7 +304,8 @@ def _store(put: Callable[..., None], s: StoreStats) -> None:
                      ("write_drops", s.write_drops), ("write_skipped", s.write_skipped),
                      ("errors", s.errors), ("reconnects", s.reconnects),
                      ("pages_written", s.pages_written), ("pages_present", s.pages_present),
-                     ("pages_fetched", s.pages_fetched), ("pages_local", s.pages_local)):
+                     ("pages_fetched", s.pages_fetched), ("pages_local", s.pages_local),
+                     ("skipped", s.skipped), ("deleted", s.deleted)):
         put(_REMOTE, n, event)
     for reason, n in s.refusals.items():
         put(_REJECTED, n, reason)

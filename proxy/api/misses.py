@@ -20,7 +20,10 @@ and role there, a short excerpt of each side, and a cause:
   counts the whole reply, which could have been reused;
 - "other tenant": another tenant's conversation shares more than this tenant's own;
   said without any of that tenant's text, which never leaves this module;
-- "evicted": the text agreed all along (the engine says so too, when the state was gone).
+- "evicted": the text agreed all along (the engine says so too, when the state was gone);
+- "page missing", "page refused": the engine's word where the text agreed and the
+  checkpoint that held it was dropped because a KV page it needs went missing or failed
+  its check (statecache/pool/lost.py; told for the next request that would have used it).
 
 A client that names its conversations (``session``: Codex's ``prompt_cache_key``, Claude
 Code's session and agent ids) is compared with the same conversation first: a prompt it

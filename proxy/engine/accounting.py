@@ -109,7 +109,9 @@ class Accounting:
         if not job.use_cache:
             d = dataclasses.replace(d, cause="cache off")
         elif d.token < 0 or d.token > d.known:  # the text agreed: the state was gone
-            d = dataclasses.replace(d, cause="evicted")
+            lost = None if self.p.pool is None else self.p.pool.dropped_cause(
+                job.prompt, tenant=job.req.tenant)  # dropped for a page, not evicted
+            d = dataclasses.replace(d, cause=lost or "evicted")
         self.p.meter.misses.inc(d.cause)
         with self._lock:
             self._misses.append({"time": time.time(), "request_id": job.req.request_id,

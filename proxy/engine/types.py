@@ -45,7 +45,8 @@ class SamplingParams:
 
 MISS_CAUSES = ("new conversation", "system prompt changed", "tools changed",
                "earlier message edited", "reasoning dropped", "reply re-rendered differently",
-               "reply re-tokenized differently", "evicted", "other tenant", "cache off")
+               "reply re-tokenized differently", "evicted", "other tenant", "cache off",
+               "page missing", "page refused")
 
 
 @dataclass(slots=True, frozen=True)

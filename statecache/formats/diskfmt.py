@@ -23,7 +23,7 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from statecache.pages import HASH_BYTES
 from statecache.records import CheckpointRecord, Kind, Owner, Record, Role, new_record
 
 MAGIC = b"SCKP"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 SUFFIX = ".ckpt"
 TMP_PREFIX = ".tmp-"
 # magic, version, flags, header_len, meta_len, data_len, key id
@@ -66,7 +66,9 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "preview": (str,),
     "keys": (bytes,),
     "rest": (int,),
+    "sizes": (bytes,),
 }
+SIZE = struct.Struct("<I")  # a page file's size, as the record that names it says
 
 
 class BadFile(Exception):
@@ -100,7 +102,9 @@ def file_name(entry_id: str) -> str:
     return entry_id + SUFFIX
 
 
-def encode_meta(rec: CheckpointRecord) -> bytes:
+def encode_meta(rec: CheckpointRecord, sizes: bytes = b"") -> bytes:
+    """``rec``'s metadata; ``sizes``: the size of each of its page files, packed (SIZE),
+    as the disk tier writes them (a remote entry's pages carry none)."""
     meta = {
         "id": rec.id,
         "kind": rec.kind.value,
@@ -117,6 +121,7 @@ def encode_meta(rec: CheckpointRecord) -> bytes:
         "preview": rec.preview,
         "keys": rec.keys,
         "rest": rec.rest_nbytes,
+        "sizes": sizes,
     }
     return bytes(msgpack.packb(meta, use_bin_type=True))
 
@@ -145,7 +150,18 @@ def decode_meta(raw: bytes) -> dict[str, Any]:
         raise BadFile("metadata n disagrees with its tokens")
     if len(meta["keys"]) % HASH_BYTES or not 0 < meta["rest"] <= MAX_DATA_BYTES:
         raise BadFile("metadata page keys or rest length out of range")
+    if len(meta["sizes"]) not in (0, len(meta["keys"]) // HASH_BYTES * SIZE.size):
+        raise BadFile("metadata page sizes disagree with its page keys")
     return meta
+
+
+def pack_sizes(sizes: Sequence[int]) -> bytes:
+    return b"".join(SIZE.pack(n) for n in sizes)
+
+
+def page_sizes(meta: dict[str, Any]) -> tuple[int, ...]:
+    """The size of each page file a record's metadata names (none: it says none)."""
+    return tuple(n for (n,) in SIZE.iter_unpack(meta["sizes"]))
 
 
 def record_from_meta(meta: dict[str, Any], page_size: int) -> CheckpointRecord:
@@ -209,7 +225,8 @@ def _mac(key: bytes) -> hmac.HMAC:
 def file_size(rec: CheckpointRecord) -> int:
     """The most bytes the file of ``rec`` takes on disk (what the disk tier reserves; a
     compressed rest takes less)."""
-    return HEADER.size + len(encode_meta(rec)) + TAG_BYTES + rec.rest_nbytes + TAG_BYTES
+    meta = encode_meta(rec, bytes(SIZE.size * rec.n_keys))
+    return HEADER.size + len(meta) + TAG_BYTES + rec.rest_nbytes + TAG_BYTES
 
 
 def _read_exact(fd: int, n: int) -> bytes:
@@ -358,16 +375,17 @@ def write_atomic(directory: Path, name: str, parts: list[Buffer], *,
 
 
 def write_checkpoint(directory: Path, rec: CheckpointRecord, rest: Buffer, key: bytes,
-                     encode: Encoder | None = None) -> int:
+                     encode: Encoder | None = None, sizes: Sequence[int] | None = None) -> int:
     """Write the record and its rest atomically (``encode``: how the rest is stored;
-    by default zstd over 4-byte planes where it pays); returns the file size."""
+    by default zstd over 4-byte planes where it pays; ``sizes``: its page files', which
+    the disk tier's scan holds them to: none, a record it refuses); returns the file size."""
     rest = memoryview(rest).cast("B")
     if rest.nbytes != rec.rest_nbytes:
         raise ValueError(f"{rec.id}: a rest of {rest.nbytes} bytes, record says "
                          f"{rec.rest_nbytes}")
     kind, stored = encode(rest) if encode is not None else codec.compress(rest, width=4)
     stored_len = memoryview(stored).nbytes
-    raw_meta = encode_meta(rec)
+    raw_meta = encode_meta(rec, pack_sizes(sizes or ()))
     head = HEADER.pack(
         MAGIC, FORMAT_VERSION, kind, HEADER.size, len(raw_meta), stored_len, key_id(key)
     )

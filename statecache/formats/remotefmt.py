@@ -2,16 +2,21 @@
 
 One entry ``id`` (the record id: fingerprint, tenant, kind, state format and tokens)
 is a header value, its rest (``statecache.kvpages``) cut into chunks, and the KV pages
-it names, each a key of its own that every entry naming it shares::
+it names, each a key of its own that every entry naming it shares. Every key is in the
+space of the secret key that signs it (``<space>`` is ``<prefix>:v3:<key id>``, the key
+id 16 hex digits), so what another key signed is never even looked at, and cannot hold
+a name ours needs::
 
-    <prefix>:v2:e:{<id>}                header: magic, version, key id, metadata, meta tag
-    <prefix>:v2:e:{<id>}:<nonce>:<i>    chunk i of the stored rest (chunk_size bytes, the
+    <space>:e:{<id>}                    header: magic, version, key id, metadata, meta tag
+    <space>:e:{<id>}:<nonce>:<i>        chunk i of the stored rest (chunk_size bytes, the
                                         last less)
-    <prefix>:v2:p:<model>:<page key>    a KV page (statecache.formats.pagefmt), <model> derived
-                                        from the fingerprint
-    <prefix>:v2:i:<state_format>:<hash> index: a hash of entry id -> (n, nbytes, stored,
-                                        nonce, chunking) for each entry whose last whole
-                                        page has this page hash
+    <space>:p:<model>:<page key>        a KV page (statecache.formats.pagefmt), <model>
+                                        derived from the fingerprint
+    <space>:i:<state_format>:<hash>     index: a hash of entry id -> (n, nbytes, stored,
+                                        nonce, chunking, tail) for each entry whose last
+                                        whole page has this page hash; ``tail`` hashes
+                                        its tokens past that page, so a probe passes over
+                                        entries of other tokens without fetching them
 
 ``{<id>}`` is a cluster hash tag: an entry's header and chunks live on one node. The
 metadata holds the disk tier's record metadata (tokens, fingerprint, tenant, state
@@ -21,8 +26,8 @@ header and metadata; each page carries its own MAC, which names it. All under th
 shared secret key, so an entry another key signed, an older format, a torn write
 (chunks of another nonce), a missing or edited page or an edit is a miss, never a
 state. The first writer of an id wins (``SET NX``); a second writer's chunks carry its
-own nonce and are deleted. Entries of version 1 (a whole state in chunks, keys without
-``v2``) are never read.
+own nonce and are deleted. Entries of versions 1 and 2 (keys without ``v3``) are never
+read.
 """
 
 from __future__ import annotations
@@ -54,15 +59,16 @@ from statecache.pages import PageHash
 from statecache.records import CheckpointRecord
 
 MAGIC = b"SCRM"
-VERSION = 2
-NS = "v2"  # in every key: entries of another layout are never even looked at
+VERSION = 3
+NS = "v3"  # in every key: entries of another layout are never even looked at
 HEAD = struct.Struct("<4sH8sI")  # magic, version, key id, meta length
 TAG_BYTES = 32
 MAX_HEADER_BYTES = HEAD.size + MAX_META_BYTES + 4096 + TAG_BYTES
 MAX_CHUNK = 64 << 20
 NONCE_BYTES = 8
-INDEX_VALUE = struct.Struct("<QQQ8sII")  # n, nbytes, stored, nonce, chunk_size, chunks
-_DATA_TAG = b"statecache remote data v2"
+# n, nbytes, stored, nonce, chunk_size, chunks, tail (xxh3_64 of the tokens past the page)
+INDEX_VALUE = struct.Struct("<QQQ8sIIQ")
+_DATA_TAG = b"statecache remote data v3"
 _META = {"record": bytes, "nonce": bytes, "chunk_size": int, "chunks": int,
          "data_tag": bytes, "codec": int, "stored": int}
 
@@ -81,10 +87,11 @@ class IndexValue:
     nonce: bytes
     chunk_size: int
     chunks: int
+    tail: int  # tail_hash of its tokens
 
     def pack(self) -> bytes:
         return INDEX_VALUE.pack(self.n, self.nbytes, self.stored, self.nonce, self.chunk_size,
-                                self.chunks)
+                                self.chunks, self.tail)
 
     @staticmethod
     def unpack(raw: object, max_entry: int) -> IndexValue:
@@ -98,6 +105,14 @@ class IndexValue:
         return v
 
 
+def tail_hash(tokens: Buffer, n: int, page_size: int) -> int:
+    """What tells apart the entries one index key holds: an xxh3_64 of ``tokens[w:n]``
+    (int32, little-endian), ``w`` the end of the last whole page within ``n``. A filter,
+    not a proof: the header's tokens are."""
+    view = memoryview(tokens).cast("B")
+    return xxhash.xxh3_64_intdigest(view[4 * (n // page_size * page_size):4 * n])
+
+
 def n_chunks(nbytes: int, chunk_size: int) -> int:
     return max(1, -(-nbytes // chunk_size))
 
@@ -106,16 +121,21 @@ def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
-def header_key(prefix: str, entry_id: str) -> str:
-    return f"{prefix}:{NS}:e:{{{entry_id}}}"
+def space(prefix: str, key: bytes) -> str:
+    """The part of every key name this secret ``key`` signs: ``<prefix>:v3:<key id>``."""
+    return f"{prefix}:{NS}:{key_id(key).hex()}"
 
 
-def chunk_key(prefix: str, entry_id: str, nonce: bytes, i: int) -> str:
-    return f"{prefix}:{NS}:e:{{{entry_id}}}:{nonce.hex()}:{i}"
+def header_key(space: str, entry_id: str) -> str:
+    return f"{space}:e:{{{entry_id}}}"
 
 
-def index_key(prefix: str, state_format: int, page_hash: PageHash) -> str:
-    return f"{prefix}:{NS}:i:{state_format}:{page_hash.hex()}"
+def chunk_key(space: str, entry_id: str, nonce: bytes, i: int) -> str:
+    return f"{space}:e:{{{entry_id}}}:{nonce.hex()}:{i}"
+
+
+def index_key(space: str, state_format: int, page_hash: PageHash) -> str:
+    return f"{space}:i:{state_format}:{page_hash.hex()}"
 
 
 def model_tag(fingerprint: str) -> str:
@@ -123,23 +143,30 @@ def model_tag(fingerprint: str) -> str:
     return xxhash.xxh3_64_hexdigest(fingerprint.encode())
 
 
-def page_prefix(prefix: str, fingerprint: str) -> str:
-    return f"{prefix}:{NS}:p:{model_tag(fingerprint)}:"
+def page_prefix(space: str, fingerprint: str) -> str:
+    return f"{space}:p:{model_tag(fingerprint)}:"
 
 
-def page_name(prefix: str, fingerprint: str, key: PageKey) -> str:
-    return page_prefix(prefix, fingerprint) + key.hex()
+def page_name(space: str, fingerprint: str, key: PageKey) -> str:
+    return page_prefix(space, fingerprint) + key.hex()
 
 
 def header_pattern(prefix: str) -> str:
-    return f"{prefix}:{NS}:e:{{*}}"
+    """The headers of every key's space (a listing, ``statecache inspect --remote``)."""
+    return f"{prefix}:{NS}:*:e:{{*}}"
 
 
-def id_from_header_key(prefix: str, key: bytes | str) -> str | None:
+def page_pattern(prefix: str) -> str:
+    return f"{prefix}:{NS}:*:p:*"
+
+
+def id_from_header_key(prefix: str, key: bytes | str) -> tuple[str, str] | None:
+    """The space and entry id a header key names (None: not a header of ``prefix``)."""
     k = key.decode() if isinstance(key, bytes) else key
-    head = f"{prefix}:{NS}:e:{{"
-    if k.startswith(head) and k.endswith("}") and len(k) == len(head) + 33:
-        return k[len(head):-1]
+    head = f"{prefix}:{NS}:"
+    kid, _, rest = k[len(head):].partition(":e:{")
+    if k.startswith(head) and len(kid) == 16 and rest.endswith("}") and len(rest) == 33:
+        return k[:len(head) + 16], rest[:-1]
     return None
 
 

@@ -22,6 +22,7 @@ from statecache.config import CacheConfig
 from statecache.costs import Costs
 from statecache.pages import PageChain, PageHash, namespace_hash
 from statecache.pool.index import Index
+from statecache.pool.lost import Lost
 from statecache.pool.stats import Counts
 from statecache.records import CheckpointRecord, EntryStats, Owner, Record
 from statecache.tiers.disk import DiskTier
@@ -60,6 +61,7 @@ class Entries:
         self.namespaces: dict[str, PageHash] = {}
         self.index = Index()
         self.counts = Counts()
+        self.lost = Lost()  # checkpoints dropped for a page: why the next request missed
         self.warned: set[str] = set()
         self.ram = ram
         # the buffer a closed lease's state was assembled in, or a state kept whole

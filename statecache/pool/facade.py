@@ -56,7 +56,7 @@ import numpy.typing as npt
 from statecache.buffers import Buffer, Spare
 from statecache.config import CacheConfig
 from statecache.costs import Costs
-from statecache.pages import PageChain, PageHash, Tokens
+from statecache.pages import PageChain, PageHash, Tokens, as_tokens
 from statecache.pool.entries import Entries
 from statecache.pool.inserts import Inserts
 from statecache.pool.lease import Lease
@@ -196,6 +196,12 @@ class CheckpointPool:
         """Whether a FULL state after exactly ``chain.tokens[:n]`` is cached, in any local
         tier (the index and the tokens only: nothing is read)."""
         return self._reads.holds(chain, n, tenant)
+
+    def dropped_cause(self, tokens: Tokens, *, tenant: str = "") -> str | None:
+        """Why ``tokens`` missed where a checkpoint dropped for a page would have served
+        them ("page missing", "page refused"; told once), or None (pool/lost.py)."""
+        with self._e.lock:
+            return self._e.lost.cause(as_tokens(tokens), tenant)
 
     def match_depth(self, chain: PageChain) -> int:
         """Tokens of ``chain`` (whole pages) that some cached checkpoint also starts with.

@@ -12,16 +12,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from statecache.formats.trust import Untrusted, load_key
+from statecache.kvpages import PageKey
 from statecache.pool.entries import Entries, Entry
 from statecache.pool.index import Index
 from statecache.pool.writer import DiskWriter
-from statecache.records import CheckpointRecord, EntryStats
+from statecache.records import CheckpointRecord, EntryStats, RecordHead
 from statecache.tiers.dirlock import DirLock
 from statecache.tiers.opendisk import open_disk
 from statecache.tiers.remote import RemoteTier
 from statecache.tiers.tier import Store
 
 log = logging.getLogger(__name__)
+
+_NAMED = 8  # pages gone at start named each in a warning; the others at debug level
 
 
 def open_tiers(e: Entries, stores: Sequence[Store]) -> DirLock | None:
@@ -53,7 +56,14 @@ def _disk(e: Entries) -> DirLock | None:
         its file)."""
         e.add(Entry(rec.head(), EntryStats(last_used=rec.created)), rec.page_hashes)
 
-    disk.scan(found)
+    named = [0]  # pages named in a warning of their own; the scan's summary counts all
+
+    def lost(key: PageKey, why: str, heads: list[RecordHead]) -> None:
+        named[0] += 1
+        e.lost.note(disk.name, key.hex(), why, heads, e.counts.dropped,
+                    quiet=named[0] > _NAMED)
+
+    disk.scan(found, lost)
     e.disk_status = "ok"
     log.info("pool: %d checkpoints found on disk in %s", len(disk), disk.path)
     return lock

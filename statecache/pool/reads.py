@@ -35,7 +35,7 @@ from statecache.kvpages import (
 from statecache.pages import PageChain, TokenArray, Tokens, as_tokens
 from statecache.pool.entries import Entries, Entry, whole
 from statecache.pool.lease import Lease
-from statecache.records import CheckpointRecord, Kind, Owner, Record
+from statecache.records import CheckpointRecord, Kind, Owner, Record, RecordHead
 from statecache.tiers.disk import DiskTier
 from statecache.tiers.diskfiles import BadPageFile
 from statecache.tiers.rampages import Pin, State
@@ -166,6 +166,7 @@ class Reads:
         bad: str | None = None
         moved = False
         bad_page: PageKey | None = None
+        gone_page = False  # the page is missing, not refused
         data: memoryview | None = None
         buf: mmap.mmap | None = None
         other = False
@@ -181,7 +182,7 @@ class Reads:
             else:  # another prompt with the same 128-bit id: not a bad file, not a hit
                 other = True
         except BadPageFile as err:
-            bad, bad_page = str(err), err.key
+            bad, bad_page, gone_page = str(err), err.key, err.missing
             moved = disk.quarantine_page(err.key, bad)
         except (BadFile, BadState) as err:
             bad = str(err)
@@ -203,8 +204,15 @@ class Reads:
                 if rec.id not in gone:
                     disk.forget(rec.id)
                     gone.append(rec.id)
+                heads = [entry.record for entry_id in gone
+                         if (entry := e.entries.get(entry_id)) is not None]
                 for entry_id in gone:
                     e.settle(entry_id)
+                if bad_page is not None:  # those no tier holds now were dropped for it
+                    e.lost.note(disk.name, bad_page.hex(),
+                                "missing" if gone_page else "refused",
+                                [_head(r) for r in heads if r.id not in e.entries],
+                                e.counts.dropped)
                 return None
             pin: Pin | None = None
             entry = e.entries.get(rec.id)
@@ -259,6 +267,10 @@ class Reads:
         """
         with self.e.lock:
             return self.e.index.depth(chain) * chain.page_size
+
+
+def _head(rec: Record) -> RecordHead:
+    return rec.head() if isinstance(rec, CheckpointRecord) else rec
 
 
 def _same(arr: Any, chain: PageChain) -> bool:

@@ -29,6 +29,8 @@ class Counts:
     disk_writes: int = 0
     disk_write_errors: int = 0
     hits: dict[str, int] = field(default_factory=dict)  # by the tier that served them
+    # checkpoints dropped because a page they need went missing or was refused, by that
+    dropped: dict[str, int] = field(default_factory=dict)
     hits_by_role: dict[Role, int] = field(default_factory=lambda: dict.fromkeys(Role, 0))
 
     def hit(self, tier: str, role: Role | None = None) -> None:
@@ -39,7 +41,7 @@ class Counts:
             self.hits_by_role[role] += 1
 
     def copy(self) -> Counts:
-        return dataclasses.replace(self, hits=dict(self.hits),
+        return dataclasses.replace(self, hits=dict(self.hits), dropped=dict(self.dropped),
                                    hits_by_role=dict(self.hits_by_role))
 
 

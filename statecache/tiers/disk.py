@@ -41,11 +41,8 @@ from statecache.formats.pagefmt import max_size
 from statecache.kvpages import PageData, PageKey, unpack_keys
 from statecache.records import CheckpointRecord, Record
 from statecache.sizes import format_size
-from statecache.tiers.diskfiles import (
-    DiskFiles,
-    Stored,
-    page_path,
-)
+from statecache.tiers.diskfiles import DiskFiles, Stored, page_path
+from statecache.tiers.diskscan import Lost, scan_pages, scan_records
 from statecache.tiers.tier import TierStats
 
 log = logging.getLogger(__name__)
@@ -143,7 +140,7 @@ class DiskTier:
 
     # -- start -------------------------------------------------------------------------
 
-    def scan(self, found: Callable[[CheckpointRecord], None]) -> int:
+    def scan(self, found: Callable[[CheckpointRecord], None], lost: Lost | None = None) -> int:
         """Index this model's valid records and their pages, quarantine bad records and
         records whose pages are missing, remove pages no record names, sweep temp files;
         the number of records kept.
@@ -154,8 +151,8 @@ class DiskTier:
         The caller holds the directory's lock, so every temporary file is a leftover of
         a crash; one that cannot be removed is counted in the budget.
         """
-        on_disk, stray = self.files.scan_pages()
-        listing = self.files.scan_records(found, on_disk)
+        on_disk, stray = scan_pages(self.files)
+        listing = scan_records(self.files, found, on_disk, lost)
         self.stray += stray + listing.stray
         self.used += stray + listing.stray
         self.quarantined += listing.moved
@@ -165,12 +162,12 @@ class DiskTier:
             self._keys[entry_id] = keys
             for k in unpack_keys(keys):
                 page = self._pages.get(k)
-                if page is None:
-                    page = self._pages[k] = _Page(on_disk[k], 0, True)
+                if page is None:  # at the size its records say, which its file has
+                    page = self._pages[k] = _Page(listing.pages[k], 0, True)
                     self.used += page.size
                     self.page_bytes += page.size
                 page.refs += 1
-        orphans = [k for k in on_disk if k not in self._pages]
+        orphans = [k for k in on_disk if k not in self._pages]  # (quarantined: moved)
         for k in orphans:
             page_path(self.pages_path, k).unlink(missing_ok=True)
         if orphans:

@@ -18,8 +18,8 @@ import os
 import resource
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Container, Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
@@ -30,9 +30,8 @@ import xxhash
 from statecache.buffers import Buffer
 from statecache.formats import codec
 from statecache.formats.diskfmt import (
-    SUFFIX,
-    TMP_PREFIX,
     BadFile,
+    FileMeta,
     file_name,
     fsync_dir,
     open_regular,
@@ -40,7 +39,6 @@ from statecache.formats.diskfmt import (
     read_meta,
     record_from_meta,
     same_claims,
-    valid_id,
     write_atomic,
     write_checkpoint,
 )
@@ -138,9 +136,10 @@ def quarantine(directory: Path, path: Path, reason: str, *, quiet: bool = False)
 class BadPageFile(BadFile):
     """A page file that must never be used: the records that name it are misses."""
 
-    def __init__(self, key: PageKey, reason: str) -> None:
+    def __init__(self, key: PageKey, reason: str, *, missing: bool = False) -> None:
         super().__init__(f"page {key.hex()}: {reason}")
         self.key = key
+        self.missing = missing  # gone, not refused
 
 
 @dataclass(slots=True)
@@ -151,21 +150,6 @@ class Stored:
     record: CheckpointRecord
     rest: Buffer
     pages: list[Buffer | None]
-
-
-@dataclass(slots=True, frozen=True)
-class Listing:
-    """What a scan of the records found."""
-
-    kept: list[tuple[float, str, int, bytes]]  # (mtime, id, file size, page keys), oldest first
-    stray: int  # bytes of leftover temporary files that could not be removed
-    moved: int  # files quarantined
-
-
-def _moved(directory: Path, path: Path, reason: str, reasons: Counter[str]) -> None:
-    """Quarantine one file of a scan, counted by its reason (one warning for them all)."""
-    if quarantine(directory, path, reason, quiet=True):
-        reasons[reason] += 1
 
 
 class DiskFiles:
@@ -184,95 +168,9 @@ class DiskFiles:
         self._limit = limit  # the most bytes the index holds a page at (None: not held)
         ensure_dir(path)
 
-    def scan_records(self, found: Callable[[CheckpointRecord], None],
-                     pages: Container[PageKey]) -> Listing:
-        """This model's valid records, each given to ``found`` as it is read; records
-        that fail their checks or name a page not in ``pages`` are quarantined."""
-        kept: list[tuple[float, str, int, bytes]] = []
-        stray = 0
-        reasons: Counter[str] = Counter()  # one warning for the whole scan, not one per file
-        for entry in os.scandir(self.path):
-            p = Path(entry.path)
-            if entry.name.startswith(TMP_PREFIX):
-                stray += self.sweep(p)
-                continue
-            if not entry.name.endswith(SUFFIX):
-                continue  # not ours
-            stem = entry.name[: -len(SUFFIX)]
-            if entry.is_symlink():
-                _moved(self.path, p, "symlink", reasons)
-                continue
-            if not valid_id(stem):
-                _moved(self.path, p, "file name is not a checkpoint id", reasons)
-                continue
-            try:
-                fm = read_meta(p, self._key)
-                if fm.meta["fingerprint"] != self.fingerprint:
-                    continue  # another model's: leave it alone
-                if fm.meta["state_format"] != self.state_format:
-                    continue  # another build's state format: not ours to judge
-                rec = record_from_meta(fm.meta, self.page_size)
-                if rec.id != stem:
-                    raise BadFile("file name does not match its id")
-            except BadFile as e:
-                _moved(self.path, p, str(e), reasons)
-                continue
-            except OSError as e:
-                log.warning("disk: skipped %s: %s", entry.name, e)
-                continue
-            if not all(k in pages for k in rec.page_keys):
-                _moved(self.path, p, "a page is missing", reasons)
-                continue
-            found(rec)
-            kept.append((fm.mtime, rec.id, fm.file_size, rec.keys))
-        if reasons:
-            log.warning(
-                "disk: moved %d bad file(s) to %s (%s); `statecache purge --quarantined "
-                "--yes` removes them",
-                sum(reasons.values()),
-                self.path / QUARANTINE,
-                ", ".join(f"{n} {why}" for why, n in reasons.most_common()),
-            )
-        kept.sort(key=lambda t: t[0])
-        return Listing(kept, stray, sum(reasons.values()))
-
-    def scan_pages(self) -> tuple[dict[PageKey, int], int]:
-        """This model's page files and their sizes, and the bytes of leftover temporary
-        files that could not be removed (the others are)."""
-        out: dict[PageKey, int] = {}
-        stray = 0
-        if not self.pages_path.is_dir():
-            return out, stray
-        for sub in os.scandir(self.pages_path):
-            if not sub.is_dir(follow_symlinks=False):
-                continue
-            for entry in os.scandir(sub.path):
-                if entry.name.startswith(TMP_PREFIX):
-                    stray += self.sweep(Path(entry.path))
-                    continue
-                stem = entry.name[: -len(PAGE_SUFFIX)]
-                if not entry.name.endswith(PAGE_SUFFIX) or len(stem) != 32 \
-                        or not entry.is_file(follow_symlinks=False):
-                    continue
-                try:
-                    key = PageKey(bytes.fromhex(stem))
-                    out[key] = entry.stat(follow_symlinks=False).st_size
-                except (ValueError, OSError):
-                    continue
-        return out, stray
-
-    def sweep(self, p: Path) -> int:
-        """Remove a leftover of an interrupted write; its bytes if it cannot be."""
-        try:
-            size = p.lstat().st_size
-            p.unlink()
-        except FileNotFoundError:
-            return 0
-        except OSError as e:
-            log.warning("disk: cannot remove the leftover %s (%s); counted in the budget", p, e)
-            return size
-        log.info("disk: removed %s, left by an interrupted write", p.name)
-        return 0
+    def read_meta(self, path: Path) -> FileMeta:
+        """A record file's header and metadata, authenticated; raises BadFile."""
+        return read_meta(path, self._key)
 
     def write_file(self, rec: CheckpointRecord, rest: Buffer, pages: Sequence[PageData],
                    which: Sequence[int]) -> tuple[int, dict[PageKey, int]]:
@@ -300,8 +198,11 @@ class DiskFiles:
             fsync_dir(d)
         if dirs:
             fsync_dir(self.pages_path)
+        # the record says each page's size: a page this write did not write is held at
+        # its size by the index (a page dropped meanwhile fails the commit)
+        claimed = [sizes[k] if k in sizes else self._limit(k) or 0 for k in keys]
         return write_checkpoint(self.path, rec, rest, self._key,
-                                self.rest_packer.encode), sizes
+                                self.rest_packer.encode, claimed), sizes
 
     def read_file(self, rec: Record, keys: bytes, have: Sequence[bool] = ()) -> Stored:
         """The whole record of ``rec`` (a head or a whole one), its rest and the pages
@@ -368,7 +269,7 @@ class DiskFiles:
         try:
             fd, st = open_regular(page_file(self._pages_str, key))
         except FileNotFoundError:
-            raise BadPageFile(key, "missing") from None
+            raise BadPageFile(key, "missing", missing=True) from None
         except BadFile as e:
             raise BadPageFile(key, str(e)) from None
         limit = self._limit(key)
@@ -383,7 +284,8 @@ class DiskFiles:
         return quarantine(self.path, self.path / file_name(entry_id), reason)
 
     def quarantine_page(self, key: PageKey, reason: str) -> bool:
-        return quarantine(self.path, page_path(self.pages_path, key), reason)
+        """Quiet: the pool logs the page with the checkpoints it took (pool/lost.py)."""
+        return quarantine(self.path, page_path(self.pages_path, key), reason, quiet=True)
 
     def utime(self, entry_id: str) -> None:
         with contextlib.suppress(OSError):  # mtime carries the LRU order across restarts

@@ -13,12 +13,12 @@ import numpy as np
 
 from statecache.formats.remotefmt import (
     MAX_HEADER_BYTES,
-    NS,
     BadEntry,
     chunk_key,
     header_pattern,
     id_from_header_key,
     index_key,
+    page_pattern,
     read_unchecked,
 )
 from statecache.pages import PageChain, namespace_hash
@@ -48,7 +48,8 @@ class RemoteAdmin:
             for j, k in enumerate(batch):
                 raw, ttl = replies[2 * j], replies[2 * j + 1]
                 name = k.decode(errors="replace") if isinstance(k, bytes) else str(k)
-                if id_from_header_key(self.prefix, k) is None:
+                named = id_from_header_key(self.prefix, k)
+                if named is None:
                     continue
                 try:
                     u = read_unchecked(raw)
@@ -66,23 +67,23 @@ class RemoteAdmin:
                     "ttl_s": ttl / 1000 if isinstance(ttl, int) and ttl >= 0 else None,
                     "kv_pages": len(m["keys"]) // 16, "rest_nbytes": m["rest"],
                     "_nonce": u.nonce.hex(), "_chunks": u.chunks, "_tokens": m["tokens"],
-                    "_keys": m["keys"],
+                    "_keys": m["keys"], "_space": named[0],
                 })
         return rows, bad
 
     def delete(self, row: dict[str, Any]) -> None:
         """Remove one entry of ``rows()``: its header, chunks and index field."""
-        entry_id, nonce = row["id"], bytes.fromhex(row["_nonce"])
+        entry_id, nonce, space = row["id"], bytes.fromhex(row["_nonce"]), row["_space"]
         pipe = self.client.pipeline(transaction=False)
         pipe.delete(row["key"])
         for i in range(row["_chunks"]):
-            pipe.delete(chunk_key(self.prefix, entry_id, nonce, i))
+            pipe.delete(chunk_key(space, entry_id, nonce, i))
         tokens = np.frombuffer(row["_tokens"], dtype="<i4")
         whole = len(tokens) // self.page_size * self.page_size
         if whole:
             ns = namespace_hash(row["fingerprint"], row["tenant"])
             last = PageChain(ns, self.page_size, tokens[:whole]).hashes[-1]
-            pipe.hdel(index_key(self.prefix, row["state_format"], last), entry_id)
+            pipe.hdel(index_key(space, row["state_format"], last), entry_id)
         pipe.execute(raise_on_error=False)
 
     def delete_key(self, key: str) -> None:
@@ -99,7 +100,7 @@ class RemoteAdmin:
             named.update(keys[i:i + 16].hex() for i in range(0, len(keys), 16))
         gone = 0
         pipe = self.client.pipeline(transaction=False)
-        for k in self.client.scan_iter(match=f"{self.prefix}:{NS}:p:*", count=1000):
+        for k in self.client.scan_iter(match=page_pattern(self.prefix), count=1000):
             name = k.decode(errors="replace") if isinstance(k, bytes) else str(k)
             if name.rsplit(":", 1)[-1] not in named:
                 pipe.delete(k)

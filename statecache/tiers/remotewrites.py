@@ -3,7 +3,13 @@
 the writes themselves: a state's KV pages the store lacks first, then its rest in
 chunks under a header that the first writer of an id wins (``SET NX``), then its
 index field. Hits keep an entry alive (``touch``); entries that failed their checks
-leave the index (``forget``).
+leave the index (``forget``); a header or page of ours proved bad is deleted if it still
+holds the bytes that failed (``delete``: a script compares their SHA-1 in the store).
+
+A page is present when this proxy wrote it or verified its bytes once (``verified``,
+bounded), not when a key of its name exists: a write renews those (one round trip,
+which also tells a page gone since) and sends every other, so a page overwritten
+with anything else is healed by the next writer that never verified it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from statecache.formats.remotefmt import (
     n_chunks,
     new_nonce,
     page_name,
+    space,
+    tail_hash,
 )
 from statecache.kvpages import PageKey
 from statecache.records import CheckpointRecord
@@ -39,6 +47,10 @@ from statecache.tiers.remotelink import Link
 log = logging.getLogger(__name__)
 
 PIPELINE_BYTES = 64 << 20  # bytes sent or asked for in one pipeline: bounds its memory
+VERIFIED = 1 << 17  # pages remembered as verified (a 64-bit int each), oldest out first
+# delete KEYS[1] if its first ARGV[2] + 1 bytes have the SHA-1 ARGV[1]: what failed a check
+_DELETE_IF = ("if redis.sha1hex(redis.call('GETRANGE', KEYS[1], 0, ARGV[2])) == ARGV[1] "
+              "then return redis.call('DEL', KEYS[1]) end return 0")
 # The store failed, not the entry: a cluster that cannot be reached raises the latter.
 STORE_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 
@@ -54,9 +66,11 @@ class _Write:
 
 class Outgoing:
     def __init__(self, link: Link, key: bytes, fingerprint: str, *, state_format: int,
-                 level: int) -> None:
+                 level: int, page_size: int) -> None:
         self.link = link
-        self.prefix = link.cfg.prefix
+        self.space = space(link.cfg.prefix, key)
+        self.page_size = page_size
+        self._verified: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._key = key
         self.fingerprint = fingerprint
         self.state_format = state_format
@@ -73,6 +87,23 @@ class Outgoing:
 
     def write(self, rec: CheckpointRecord, rest: bytes, pages: Sequence[bytes]) -> None:
         self.enqueue(("write", _Write(rec, rest, tuple(pages))))
+
+    def verified(self, key: PageKey) -> None:
+        """``key``'s bytes in the store passed this proxy's check (or it wrote them)."""
+        k = int.from_bytes(key[:8], "little")
+        with self.link.lock:
+            self._verified[k] = None
+            self._verified.move_to_end(k)
+            if len(self._verified) > VERIFIED:
+                self._verified.popitem(last=False)
+
+    def unverified(self, key: PageKey) -> None:
+        with self.link.lock:
+            self._verified.pop(int.from_bytes(key[:8], "little"), None)
+
+    def _is_verified(self, key: PageKey) -> bool:
+        with self.link.lock:
+            return int.from_bytes(key[:8], "little") in self._verified
 
     def queued(self) -> tuple[int, int]:
         """Jobs waiting (and the one going out), and the bytes their writes hold."""
@@ -131,6 +162,11 @@ class Outgoing:
                     self._write(payload)
                 elif kind == "touch":
                     self._touch(*payload)
+                elif kind == "delete":
+                    name, digest, size = payload
+                    if self.link.client.eval(_DELETE_IF, 1, name, digest, size - 1):
+                        self.link.counts.deleted += 1
+                        log.info("remote tier: deleted %s, which failed its check", name)
                 else:
                     self.link.client.hdel(payload.index_key, payload.entry_id)
                 self.link.ok()
@@ -150,17 +186,19 @@ class Outgoing:
 
     def _write(self, w: _Write) -> None:
         rec = w.record
-        hkey = header_key(self.prefix, rec.id)
+        hkey = header_key(self.space, rec.id)
+        ttl = self._ttl()
+        # its pages first, even where the entry is stored already: a page of it that
+        # failed a check since is written again by the first proxy that holds it
+        self._write_pages(rec, w.pages, ttl)
         if self.link.client.exists(hkey):  # another proxy (or this one) stored it already
             self.link.counts.write_dupes += 1
             return
-        ttl = self._ttl()
-        self._write_pages(rec, w.pages, ttl)
         kind, stored = self.rest_packer.encode(w.rest)
         view = memoryview(stored).cast("B")
         nonce, size = new_nonce(), self.link.cfg.chunk_size
         pipe = self.link.client.pipeline(transaction=False)
-        chunks = [chunk_key(self.prefix, rec.id, nonce, i)
+        chunks = [chunk_key(self.space, rec.id, nonce, i)
                   for i in range(n_chunks(view.nbytes, size))]
         for k, part in zip(chunks, chunk_views(view, size), strict=True):
             pipe.set(k, bytes(part), px=ttl)
@@ -172,8 +210,9 @@ class Outgoing:
             return
         if not rec.page_hashes:
             return
-        ikey = index_key(self.prefix, self.state_format, rec.page_hashes[-1])
-        value = IndexValue(rec.n, rec.nbytes, view.nbytes, nonce, size, len(chunks)).pack()
+        ikey = index_key(self.space, self.state_format, rec.page_hashes[-1])
+        value = IndexValue(rec.n, rec.nbytes, view.nbytes, nonce, size, len(chunks),
+                           tail_hash(rec.tokens, rec.n, self.page_size)).pack()
         pipe = self.link.client.pipeline(transaction=False)
         pipe.hset(ikey, rec.id, value)
         if ttl is not None:
@@ -184,20 +223,22 @@ class Outgoing:
 
     def _write_pages(self, rec: CheckpointRecord, pages: Sequence[bytes], ttl: int | None
                      ) -> None:
-        """Every page of ``rec`` in the store before its header: those there already
-        live another ``ttl`` (one round trip), the others are sent."""
+        """Every page of ``rec`` in the store before its header: those this proxy
+        verified there live another ``ttl`` (one round trip, which tells those gone
+        since), the others are sent."""
         keys = rec.page_keys
         if not keys:
             return
-        names = [page_name(self.prefix, self.fingerprint, k) for k in keys]
+        names = [page_name(self.space, self.fingerprint, k) for k in keys]
+        known = [i for i, k in enumerate(keys) if self._is_verified(k)]
         pipe = self.link.client.pipeline(transaction=False)
-        for name in names:
+        for i in known:
             if ttl is None:
-                pipe.exists(name)
+                pipe.exists(names[i])
             else:
-                pipe.pexpire(name, ttl)
-        there = pipe.execute()
-        missing = [i for i, ok in enumerate(there) if not ok]
+                pipe.pexpire(names[i], ttl)
+        there = dict(zip(known, pipe.execute(), strict=True)) if known else {}
+        missing = [i for i in range(len(keys)) if not there.get(i)]
         self.link.counts.pages_present += len(keys) - len(missing)
         sent = total = 0
         pipe = self.link.client.pipeline(transaction=False)
@@ -210,6 +251,8 @@ class Outgoing:
                 pipe.execute()
                 pipe, sent = self.link.client.pipeline(transaction=False), 0
         pipe.execute()
+        for i in missing:
+            self.verified(keys[i])
         self.link.counts.pages_written += len(missing)
         self.link.counts.written_bytes += total
 
@@ -219,11 +262,11 @@ class Outgoing:
         if ttl is None:
             return
         pipe = self.link.client.pipeline(transaction=False)
-        pipe.pexpire(header_key(self.prefix, rec.id), ttl)
+        pipe.pexpire(header_key(self.space, rec.id), ttl)
         for i in range(hit.value.chunks):
-            pipe.pexpire(chunk_key(self.prefix, rec.id, hit.value.nonce, i), ttl)
+            pipe.pexpire(chunk_key(self.space, rec.id, hit.value.nonce, i), ttl)
         for k in rec.page_keys:
-            pipe.pexpire(page_name(self.prefix, self.fingerprint, k), ttl)
+            pipe.pexpire(page_name(self.space, self.fingerprint, k), ttl)
         pipe.pexpire(hit.index_key, ttl)
         pipe.execute()
 

@@ -51,6 +51,8 @@ class StoreStats:
     pages_present: int = 0  # pages a write found in the store already
     pages_fetched: int = 0
     pages_local: int = 0  # pages a fetch took from the local tiers instead
+    skipped: int = 0  # index entries passed over unfetched: refused before
+    deleted: int = 0  # headers and pages this key signs, proved bad and deleted
     up: bool = True
     queue: int = 0  # writes waiting (and the one going out)
     queue_bytes: int = 0

@@ -266,6 +266,36 @@ async def test_evicted(hybrid_path: Path, tmp_path: Path, done_lines: DoneLines)
     assert rows[0]["known"] > n_first  # the prompt and the reply
 
 
+async def test_page_missing(hybrid_path: Path, tmp_path: Path, done_lines: DoneLines,
+                            caplog: pytest.LogCaptureFixture) -> None:
+    # As test_evicted, with a disk: the first conversation's states are on disk alone,
+    # then their KV page files are deleted; its next turn is told why it found nothing.
+    a = [{"role": "system", "content": SYSTEM_HEAD},
+         {"role": "user", "content": "Run the tests."}]
+    b = [{"role": "system", "content": SYSTEM_TAIL},
+         {"role": "user", "content": "Read the pool."}]
+    caplog.set_level(logging.WARNING, logger="statecache.pool.lost")
+    async with serve(hybrid_path, tmp_path / "ckpt", server__lanes=1, cache__ram_budget="4KiB",
+                     **BASE) as srv:
+        reply = await chat(srv, a)
+        await chat(srv, b)
+        pool = srv.app[ENGINE].pool
+        assert pool is not None
+        await asyncio.to_thread(pool.flush)
+        pages = sorted((tmp_path / "ckpt").glob("pages-*/*/*.kvp"))
+        assert pages
+        for page in pages:
+            page.unlink()
+        await chat(srv, [*a, reply, {"role": "user", "content": "And now?"}])
+        rows = await admin_misses(srv)
+        dropped = await metric(srv, "statecache_pool_dropped_total")
+    assert rows[0]["cause"] == "page missing" and rows[0]["reused"] == 0
+    assert misses(done_lines)[2]["cause"] == "page missing"
+    assert dropped['reason="missing"'] >= 1
+    lines = [r.getMessage() for r in caplog.records if "is missing" in r.getMessage()]
+    assert lines and all(any(p.stem in line for p in pages) for line in lines)
+
+
 async def test_cache_off(hybrid_path: Path, tmp_path: Path, done_lines: DoneLines) -> None:
     a = [{"role": "system", "content": SYSTEM_HEAD},
          {"role": "user", "content": "Run the tests."}]

@@ -129,10 +129,10 @@ def test_file_format_round_trip_and_dir_mode(make_pool: PoolFactory, tmp_path: P
 
 
 def test_disk_budget_evicts_least_recently_used(make_pool: PoolFactory, tmp_path: Path) -> None:
-    # Each file is 432 bytes (random state bytes: stored raw); a 900-byte disk holds two.
+    # Each file is 442 bytes (random state bytes: stored raw); a 900-byte disk holds two.
     pool = make_pool(ram=10_000, disk=900)
     recs = [put(pool, [50 + i] + T[:8], random.Random(i).randbytes(64)) for i in range(3)]
-    assert {file_size(r) for r in recs} == {432}
+    assert {file_size(r) for r in recs} == {442}
     pool.flush()
     # The oldest written file went first; its RAM copy still serves.
     assert [e["tiers"] for e in sorted(pool.describe(), key=lambda e: e["created"])] == [

@@ -51,7 +51,7 @@ def test_a_missing_or_edited_page_is_a_miss(proxy, store: Store) -> None:  # typ
     recs = {n: save(a, 0, n) for n in (8, 24, 32, 40)}  # page 3 is in all but the 8's
     _sync(a)
     r = store.client()
-    name = page_name("statecache", FP, recs[40].page_keys[3])
+    name = page_name(a.remote.space, FP, recs[40].page_keys[3])
     good = r.get(name)
     assert good is not None
     raw = bytearray(good)
@@ -61,7 +61,7 @@ def test_a_missing_or_edited_page_is_a_miss(proxy, store: Store) -> None:  # typ
     assert fetch(b, 0, 40) is None
     assert b.stats().tier("remote").store.refusals["forged"] == 1
     # another page's bytes under its name: refused (a page names itself)
-    r.set(name, r.get(page_name("statecache", FP, recs[40].page_keys[2])))
+    r.set(name, r.get(page_name(a.remote.space, FP, recs[40].page_keys[2])))
     c = proxy("c", kv_sections=1)
     assert fetch(c, 0, 32) is None
     assert c.stats().tier("remote").store.refusals["corrupt"] == 1
