@@ -19,6 +19,12 @@ _SIZE = {"size": True}
 _NO_OVERRIDES: Mapping[str, object] = MappingProxyType({})
 LOG_LEVELS = ("debug", "info", "warning", "error")
 INNER_SYSTEM = ("auto", "fold", "keep")
+# model.tool_format: "auto", or a family of proxy/api/syntax (a test keeps the two in step)
+TOOL_FORMATS = ("auto", "seed-oss", "qwen3-xml", "glm", "hermes", "hunyuan", "minimax-m2",
+                "deepseek-dsml", "deepseek", "kimi-k2", "mistral", "lfm2", "command-r",
+                "apertus", "gemma4", "tool-calls-json", "nemotron-v2", "solar", "minicpm",
+                "gigachat", "firefunction", "functionary-v3.1", "llama3", "pythonic",
+                "harmony", "none")
 HOSTED_TOOLS = ("ignore", "reject")
 SPECULATIVE_SOURCES = ("off", "lookup", "draft", "auto")
 
@@ -39,6 +45,8 @@ class ModelConfig:
     n_gpu_layers: int = -1
     n_rs_seq: int = 0
     chat_template: str = ""  # a .jinja file overriding the GGUF's template
+    # the tool-call syntax: "auto" probes the template (proxy/api/syntax/probe.py)
+    tool_format: str = "auto"
     threads: int = 0  # 0: auto
 
 
@@ -502,6 +510,7 @@ def _validate(cfg: Config) -> None:
     if cfg.speculative.source == "draft" and not cfg.model.draft_path:
         raise ConfigError('speculative.source = "draft" needs model.draft_path')
     for key, choices in (("server.inner_system", INNER_SYSTEM),
+                         ("model.tool_format", TOOL_FORMATS),
                          ("server.hosted_tools", HOSTED_TOOLS)):
         if get_value(cfg, key) not in choices:
             raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got "

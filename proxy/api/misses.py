@@ -47,6 +47,8 @@ import numpy as np
 
 from proxy.api.chat import ChatMessage, ChatRequest
 from proxy.api.reply import parse_reply, starts_in_reasoning
+from proxy.api.syntax.calls import Syntax
+from proxy.api.syntax.families import HERMES
 from proxy.engine.types import Divergence
 from statecache.pages import common_prefix
 
@@ -102,16 +104,19 @@ class Conversation:
     opens_reasoning: bool = False  # the prompt ends inside <think>
     parse_tools: bool = False
     session: str | None = None  # the client's name for the conversation
+    syntax: Syntax = HERMES  # the template's, to read the reply back into a message
 
 
 def chat_conversation(tenant: str, req: ChatRequest, tokens: Sequence[int], rendered: str,
-                      history: int | None, session: str | None = None) -> Conversation:
+                      history: int | None, session: str | None = None,
+                      syntax: Syntax = HERMES) -> Conversation:
     ids = np.asarray(tokens, dtype=np.int32)
     return Conversation(tenant, tuple(turn_of(m) for m in req.messages),
                         _canonical(list(req.tools)) if req.tools else "",
                         _canonical(dict(req.template_kwargs)), ids,
                         len(ids) if history is None else history,
-                        starts_in_reasoning(rendered), req.parse_tools, session)
+                        starts_in_reasoning(rendered, syntax), req.parse_tools, session,
+                        syntax)
 
 
 def prompt_conversation(tenant: str, text: str, tokens: Sequence[int]) -> Conversation:
@@ -324,13 +329,14 @@ def _with_reply(conv: Conversation, text: str, ids: Sequence[int]) -> _Seen:
     if conv.turns and conv.turns[-1].role == "prompt":
         turns = (*conv.turns[:-1], Turn("prompt", conv.turns[-1].content + text))
     else:
-        r = parse_reply(text, starts_in_reasoning=conv.opens_reasoning,
-                        parse_tools=conv.parse_tools)
+        r = parse_reply(text, syntax=conv.syntax, starts_in_reasoning=conv.opens_reasoning,
+                        parse_tools=conv.parse_tools,
+                        tools=json.loads(conv.tools) if conv.tools else None)
         turns = (*conv.turns, Turn("assistant", r.content, r.reasoning,
                                    tuple((c.name, _arguments(c.arguments))
                                          for c in r.tool_calls)))
     tokens = np.concatenate([conv.tokens, np.asarray(ids, dtype=np.int32)])
     seen = Conversation(conv.tenant, turns, conv.tools, conv.setup, tokens, conv.history,
-                        conv.opens_reasoning, conv.parse_tools, conv.session)
+                        conv.opens_reasoning, conv.parse_tools, conv.session, conv.syntax)
     nbytes = tokens.nbytes + sum(t.nbytes for t in turns) + len(conv.tools) + len(conv.setup)
     return _Seen(seen, nbytes)

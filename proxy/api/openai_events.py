@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from proxy.api.reply import Delta, StreamParser
+from proxy.api.reply import Delta, ReplyParser
 from proxy.engine.types import FinishEvent, StartEvent, TokenLogprob
 
 JSON = dict[str, Any]
@@ -40,7 +40,7 @@ class ChatChunks:
     named = False
     end = _END
 
-    def __init__(self, request_id: str, model: str, parser: StreamParser,
+    def __init__(self, request_id: str, model: str, parser: ReplyParser,
                  include_usage: bool) -> None:
         self._head = {"id": request_id, "object": "chat.completion.chunk",
                       "created": int(time.time()), "model": model}
@@ -76,7 +76,7 @@ class ChatChunks:
         return out
 
     def finish(self, fin: FinishEvent) -> list[JSON]:
-        out = self._deltas(self._parser.finish())
+        out = self._deltas(self._parser.finish(cut=fin.reason == "length"))
         out.append(self._chunk({}, finish_reason(fin, self._n_calls > 0)))
         if self._usage:
             out.append({**self._head, "choices": [], "usage": fin.usage.to_json()})

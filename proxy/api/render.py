@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import SandboxedEnvironment
 
 from proxy.api.chat import ChatMessage, ChatRequest, ToolCall
 from proxy.api.fields import RESERVED_TEMPLATE_VARS
@@ -47,6 +47,7 @@ from proxy.api.inner import (
     should_fold,
     takes_runs,
 )
+from proxy.api.syntax.probe import syntax_for
 
 VENDOR_TEMPLATES = Path(__file__).resolve().parents[2] / "vendor" / "templates"
 FALLBACK_TEMPLATE = VENDOR_TEMPLATES / "gemma3.jinja"
@@ -89,8 +90,11 @@ class ChatTemplate:
     """A compiled chat template; ``origin`` says where its text came from."""
 
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "",
-                 origin: str = "inline", inner_system: str = "auto") -> None:
-        env = ImmutableSandboxedEnvironment(
+                 origin: str = "inline", inner_system: str = "auto",
+                 tool_format: str = "auto") -> None:
+        # a sandbox that lets a template change its own lists (Kimi K2's templates
+        # append to one, as llama.cpp's Jinja engine allows); unsafe attributes stay shut
+        env = SandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True,
             extensions=[_IgnoreGeneration, jinja2.ext.loopcontrols],
         )
@@ -111,6 +115,8 @@ class ChatTemplate:
         self.fold_inner = should_fold(inner_system, self.inner)
         # messages of one role in a row: merged where the template refuses them
         self.merge_runs = not takes_runs(self.render)
+        # the family's tool-call and reasoning syntax, from what the template writes
+        self.syntax = syntax_for(self.render, tool_format, (eos_token,))
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
                tools: Sequence[Mapping[str, Any]] | None = None,
@@ -139,7 +145,7 @@ class ChatTemplate:
 
 def load_chat_template(gguf_template: str | None, *, bos_token: str, eos_token: str,
                        override: str | Path | None = None,
-                       inner_system: str = "auto") -> ChatTemplate:
+                       inner_system: str = "auto", tool_format: str = "auto") -> ChatTemplate:
     """The override file if given, else the GGUF's template, else the Gemma 3 fallback."""
     if override:
         path = Path(override).expanduser()
@@ -150,7 +156,7 @@ def load_chat_template(gguf_template: str | None, *, bos_token: str, eos_token: 
         source = FALLBACK_TEMPLATE.read_text(encoding="utf-8")
         origin = f"fallback {FALLBACK_TEMPLATE.name}"
     return ChatTemplate(source, bos_token=bos_token, eos_token=eos_token, origin=origin,
-                        inner_system=inner_system)
+                        inner_system=inner_system, tool_format=tool_format)
 
 
 def _arguments(text: str) -> Any:

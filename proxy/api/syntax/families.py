@@ -1,0 +1,201 @@
+"""The tool-call syntaxes, one per family, as data: where a block of calls opens and
+closes, how its calls are written, and the family's reasoning blocks. Each was read off
+the family's own chat templates (vendor/templates/llama.cpp/, rendered with an
+assistant message carrying calls and reasoning; docs/tool-calls.md) and checked against
+canitoolcall's recorded outputs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from proxy.api.syntax.bodies import (
+    NameThenJson,
+    Params,
+    gemma_calls,
+    json_calls,
+    keyed_calls,
+    pythonic_calls,
+)
+from proxy.api.syntax.calls import Block, Body, RawCall, Syntax, Tools
+
+THINK = (("<think>", "</think>"),)
+S = re.DOTALL
+
+
+def first_of(*bodies: Body) -> Body:
+    """The calls of the first body that reads the text."""
+    def read(text: str, tools: Tools | None) -> list[RawCall] | None:
+        for body in bodies:
+            calls = body(text, tools)
+            if calls is not None:
+                return calls
+        return None
+    return read
+
+
+# <function=NAME> <parameter=KEY> value </parameter> ... </function>: Qwen3-Coder, Qwen3.5,
+# Nemotron 3 Nano, StepFun 3.5, Seed-OSS. A parameter's closer may be missing before the
+# next parameter or the function's end (seen in the wild).
+_FUNCTION_XML = Params(
+    call=re.compile(r"\s*<function=(?P<name>[^>\n]+)>(?P<inner>.*?)(?:</function>|\Z)", S),
+    param=re.compile(r"\s*<parameter=(?P<key>[^>\n]+)>(?P<value>.*?)"
+                     r"(?:</parameter>|(?=<parameter=)|\Z)", S))
+
+HERMES = Syntax(
+    "hermes", (Block("<tool_call>", "</tool_call>", json_calls),), THINK,
+    models="Hermes 2/3, Qwen2.5, Qwen3, QwQ, Granite 4, MiMo, Bielik, Reka, SmolLM3")
+
+QWEN_XML = Syntax(
+    "qwen3-xml",
+    (Block("<tool_call>", "</tool_call>", _FUNCTION_XML),
+     Block("<function=", "</function>", _FUNCTION_XML, keep_open=True)),
+    THINK, drop=("</tool_call>",),
+    models="Qwen3-Coder, Qwen3.5, Nemotron 3 Nano, StepFun 3.5")
+
+SEED_OSS = Syntax(
+    "seed-oss", (Block("<seed:tool_call>", "</seed:tool_call>", _FUNCTION_XML),),
+    (("<seed:think>", "</seed:think>"),), models="Seed-OSS")
+
+_ARG_KV = re.compile(r"\s*<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)"
+                     r"</arg_value>", S)
+GLM = Syntax(
+    "glm", (Block("<tool_call>", "</tool_call>",
+                  Params(re.compile(r"\s*(?P<name>[^\n<]+)(?P<inner>.*)", S), _ARG_KV,
+                         trim=False)),),
+    THINK, models="GLM-4.5 to 4.7, Laguna, Spark 2.5, Ling 3")
+
+HUNYUAN = Syntax(
+    "hunyuan",
+    (Block("<tool_calls:opensource>", "</tool_calls:opensource>", Params(
+        re.compile(r"\s*<tool_call:opensource>(?P<name>[^<\n]+)<tool_sep:opensource>"
+                   r"(?P<inner>.*?)</tool_call:opensource>", S),
+        re.compile(r"\s*<arg_key:opensource>(?P<key>.*?)</arg_key:opensource>\s*"
+                   r"<arg_value:opensource>(?P<value>.*?)</arg_value:opensource>", S),
+        trim=False)),),
+    (("<think:opensource>", "</think:opensource>"),), models="Hunyuan 3")
+
+MINIMAX = Syntax(
+    "minimax-m2", (Block("<minimax:tool_call>", "</minimax:tool_call>", Params(
+        re.compile(r'\s*<invoke name="(?P<name>[^"]+)">(?P<inner>.*?)</invoke>', S),
+        re.compile(r'\s*<parameter name="(?P<key>[^"]+)">(?P<value>.*?)</parameter>', S))),),
+    THINK, models="MiniMax-M2")
+
+_DSML = Params(
+    re.compile(r'\s*<｜DSML｜invoke name="(?P<name>[^"]+)"\s*(?:/>|>(?P<inner>.*?)'
+               r"</｜DSML｜invoke>)", S),
+    re.compile(r'\s*<｜DSML｜parameter name="(?P<key>[^"]+)"(?: string="(?P<raw>true|false)")?'
+               r">(?P<value>.*?)</｜DSML｜parameter>", S), trim=False)
+DSML = Syntax(
+    "deepseek-dsml",
+    (Block("<｜DSML｜function_calls>", "</｜DSML｜function_calls>", _DSML),
+     Block("<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", _DSML)),
+    THINK, models="DeepSeek V3.2, V4")
+
+DEEPSEEK = Syntax(
+    "deepseek",
+    (Block("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", NameThenJson(
+        re.compile(r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>)?(?P<name>[^\n<]+)\s*"
+                   r"(?:<｜tool▁sep｜>)?"), split="<｜tool▁call▁end｜>")),),
+    THINK, models="DeepSeek V3, R1, V3.1")
+
+KIMI = Syntax(
+    "kimi-k2",
+    (Block("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", NameThenJson(
+        re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[^:<\s]+)(?::\d+)?\s*"
+                   r"<\|tool_call_argument_begin\|>"), split="<|tool_call_end|>")),),
+    THINK, models="Kimi K2")
+
+_MISTRAL_V11 = NameThenJson(
+    re.compile(r"(?P<name>[^\[\s{]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]"), split="[TOOL_CALLS]")
+MISTRAL = Syntax(
+    "mistral", (Block("[TOOL_CALLS]", None, first_of(json_calls, _MISTRAL_V11)),),
+    (("[THINK]", "[/THINK]"), ("<think>", "</think>")),
+    models="Mistral, Mistral Nemo, Devstral, Magistral, Ministral")
+
+
+def _llama_builtin(text: str, tools: Tools | None) -> list[RawCall] | None:
+    """``<|python_tag|>NAME.call(k=v, ...)``: Llama 3.1's built-in tools."""
+    m = re.fullmatch(r"\s*([\w\-]+)\.call\((.*)\)\s*", text, S)
+    if m is None:
+        return None
+    return pythonic_calls(f"[{m.group(1)}({m.group(2)})]", tools)
+
+
+LLAMA3 = Syntax(
+    "llama3",
+    (Block("<|python_tag|>", None, first_of(json_calls, _llama_builtin)),
+     Block("{", None, json_calls, keep_open=True, at_start=True)),
+    (), models="Llama 3.1, 3.2, 3.3")
+
+PYTHONIC = Syntax(
+    "pythonic", (Block("[", None, pythonic_calls, keep_open=True, at_start=True),),
+    (), models="Llama 4")
+
+LFM2 = Syntax(
+    "lfm2", (Block("<|tool_call_start|>", "<|tool_call_end|>", pythonic_calls),), THINK,
+    models="LFM2, LFM2.5")
+
+COMMAND_R = Syntax(
+    "command-r",
+    (Block("<|START_ACTION|>", "<|END_ACTION|>", json_calls),
+     Block("Action: ```json", "```", json_calls)),
+    (("<|START_THINKING|>", "<|END_THINKING|>"),),
+    drop=("<|START_RESPONSE|>", "<|END_RESPONSE|>"), models="Command R, R+, R7B, Cohere 2")
+
+FUNCTIONARY = Syntax(
+    "functionary-v3.1",
+    (Block("<function=", "</function>",
+           NameThenJson(re.compile(r"(?P<name>[^>\n]+)>"))),
+     Block("<|python_tag|>", None, first_of(json_calls, _llama_builtin))),
+    (), models="Functionary v3.1")
+
+APERTUS = Syntax(
+    "apertus", (Block("<|tools_prefix|>", "<|tools_suffix|>", keyed_calls),),
+    (("<|inner_prefix|>", "<|inner_suffix|>"),), models="Apertus")
+
+GEMMA4 = Syntax(
+    "gemma4", (Block("<|tool_call>", "<tool_call|>", gemma_calls),),
+    (("<|channel>thought", "<channel|>"),), models="Gemma 4")
+
+TOOL_CALLS_JSON = Syntax(
+    "tool-calls-json", (Block("<tool_calls>", "</tool_calls>", json_calls),), THINK,
+    models="MiniMax-M1, Apriel")
+
+NEMOTRON_V2 = Syntax(
+    "nemotron-v2", (Block("<TOOLCALL>", "</TOOLCALL>", json_calls),), THINK,
+    models="Nemotron Nano v2")
+
+SOLAR = Syntax(
+    "solar", (Block("<|tool_calls|>", "<|calls|>", NameThenJson(
+        re.compile(r"<\|tool_call:begin\|>[^<]*<\|tool_call:name\|>(?P<name>[^<]+)"
+                   r"<\|tool_call:args\|>"), split="<|tool_call:end|>")),),
+    (("<|think|>", "<|end|>"),), models="Solar Open")
+
+MINICPM = Syntax(
+    "minicpm", (Block('<function name="', "</function>", Params(
+        re.compile(r'<function name="(?P<name>[^"]+)">(?P<inner>.*)', S),
+        re.compile(r'\s*<param name="(?P<key>[^"]+)">(?P<value>.*?)</param>', S),
+        trim=False), keep_open=True),), THINK, models="MiniCPM 5")
+
+GIGACHAT = Syntax(
+    "gigachat", (Block("<|function_call|>", None, json_calls),
+                 Block("function call<|role_sep|>", None, json_calls)),
+    (), drop=("<|message_sep|>",), models="GigaChat 3")
+
+FIREFUNCTION = Syntax(
+    "firefunction", (Block(" functools[", None, json_calls),
+                     Block("functools[", None, json_calls)), (),
+    models="FireFunction v2")
+
+# No syntax for tool calls: reasoning only (a template that renders no calls).
+PLAIN = Syntax("none", (), THINK)
+
+# In the order the probe tries them: the more specific first (GLM and Qwen's XML share
+# Hermes' <tool_call> opener; a bare <function= is both Qwen's and Functionary's).
+BLOCK_SYNTAXES: Sequence[Syntax] = (
+    SEED_OSS, QWEN_XML, GLM, HERMES, HUNYUAN, MINIMAX, DSML, DEEPSEEK, KIMI, MISTRAL,
+    LFM2, COMMAND_R, APERTUS, GEMMA4, TOOL_CALLS_JSON, NEMOTRON_V2, SOLAR, MINICPM,
+    GIGACHAT, FIREFUNCTION, FUNCTIONARY, LLAMA3, PYTHONIC,
+)

@@ -1,0 +1,100 @@
+"""Which syntax a chat template writes, learned by rendering it (as proxy/api/inner.py
+learns what it does with system messages).
+
+The template renders a probe conversation whose last assistant message carries
+reasoning and known tool calls (two, else one: Llama 3.1's template refuses two). The
+text after the generation prompt is what the model would have written; each family's
+parser reads it in turn, and the first that gets the probe's calls back exactly (names,
+and arguments typed by the probe tool's schema) is the template's syntax. A template
+that renders no calls gets ``none`` (reasoning only), unless ``model.tool_format``
+names one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from proxy.api.syntax.calls import Syntax
+from proxy.api.syntax.families import BLOCK_SYNTAXES, PLAIN
+from proxy.api.syntax.harmony import HARMONY
+from proxy.api.syntax.stream import parse
+
+log = logging.getLogger(__name__)
+
+ALL: tuple[Syntax, ...] = (*BLOCK_SYNTAXES, HARMONY)
+BY_NAME: Mapping[str, Syntax] = {s.name: s for s in (*ALL, PLAIN)}
+TOOL_FORMATS = ("auto", *BY_NAME)
+
+PROBE_TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {
+    "name": "read_file", "description": "Read a file",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"},
+                                                    "limit": {"type": "integer"}},
+                   "required": ["path"]}}}]
+_CALLS = (("zqcA1b2C3", {"path": "zqp1.py", "limit": 5}), ("zqcZ9y8X7", {"path": "zqp2.py"}))
+
+Render = Callable[..., str]  # ChatTemplate.render
+# Where a model's turn ends: generation stops at these tokens, so they are never part of
+# a reply; a rendered turn is cut at the first (with the template's own eos_token).
+END_MARKERS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "</s>", "<end_of_turn>",
+               "<|endoftext|>", "<｜end▁of▁sentence｜>", "<|END_OF_TURN_TOKEN|>", "[e~[",
+               "<turn|>", "<|end_of_text|>", "<seed:eos>", "<|call|>", "<|return|>",
+               "<|message_sep|>", "<|role_end|>", "</assistant>", "<SPECIAL_12>",
+               "<|eot|>", "<|eom|>", "<end_of_sentence>", "<｜hy_eos:opensource｜>")
+
+
+def _assistant(calls: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    return {"role": "assistant", "content": "", "reasoning_content": "zqreason",
+            "tool_calls": [{"id": cid, "type": "function",
+                            "function": {"name": "read_file", "arguments": args},
+                            "arguments": args} for cid, args in calls]}
+
+
+def probe_reply(render: Render, calls: Sequence[tuple[str, dict[str, Any]]],
+                stops: Sequence[str] = ()) -> str | None:
+    """The text the template renders for an assistant turn of ``calls``, from where its
+    generation prompt ends (None: the template refuses the conversation)."""
+    head = [{"role": "system", "content": "zqsys"}, {"role": "user", "content": "zquser"}]
+    try:
+        prompt = render(head, tools=PROBE_TOOLS)
+        text = render([*head, _assistant(calls)], tools=PROBE_TOOLS,
+                      add_generation_prompt=False)
+    except ValueError:
+        return None
+    at = 0
+    while at < min(len(prompt), len(text)) and prompt[at] == text[at]:
+        at += 1
+    if at < len(prompt):  # the generation prompt goes on (an opened <think>): the turn
+        # parts from it inside a tag at most, so back to the last tag's or line's end
+        at = max(text.rfind(">", 0, at), text.rfind("\n", 0, at), text.rfind("]", 0, at)) + 1
+    reply = text[at:]
+    ends = [i for i in (reply.find(m) for m in (*stops, *END_MARKERS) if m) if i >= 0]
+    return reply[:min(ends)] if ends else reply
+
+
+def probe_syntax(render: Render, stops: Sequence[str] = ()) -> Syntax:
+    """The syntax the template writes its tool calls in (``PLAIN`` if none reads them);
+    ``stops``: the model's end-of-turn texts (its eos_token)."""
+    for calls in (_CALLS, _CALLS[:1]):
+        reply = probe_reply(render, calls, stops)
+        if reply is None:
+            continue
+        want = [("read_file", args) for _, args in calls]
+        for syntax in ALL:
+            got = parse(syntax, reply, tools=PROBE_TOOLS, quiet=True).tool_calls
+            if [(c.name, json.loads(c.arguments)) for c in got] == want:
+                return syntax
+    return PLAIN
+
+
+def syntax_for(render: Render, tool_format: str = "auto", stops: Sequence[str] = ()
+               ) -> Syntax:
+    """``model.tool_format``: "auto" probes the template, a family's name overrides."""
+    if tool_format == "auto":
+        return probe_syntax(render, stops)
+    if tool_format not in BY_NAME:
+        raise ValueError(f"model.tool_format must be one of {', '.join(TOOL_FORMATS)}, "
+                         f"got {tool_format!r}")
+    return BY_NAME[tool_format]
