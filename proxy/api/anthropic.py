@@ -57,7 +57,8 @@ from proxy.api.fields import (
     session_key,
     template_kwargs,
 )
-from proxy.api.structured import constrained, constraint, json_format
+from proxy.api.sampling import grammar_fields
+from proxy.api.structured import constrained, constraint, json_format, spec
 from proxy.engine.types import SamplingParams
 
 MAX_STOP_SEQUENCES = 16
@@ -167,7 +168,8 @@ def _sampling(body: Mapping[str, Any], need_max_tokens: bool
     top_p = opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
     return SamplingParams(temperature=temperature, top_p=top_p,
                           top_k=opt_int(body, "top_k", lo=0), stop=_stop_sequences(body),
-                          speculative=opt_bool(body, "speculative")), max_tokens
+                          speculative=opt_bool(body, "speculative"),
+                          **grammar_fields(body)), max_tokens
 
 
 def _session(body: Mapping[str, Any]) -> str | None:
@@ -210,6 +212,10 @@ def parse_messages_request(body: object, *, count_only: bool = False,
         tool_choice=choice,
         template_kwargs=kwargs,
         sampling=constrained(sampling, grammar),
+        constraint=spec(json_schema=_output_format(body),
+                        json_path="output_config.format.schema", tools=tools,
+                        tool_choice=choice, parallel=_parallel(body.get("tool_choice")),
+                        params_key="input_schema", grammar=grammar),
         stream=bool(opt_bool(body, "stream")) and not count_only,
         include_usage=True,
         user=None,

@@ -54,6 +54,19 @@ class Mark:
 
 
 @dataclass(slots=True, frozen=True)
+class Constraint:
+    """What constrains a reply (structured output, forced tool calls), as the request
+    says it: the grammar is built once the template's syntax is known (routes.py)."""
+
+    json_schema: Mapping[str, Any] | None
+    json_path: str
+    tools: tuple[Mapping[str, Any], ...] | None
+    tool_choice: object
+    parallel: bool
+    params_key: str
+
+
+@dataclass(slots=True, frozen=True)
 class ChatRequest:
     model: str
     messages: tuple[ChatMessage, ...]
@@ -71,6 +84,7 @@ class ChatRequest:
     # prompt_cache_key, Claude Code's session and agent ids): lane affinity, miss reasons
     session: str | None = None
     ignored_tools: tuple[str, ...] = ()  # types of hosted tools left out of the prompt
+    constraint: Constraint | None = None  # a grammar to build in the family's syntax
 
     @property
     def parse_tools(self) -> bool:

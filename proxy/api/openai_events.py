@@ -58,8 +58,11 @@ class ChatChunks:
             out.append(self._chunk({"reasoning_content": d.reasoning}))
         if d.content:
             out.append(self._chunk({"content": d.content}))
-        for call in d.tool_calls:
-            out.append(self._chunk({"tool_calls": [{"index": self._n_calls, **call.to_json()}]}))
+        for call in d.tool_calls:  # the id and name first, then the arguments
+            start = {"index": self._n_calls, "id": call.id, "type": "function",
+                     "function": {"name": call.name, "arguments": ""}}
+            args = {"index": self._n_calls, "function": {"arguments": call.arguments}}
+            out += [self._chunk({"tool_calls": [start]}), self._chunk({"tool_calls": [args]})]
             self._n_calls += 1
         return out
 

@@ -47,6 +47,7 @@ from proxy.api.inner import (
     should_fold,
     takes_runs,
 )
+from proxy.api.syntax.forms import derive_form
 from proxy.api.syntax.probe import syntax_for
 
 VENDOR_TEMPLATES = Path(__file__).resolve().parents[2] / "vendor" / "templates"
@@ -117,6 +118,8 @@ class ChatTemplate:
         self.merge_runs = not takes_runs(self.render)
         # the family's tool-call and reasoning syntax, from what the template writes
         self.syntax = syntax_for(self.render, tool_format, (eos_token,))
+        # how it writes one call: grammars that force calls write them so
+        self.call_form = derive_form(self.render, self.syntax, (eos_token,))
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
                tools: Sequence[Mapping[str, Any]] | None = None,

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.api.chat import ChatMessage, ChatRequest, Mark, ToolCall, joined_parts
+from proxy.api.chat import ChatMessage, ChatRequest, Constraint, Mark, ToolCall, joined_parts
 from proxy.api.fields import (
     ApiError,
     obj,
@@ -51,7 +51,8 @@ from proxy.api.fields import (
     session_key,
     template_kwargs,
 )
-from proxy.api.structured import constrained, constraint, json_format
+from proxy.api.sampling import grammar_fields
+from proxy.api.structured import constrained, constraint, json_format, spec
 from proxy.engine.types import SamplingParams
 
 # Reasoning sent back in ``encrypted_content`` is ours only with this prefix.
@@ -88,6 +89,7 @@ class ResponsesRequest:
     marks: tuple[Mark, ...] = ()  # content parts' starts, by index into ``messages``
     session: str | None = None  # prompt_cache_key
     ignored_tools: tuple[str, ...] = ()  # types of hosted tools left out
+    constraint: Constraint | None = None
 
     @property
     def parse_tools(self) -> bool:
@@ -308,7 +310,8 @@ def _sampling(body: Mapping[str, Any]) -> tuple[SamplingParams, int | None]:
     top_p = opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
     max_tokens = opt_int(body, "max_output_tokens", lo=0)  # 0: pre-warm
     return SamplingParams(temperature=temperature, top_p=top_p,
-                          speculative=opt_bool(body, "speculative")), max_tokens
+                          speculative=opt_bool(body, "speculative"),
+                          **grammar_fields(body)), max_tokens
 
 
 def _text_format(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -355,6 +358,9 @@ def parse_responses_request(body: object, *, hosted_tools: str = "ignore"
         parallel_tool_calls=True if parallel is None else parallel,
         template_kwargs=kwargs,
         sampling=constrained(sampling, grammar),
+        constraint=spec(json_schema=_text_format(body), json_path="text.format.schema",
+                        tools=tools, tool_choice=choice, parallel=parallel is not False,
+                        params_key="parameters", grammar=grammar),
         stream=bool(opt_bool(body, "stream")),
         store=True if store is None else store,
         user=opt_str(body, "user"),
@@ -379,4 +385,5 @@ def chat_request(req: ResponsesRequest, history: tuple[ChatMessage, ...]) -> Cha
                        max_tokens=req.max_tokens,
                        marks=tuple(Mark(m.message + shift, m.offset, m.ttl)
                                    for m in req.marks),
-                       session=req.session, ignored_tools=req.ignored_tools)
+                       session=req.session, ignored_tools=req.ignored_tools,
+                       constraint=req.constraint)

@@ -50,6 +50,7 @@ from proxy.api.responses_events import (
     response_head,
 )
 from proxy.api.streaming import JSON, Chunks, collect, stream
+from proxy.api.structured import in_family
 from proxy.engine.types import FinishEvent, GenerationRequest, TokenLogprob
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -107,7 +108,9 @@ async def chat_route(request: web.Request, api: ChatApi[Any]) -> web.StreamRespo
     req = api.parse(await read_json(request), request.app[HOSTED_TOOLS])
     note_ignored_tools(request, req.ignored_tools)
     engine, tenant = request.app[ENGINE], tenant_of(request, req.user)
-    chat = request.app[VOLATILE].apply(api.conversation(request, req, tenant))
+    template = request.app[TEMPLATE]
+    chat = in_family(request.app[VOLATILE].apply(api.conversation(request, req, tenant)),
+                     template.syntax, template.call_form)
     # Rendering and tokenizing a long conversation takes a while: off the event loop.
     p = await asyncio.to_thread(tokenize_chat, engine, request.app[TEMPLATE],
                                 unbounded(chat) if api.fit_max_tokens else chat, tenant)

@@ -45,21 +45,22 @@ END_MARKERS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "</s>", "<en
                "<|eot|>", "<|eom|>", "<end_of_sentence>", "<｜hy_eos:opensource｜>")
 
 
-def _assistant(calls: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    return {"role": "assistant", "content": "", "reasoning_content": "zqreason",
+def _assistant(calls: Sequence[tuple[str, dict[str, Any]]],
+               reasoning: str | None = "zqreason") -> dict[str, Any]:
+    return {"role": "assistant", "content": "", "reasoning_content": reasoning,
             "tool_calls": [{"id": cid, "type": "function",
                             "function": {"name": "read_file", "arguments": args},
                             "arguments": args} for cid, args in calls]}
 
 
 def probe_reply(render: Render, calls: Sequence[tuple[str, dict[str, Any]]],
-                stops: Sequence[str] = ()) -> str | None:
+                stops: Sequence[str] = (), reasoning: str | None = "zqreason") -> str | None:
     """The text the template renders for an assistant turn of ``calls``, from where its
     generation prompt ends (None: the template refuses the conversation)."""
     head = [{"role": "system", "content": "zqsys"}, {"role": "user", "content": "zquser"}]
     try:
         prompt = render(head, tools=PROBE_TOOLS)
-        text = render([*head, _assistant(calls)], tools=PROBE_TOOLS,
+        text = render([*head, _assistant(calls, reasoning)], tools=PROBE_TOOLS,
                       add_generation_prompt=False)
     except ValueError:
         return None
