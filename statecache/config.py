@@ -21,7 +21,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 INNER_SYSTEM = ("auto", "fold", "keep")
 # model.tool_format: "auto", or a family of proxy/api/syntax (a test keeps the two in step)
 TOOL_FORMATS = ("auto", "seed-oss", "qwen3-xml", "glm", "hermes", "hunyuan", "minimax-m2",
-                "deepseek-dsml", "deepseek", "kimi-k2", "mistral", "lfm2", "command-r",
+                "deepseek-dsml", "deepseek", "kimi-k2", "kimi-k3", "mistral", "lfm2", "command-r",
                 "apertus", "gemma4", "tool-calls-json", "nemotron-v2", "solar", "minicpm",
                 "gigachat", "firefunction", "functionary-v3.1", "llama3", "pythonic",
                 "harmony", "none")

@@ -3,12 +3,12 @@ where the syntax allows (regular expressions for names and parameters).
 
 Every reader returns the block's calls, or None when the text is not calls as the family
 writes them (the block then stays content). JSON is read with the standard library;
-XML-style and pythonic values are typed by the tool's schema (values.py).
+XML-style values are typed by the tool's schema (values.py); notations.py reads the
+families that write calls in a notation of their own (pythonic, Gemma 4, Kimi K3).
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 from collections.abc import Mapping
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.api.syntax.calls import RawCall, Tools
-from proxy.api.syntax.values import tool_parameters, typed, typed_arguments
+from proxy.api.syntax.values import tool_parameters, typed_arguments
 
 _DECODER = json.JSONDecoder()
 NAME_KEYS = ("name", "tool_name", "function")
@@ -39,7 +39,7 @@ def _json_values(text: str, seps: str = ",;") -> list[Any] | None:
         out.append(value)
 
 
-def _arguments(value: object) -> Mapping[str, Any] | None:
+def arguments_of(value: object) -> Mapping[str, Any] | None:
     if value is None:
         return {}
     if isinstance(value, str):
@@ -61,7 +61,7 @@ def call_of(obj: object) -> RawCall | None:
     if name is None:
         return None
     present = [k for k in ARG_KEYS if k in obj]
-    args = _arguments(obj[present[0]]) if present else {}
+    args = arguments_of(obj[present[0]]) if present else {}
     return RawCall(name, args) if args is not None else None
 
 
@@ -97,44 +97,66 @@ def keyed_calls(text: str, tools: Tools | None) -> list[RawCall] | None:
     return out or None
 
 
-def _unfence(text: str) -> str:
-    """JSON inside a Markdown fence (DeepSeek R1 writes ```json ... ```)."""
-    t = text.strip()
-    if t.startswith("```"):
-        t = t[3:]
-        t = t[4:] if t.startswith("json") else t
-        if t.rstrip().endswith("```"):
-            t = t.rstrip()[:-3]
-    return t
+_FENCE = re.compile(r"\s*```(?:json)?")
+_FENCE_END = re.compile(r"\s*```")
 
 
 @dataclass(slots=True, frozen=True)
 class NameThenJson:
-    """Calls written as a head naming the function, then its arguments as JSON:
-    ``head`` matches at the start of each call (group ``name``); ``split``, when set,
-    separates several calls in one block."""
+    """Calls written as a head naming the function, then its arguments as JSON, one after
+    another: ``head`` matches at the start of each call (group ``name``), ``end`` may
+    follow each call's JSON (DeepSeek's ``<｜tool▁call▁end｜>``, Kimi's
+    ``<|tool_call_end|>``). The JSON is read as JSON, so a marker written inside one of
+    its strings is text. ``noise``: text between calls is skipped (Kimi's section)."""
 
     head: re.Pattern[str]
-    split: str = ""
+    end: str = ""
+    noise: bool = False
 
     def __call__(self, text: str, tools: Tools | None) -> list[RawCall] | None:
-        parts = text.split(self.split) if self.split else [text]
+        calls, rest = self._read(text)
+        if rest.strip() and not self.noise:
+            return None
+        if not calls:
+            # an empty block of a family whose blocks hold calls one by one: no calls
+            return [] if self.end and not text.strip() else None
+        return calls
+
+    def leading(self, text: str, tools: Tools | None) -> list[RawCall]:
+        """The calls read whole from the start of a block the token limit cut."""
+        return self._read(text)[0]
+
+    def _read(self, text: str) -> tuple[list[RawCall], str]:
         out: list[RawCall] = []
-        for part in parts:
-            if not part.strip() and self.split:
-                continue
-            m = self.head.match(part.lstrip())
+        at = 0
+        while True:
+            start = len(text) - len(text[at:].lstrip())
+            m = self.head.search(text, at) if self.noise else self.head.match(text, start)
             if m is None:
-                return None
-            rest = _unfence(part.lstrip()[m.end():])
-            values = _json_values(rest) if rest.strip() else [{}]
-            if values is None or len(values) != 1:
-                return None
-            args = _arguments(values[0])
-            if args is None:
-                return None
-            out.append(RawCall(m.group("name").strip(), args))
-        return out or None
+                return out, text[at:]
+            j = m.end()
+            fence = _FENCE.match(text, j)
+            j = fence.end() if fence else j
+            k = len(text) - len(text[j:].lstrip())
+            if k >= len(text) or (self.end and text.startswith(self.end, k)):
+                args: object = {}  # no arguments written
+                j = k
+            else:
+                try:
+                    args, j = _DECODER.raw_decode(text, k)
+                except ValueError:
+                    return out, text[at:]
+            if fence:
+                close = _FENCE_END.match(text, j)
+                j = close.end() if close else j
+            k = len(text) - len(text[j:].lstrip())
+            if self.end and text.startswith(self.end, k):
+                j = k + len(self.end)
+            mapping = arguments_of(args)
+            if mapping is None:
+                return out, text[at:]
+            out.append(RawCall(m.group("name").strip(), mapping))
+            at = j
 
 
 @dataclass(slots=True, frozen=True)
@@ -143,30 +165,38 @@ class Params:
     finds each call (group ``name``, and ``inner`` its parameters; without ``inner``
     the whole text is one call's), ``param`` each parameter (groups ``key``,
     ``value``, and an optional ``raw`` that says "true" for a verbatim string).
-    ``trim``: the newlines a family writes around each value, taken off."""
+    ``trim``: the newlines a family writes around each value, taken off. ``closed``:
+    each call ends with a closer of its own (else the block's closer ends it, and a block
+    the token limit cut keeps none)."""
 
     call: re.Pattern[str]
     param: re.Pattern[str]
     trim: bool = True
+    closed: bool = True
 
     def __call__(self, text: str, tools: Tools | None) -> list[RawCall] | None:
+        calls, rest = self._read(text, tools)
+        return calls if calls and not rest.strip() else None
+
+    def leading(self, text: str, tools: Tools | None) -> list[RawCall]:
+        """The calls read whole from the start of a block the token limit cut."""
+        return self._read(text, tools)[0] if self.closed else []
+
+    def _read(self, text: str, tools: Tools | None) -> tuple[list[RawCall], str]:
         out: list[RawCall] = []
         at = 0
         for m in self.call.finditer(text):
             if text[at:m.start()].strip():
-                return None  # text between calls that is not a call
-            at = m.end()
+                break  # text between calls that is not a call
             name = m.group("name").strip()
-            inner = m.group("inner") if "inner" in m.groupdict() else text[m.end():]
-            if "inner" not in m.groupdict():
-                at = len(text)
+            whole = "inner" not in m.groupdict()
+            inner = text[m.end():] if whole else m.group("inner")
             args = self._params(inner or "", tool_parameters(tools, name))
             if args is None:
-                return None
+                break
             out.append(RawCall(name, args))
-        if not out or text[at:].strip():
-            return None
-        return out
+            at = len(text) if whole else m.end()
+        return out, text[at:]
 
     def _params(self, inner: str, params: Mapping[str, Any]) -> dict[str, Any] | None:
         pairs: list[tuple[str, str]] = []
@@ -190,128 +220,3 @@ class Params:
         for key in raw:
             args[key] = dict(pairs)[key]
         return args
-
-
-# -- pythonic calls (LFM2, Llama 4): [name(a=1, b="x"), other()] ------------------------
-
-def _literal(node: ast.expr) -> object:
-    value = ast.literal_eval(node)
-    if isinstance(value, tuple):
-        return list(value)
-    if isinstance(value, (set, bytes, complex)):
-        raise ValueError("not a JSON value")
-    return value
-
-
-def pythonic_calls(text: str, tools: Tools | None) -> list[RawCall] | None:
-    t = text.strip()
-    if not (t.startswith("[") and t.endswith("]")):
-        return None
-    try:
-        tree = ast.parse(t, mode="eval")
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return None
-    if not isinstance(tree.body, ast.List):
-        return None
-    out: list[RawCall] = []
-    for node in tree.body.elts:
-        if not isinstance(node, ast.Call) or node.args:
-            return None
-        name = ast.unparse(node.func)
-        if not re.fullmatch(r"[\w.\-]+", name):
-            return None
-        props = tool_parameters(tools, name).get("properties") or {}
-        args: dict[str, object] = {}
-        for kw in node.keywords:
-            if kw.arg is None:
-                return None
-            try:
-                value = _literal(kw.value)
-            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                return None
-            if isinstance(value, str) and isinstance(props, Mapping):
-                value = typed(value, props.get(kw.arg)) if _not_string(props.get(kw.arg)) \
-                    else value
-            args[kw.arg] = value
-        out.append(RawCall(name, args))
-    return out or None
-
-
-def _not_string(schema: object) -> bool:
-    return isinstance(schema, Mapping) and schema.get("type") not in (None, "string")
-
-
-# -- Gemma 4: call:NAME{key:<|"|>text<|"|>,n:5,list:[1,2],obj:{k:v}} -------------------
-
-_Q = '<|"|>'
-
-
-class _Gemma:
-    def __init__(self, text: str) -> None:
-        self.t, self.i = text, 0
-
-    def value(self) -> object:
-        t = self.t
-        if t.startswith(_Q, self.i):
-            end = t.find(_Q, self.i + len(_Q))
-            if end < 0:
-                raise ValueError("unclosed string")
-            s = t[self.i + len(_Q):end]
-            self.i = end + len(_Q)
-            return s
-        if t.startswith("{", self.i):
-            return self.obj()
-        if t.startswith("[", self.i):
-            self.i += 1
-            items: list[object] = []
-            while not t.startswith("]", self.i):
-                items.append(self.value())
-                if t.startswith(",", self.i):
-                    self.i += 1
-                elif not t.startswith("]", self.i):
-                    raise ValueError("expected , or ]")
-            self.i += 1
-            return items
-        m = re.compile(r"[^,}\]]*").match(t, self.i)
-        assert m is not None
-        self.i = m.end()
-        word = m.group().strip()
-        try:
-            return json.loads(word)
-        except ValueError:
-            return word
-
-    def obj(self) -> dict[str, object]:
-        t = self.t
-        if not t.startswith("{", self.i):
-            raise ValueError("expected {")
-        self.i += 1
-        out: dict[str, object] = {}
-        while not t.startswith("}", self.i):
-            m = re.compile(r"\s*([^:{}\s,]+)\s*:").match(t, self.i)
-            if m is None:
-                raise ValueError("expected key:")
-            self.i = m.end()
-            out[m.group(1)] = self.value()
-            if t.startswith(",", self.i):
-                self.i += 1
-            elif not t.startswith("}", self.i):
-                raise ValueError("expected , or }")
-        self.i += 1
-        return out
-
-
-def gemma_calls(text: str, tools: Tools | None) -> list[RawCall] | None:
-    t = text.strip()
-    m = re.match(r"call:([\w.\-]+)", t)
-    if m is None:
-        return None
-    p = _Gemma(t)
-    p.i = m.end()
-    try:
-        args = p.obj() if p.i < len(t) else {}
-    except (ValueError, RecursionError):
-        return None
-    if t[p.i:].strip():
-        return None
-    return [RawCall(m.group(1), args)]

@@ -68,13 +68,23 @@ class Body(Protocol):
 class Block:
     """Where a family's calls are written: ``open`` ... ``close`` (None: to the reply's
     end); ``keep_open``: the opener is the start of the body too (Qwen's bare
-    ``<function=``); ``at_start``: only as the reply's first text (Llama 3's bare JSON)."""
+    ``<function=``); ``at_start``: only as the reply's first text (Llama 3's bare JSON);
+    ``loose``: a lenient reader, for a block that ``body`` never reads by the reply's end
+    (a closer the model left out)."""
 
     open: str
     close: str | None
     body: Body
     keep_open: bool = False
     at_start: bool = False
+    loose: Body | None = None
+
+
+def leading_calls(body: Body, text: str, tools: Tools | None) -> list[RawCall]:
+    """The calls written whole at the start of a block the token limit cut (a body
+    without a ``leading`` reader keeps none)."""
+    read = getattr(body, "leading", None)
+    return list(read(text, tools)) if read is not None else []
 
 
 @dataclass(slots=True, frozen=True)

@@ -10,15 +10,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from proxy.api.syntax.bodies import (
-    NameThenJson,
-    Params,
-    gemma_calls,
-    json_calls,
-    keyed_calls,
-    pythonic_calls,
-)
+from proxy.api.syntax.bodies import NameThenJson, Params, json_calls, keyed_calls
 from proxy.api.syntax.calls import Block, Body, RawCall, Syntax, Tools
+from proxy.api.syntax.notations import XtmlCalls, gemma_calls, pythonic_calls
 
 THINK = (("<think>", "</think>"),)
 S = re.DOTALL
@@ -36,9 +30,17 @@ def first_of(*bodies: Body) -> Body:
 
 
 # <function=NAME> <parameter=KEY> value </parameter> ... </function>: Qwen3-Coder, Qwen3.5,
-# Nemotron 3 Nano, StepFun 3.5, Seed-OSS. A parameter's closer may be missing before the
-# next parameter or the function's end (seen in the wild).
+# Nemotron 3 Nano, StepFun 3.5, Seed-OSS. Their templates put every closer on a line of
+# its own, so a value may hold "</parameter>" or "</function>" written inline; the lenient
+# reading lets a parameter's closer go missing before the next parameter or the
+# function's end (seen in the wild).
 _FUNCTION_XML = Params(
+    call=re.compile(r"\s*<function=(?P<name>[^>\n]+)>\n?(?P<inner>(?:<parameter=.*?\n"
+                    r"</parameter>\s*?\n)*?)\s*</function>", S),
+    param=re.compile(r"\s*<parameter=(?P<key>[^>\n]+)>\n(?P<value>(?:(?!\n<parameter=).)*?)"
+                     r"\n</parameter>"
+                     r"(?=\s*(?:<parameter=|\Z))", S), trim=False)
+_FUNCTION_XML_LOOSE = Params(
     call=re.compile(r"\s*<function=(?P<name>[^>\n]+)>(?P<inner>.*?)(?:</function>|\Z)", S),
     param=re.compile(r"\s*<parameter=(?P<key>[^>\n]+)>(?P<value>.*?)"
                      r"(?:</parameter>|(?=<parameter=)|\Z)", S))
@@ -49,21 +51,26 @@ HERMES = Syntax(
 
 QWEN_XML = Syntax(
     "qwen3-xml",
-    (Block("<tool_call>", "</tool_call>", _FUNCTION_XML),
-     Block("<function=", "</function>", _FUNCTION_XML, keep_open=True)),
+    (Block("<tool_call>", "</tool_call>", _FUNCTION_XML, loose=_FUNCTION_XML_LOOSE),
+     Block("<function=", "</function>", _FUNCTION_XML, keep_open=True,
+           loose=_FUNCTION_XML_LOOSE)),
     THINK, drop=("</tool_call>",),
     models="Qwen3-Coder, Qwen3.5, Nemotron 3 Nano, StepFun 3.5")
 
 SEED_OSS = Syntax(
-    "seed-oss", (Block("<seed:tool_call>", "</seed:tool_call>", _FUNCTION_XML),),
+    "seed-oss", (Block("<seed:tool_call>", "</seed:tool_call>", _FUNCTION_XML,
+                       loose=_FUNCTION_XML_LOOSE),),
     (("<seed:think>", "</seed:think>"),), models="Seed-OSS")
 
 _ARG_KV = re.compile(r"\s*<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)"
                      r"</arg_value>", S)
+_GLM_CALL = re.compile(r"\s*(?P<name>[^\n<]+)(?P<inner>.*)", S)
 GLM = Syntax(
     "glm", (Block("<tool_call>", "</tool_call>",
-                  Params(re.compile(r"\s*(?P<name>[^\n<]+)(?P<inner>.*)", S), _ARG_KV,
-                         trim=False)),),
+                  Params(_GLM_CALL, _ARG_KV, trim=False, closed=False),
+                  loose=Params(_GLM_CALL, re.compile(
+                      r"\s*<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)"
+                      r"(?:</arg_value>|(?=<arg_key>)|\Z)", S), trim=False, closed=False)),),
     THINK, models="GLM-4.5 to 4.7, Laguna, Spark 2.5, Ling 3")
 
 HUNYUAN = Syntax(
@@ -82,33 +89,48 @@ MINIMAX = Syntax(
         re.compile(r'\s*<parameter name="(?P<key>[^"]+)">(?P<value>.*?)</parameter>', S))),),
     THINK, models="MiniMax-M2")
 
+# V4.1 writes a space after the marker (<｜DSML｜ invoke ...>)
 _DSML = Params(
-    re.compile(r'\s*<｜DSML｜invoke name="(?P<name>[^"]+)"\s*(?:/>|>(?P<inner>.*?)'
-               r"</｜DSML｜invoke>)", S),
-    re.compile(r'\s*<｜DSML｜parameter name="(?P<key>[^"]+)"(?: string="(?P<raw>true|false)")?'
-               r">(?P<value>.*?)</｜DSML｜parameter>", S), trim=False)
+    re.compile(r'\s*<｜DSML｜ ?invoke name="(?P<name>[^"]+)"\s*(?:/>|>(?P<inner>.*?)'
+               r"</｜DSML｜ ?invoke>)", S),
+    re.compile(r'\s*<｜DSML｜ ?parameter name="(?P<key>[^"]+)"'
+               r'(?: string="(?P<raw>true|false)")?>(?P<value>.*?)</｜DSML｜ ?parameter>', S),
+    trim=False)
 DSML = Syntax(
     "deepseek-dsml",
     (Block("<｜DSML｜function_calls>", "</｜DSML｜function_calls>", _DSML),
-     Block("<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", _DSML)),
+     Block("<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", _DSML),
+     Block("<｜DSML｜ calls>", "</｜DSML｜ calls>", _DSML)),
     THINK, models="DeepSeek V3.2, V4")
 
 DEEPSEEK = Syntax(
     "deepseek",
     (Block("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", NameThenJson(
         re.compile(r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>)?(?P<name>[^\n<]+)\s*"
-                   r"(?:<｜tool▁sep｜>)?"), split="<｜tool▁call▁end｜>")),),
+                   r"(?:<｜tool▁sep｜>)?"), end="<｜tool▁call▁end｜>")),),
     THINK, models="DeepSeek V3, R1, V3.1")
 
 KIMI = Syntax(
     "kimi-k2",
     (Block("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", NameThenJson(
         re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[^:<\s]+)(?::\d+)?\s*"
-                   r"<\|tool_call_argument_begin\|>"), split="<|tool_call_end|>")),),
+                   r"<\|tool_call_argument_begin\|>"), end="<|tool_call_end|>", noise=True)),),
     THINK, models="Kimi K2")
 
+# Kimi K3's XTML: a reply is <|open|>think<|sep|>...<|close|>think<|sep|>, then the
+# response element, then the tools element; the model may open the response right away
+# where its prompt opened thinking (that ends the reasoning too).
+_K3 = "<|open|>{}<|sep|>", "<|close|>{}<|sep|>"
+KIMI_K3 = Syntax(
+    "kimi-k3",
+    (Block(_K3[0].format("tools"), _K3[1].format("tools"), XtmlCalls()),),
+    ((_K3[0].format("think"), _K3[1].format("think")),
+     (_K3[0].format("think"), _K3[0].format("response"))),
+    drop=(_K3[0].format("response"), _K3[1].format("response"), _K3[1].format("message")),
+    models="Kimi K3")
+
 _MISTRAL_V11 = NameThenJson(
-    re.compile(r"(?P<name>[^\[\s{]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]"), split="[TOOL_CALLS]")
+    re.compile(r"(?:\[TOOL_CALLS\])?(?P<name>[^\[\s{]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]"))
 MISTRAL = Syntax(
     "mistral", (Block("[TOOL_CALLS]", None, first_of(json_calls, _MISTRAL_V11)),),
     (("[THINK]", "[/THINK]"), ("<think>", "</think>")),
@@ -130,7 +152,8 @@ LLAMA3 = Syntax(
     (), models="Llama 3.1, 3.2, 3.3")
 
 PYTHONIC = Syntax(
-    "pythonic", (Block("[", None, pythonic_calls, keep_open=True, at_start=True),),
+    "pythonic", (Block("<|python_start|>", "<|python_end|>", pythonic_calls),
+                 Block("[", None, pythonic_calls, keep_open=True, at_start=True)),
     (), models="Llama 4")
 
 LFM2 = Syntax(
@@ -170,14 +193,14 @@ NEMOTRON_V2 = Syntax(
 SOLAR = Syntax(
     "solar", (Block("<|tool_calls|>", "<|calls|>", NameThenJson(
         re.compile(r"<\|tool_call:begin\|>[^<]*<\|tool_call:name\|>(?P<name>[^<]+)"
-                   r"<\|tool_call:args\|>"), split="<|tool_call:end|>")),),
+                   r"<\|tool_call:args\|>"), end="<|tool_call:end|>")),),
     (("<|think|>", "<|end|>"),), models="Solar Open")
 
 MINICPM = Syntax(
     "minicpm", (Block('<function name="', "</function>", Params(
         re.compile(r'<function name="(?P<name>[^"]+)">(?P<inner>.*)', S),
         re.compile(r'\s*<param name="(?P<key>[^"]+)">(?P<value>.*?)</param>', S),
-        trim=False), keep_open=True),), THINK, models="MiniCPM 5")
+        trim=False, closed=False), keep_open=True),), THINK, models="MiniCPM 5")
 
 GIGACHAT = Syntax(
     "gigachat", (Block("<|function_call|>", None, json_calls),
@@ -195,7 +218,7 @@ PLAIN = Syntax("none", (), THINK)
 # In the order the probe tries them: the more specific first (GLM and Qwen's XML share
 # Hermes' <tool_call> opener; a bare <function= is both Qwen's and Functionary's).
 BLOCK_SYNTAXES: Sequence[Syntax] = (
-    SEED_OSS, QWEN_XML, GLM, HERMES, HUNYUAN, MINIMAX, DSML, DEEPSEEK, KIMI, MISTRAL,
+    SEED_OSS, QWEN_XML, GLM, HERMES, HUNYUAN, MINIMAX, DSML, DEEPSEEK, KIMI, KIMI_K3, MISTRAL,
     LFM2, COMMAND_R, APERTUS, GEMMA4, TOOL_CALLS_JSON, NEMOTRON_V2, SOLAR, MINICPM,
     GIGACHAT, FIREFUNCTION, FUNCTIONARY, LLAMA3, PYTHONIC,
 )

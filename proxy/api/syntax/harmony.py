@@ -25,9 +25,18 @@ from proxy.api.syntax.stream import partial_len
 
 log = logging.getLogger(__name__)
 
-MESSAGE, ENDS = "<|message|>", ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
-_RECIPIENT = re.compile(r"to=(?:functions\.)?([^\s<]+)")
+MESSAGE = "<|message|>"
+# what ends a message's body: <|call|> and <|return|> are stop tokens, so generation ends
+# at the real one; written elsewhere (followed by more than a new message) they are text
+ENDS, STOPS = ("<|end|>", "<|start|>"), ("<|call|>", "<|return|>")
+HEADS = ("<|channel|>", "<|start|>", "<|constrain|>", "to=", "assistant")
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+
+
+def _looks_like_head(text: str) -> bool:
+    s = text.lstrip()
+    return any(s.startswith(h) or h.startswith(s) for h in HEADS)
 
 
 class HarmonyParser:
@@ -40,10 +49,11 @@ class HarmonyParser:
         self._make_id = make_id
         self._buf = ""
         self._mode = "header"  # header | body | plain
-        self._kind = ""  # reasoning | content | call
+        self._kind = ""  # reasoning | content | call | builtin
         self._name = ""
         self._lead = {"reasoning": True, "content": True}
         self._held = {"reasoning": "", "content": ""}
+        self._scan = (0, False, False)  # a call body's JSON read so far: (at, in string, escape)
 
     def feed(self, text: str) -> Delta:
         self._buf += text
@@ -59,9 +69,11 @@ class HarmonyParser:
         rest, self._buf = self._buf, ""
         if self._mode == "body" and self._kind == "call":
             self._call(out, rest, cut)
-        elif self._mode == "body":
+        elif self._mode == "body" and self._kind != "builtin":
             self._emit(out, self._kind, rest, final=True)
-        elif rest.strip():
+        elif self._mode != "body" and rest.strip() and not (
+                self._mode == "header" and _looks_like_head(rest)):
+            # (a header the reply ended in, before its message began, is no text)
             self._emit(out, "content", rest, final=True)
         for kind in ("reasoning", "content"):
             self._held[kind] = ""
@@ -91,11 +103,25 @@ class HarmonyParser:
         if isinstance(args, dict):
             out.tool_calls.append(ParsedToolCall(self._make_id(), self._name,
                                                  json.dumps(args, ensure_ascii=False)))
-        else:
-            if not cut and not self._quiet:
+        elif not cut:
+            if not self._quiet:
                 log.warning("a Harmony call to %r did not parse; returned as content",
                             self._name)
             self._emit(out, "content", body, final=True)
+
+    def _head(self, head: str) -> None:
+        channel = _CHANNEL.search(head)
+        recipient = _RECIPIENT.search(head)
+        to = recipient.group(1) if recipient is not None else ""
+        if to.startswith("functions.") and self._parse_tools:
+            self._kind, self._name = "call", to[len("functions."):]
+        elif to and not to.startswith(("functions.", "assistant")):
+            self._kind = "builtin"  # a built-in tool (python, browser): no function call
+        elif channel is not None and channel.group(1) == "analysis":
+            self._kind = "reasoning"
+        else:
+            self._kind = "content"
+        self._scan = (0, False, False)
 
     def _step(self, out: Delta, final: bool) -> bool:
         buf = self._buf
@@ -106,41 +132,74 @@ class HarmonyParser:
         if self._mode == "header":
             at = buf.find(MESSAGE)
             if at < 0:
-                s = buf.lstrip()
-                if not final and (not s or s.startswith(("<|", " to=", "to=", "assistant"))
-                                  or "<|channel|>".startswith(s) or "<|start|>".startswith(s)):
-                    return False
+                if final or _looks_like_head(buf):
+                    return False  # (finish decides what a header never finished is)
                 self._mode = "plain"
                 return True
-            head, self._buf = buf[:at], buf[at + len(MESSAGE):]
-            channel = _CHANNEL.search(head)
-            recipient = _RECIPIENT.search(head)
-            if recipient is not None and self._parse_tools and \
-                    not recipient.group(1).startswith("assistant"):
-                self._kind, self._name = "call", recipient.group(1)
-            elif channel is not None and channel.group(1) == "analysis":
-                self._kind = "reasoning"
-            else:
-                self._kind = "content"
-            self._mode = "body"
+            self._head(buf[:at])
+            self._buf, self._mode = buf[at + len(MESSAGE):], "body"
             return True
-        # body
-        ends = [(buf.find(e), e) for e in ENDS if e in buf]
-        if ends:
-            at, end = min(ends)
-            body, self._buf = buf[:at], buf[at + (0 if end == "<|start|>" else len(end)):]
+        end = self._call_end(buf, final) if self._kind == "call" else \
+            self._text_end(buf, final)
+        if end is not None:
+            at, marker = end
+            body, self._buf = buf[:at], buf[at + (0 if marker == "<|start|>" else len(marker)):]
             if self._kind == "call":
                 self._call(out, body, cut=False)
-            else:
+            elif self._kind != "builtin":
                 self._emit(out, self._kind, body, final=False)
             self._mode = "header"
             return True
-        if self._kind == "call" or final:
+        if self._kind in ("call", "builtin") or final:
             return False
-        hold = partial_len(buf, ENDS)
+        hold = partial_len(buf, ENDS + STOPS)
+        for stop in STOPS:  # a stop marker waits to see what follows it
+            if buf.endswith(stop):
+                hold = max(hold, len(stop))
         self._buf = buf[len(buf) - hold:] if hold else ""
         self._emit(out, self._kind, buf[:len(buf) - hold], final=False)
         return False
+
+    def _text_end(self, buf: str, final: bool) -> tuple[int, str] | None:
+        """Where a message of text ends: <|end|>, <|start|>, or a stop marker that nothing
+        but a new message follows."""
+        found = [(buf.find(e), e) for e in ENDS if e in buf]
+        for stop in STOPS:
+            at = buf.find(stop)
+            while at >= 0:
+                after = buf[at + len(stop):]
+                if (final and not after.strip()) or after.startswith("<|start|>"):
+                    found.append((at, stop))
+                    break
+                at = buf.find(stop, at + 1)
+        return min(found) if found else None
+
+    def _call_end(self, buf: str, final: bool) -> tuple[int, str] | None:
+        """Where a call's JSON body ends: the first marker outside a JSON string (read on
+        from where the last delta stopped)."""
+        i, in_str, esc = self._scan
+        n = len(buf)
+        while i < n:
+            c = buf[i]
+            if in_str:
+                if esc:
+                    esc = False
+                elif c == "\\":
+                    esc = True
+                elif c == '"':
+                    in_str = False
+            elif c == '"':
+                in_str = True
+            elif c == "<":
+                for e in (*ENDS, *STOPS):
+                    if buf.startswith(e, i):
+                        self._scan = (i, in_str, esc)
+                        return i, e
+                if not final and any(e.startswith(buf[i:]) for e in (*ENDS, *STOPS)):
+                    break  # a marker may be arriving: wait for the next delta
+            i += 1
+        self._scan = (i, in_str, esc)
+        return None
 
 
 HARMONY = Syntax("harmony", (), (), parser=HarmonyParser, models="gpt-oss")

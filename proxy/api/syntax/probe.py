@@ -42,7 +42,8 @@ END_MARKERS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "</s>", "<en
                "<|endoftext|>", "<｜end▁of▁sentence｜>", "<|END_OF_TURN_TOKEN|>", "[e~[",
                "<turn|>", "<|end_of_text|>", "<seed:eos>", "<|call|>", "<|return|>",
                "<|message_sep|>", "<|role_end|>", "</assistant>", "<SPECIAL_12>",
-               "<|eot|>", "<|eom|>", "<end_of_sentence>", "<｜hy_eos:opensource｜>")
+               "<|eot|>", "<|eom|>", "<end_of_sentence>", "<｜hy_eos:opensource｜>",
+               "<|end_of_msg|>")
 
 
 def _assistant(calls: Sequence[tuple[str, dict[str, Any]]],

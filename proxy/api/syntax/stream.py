@@ -12,12 +12,20 @@ split of the text.
   be the start of a block's opener is held back until the next delta decides it, so no
   fragment of call syntax reaches content.
 - Calls: a block's text is gathered whole, up to the first closer after which its body
-  reads as calls (a closer inside a JSON string does not end it), then read by the
-  family's ``Body``. A call goes out whole (id, name, arguments) once its block has
-  closed; a block that does not read as calls goes to content as written, with a
-  warning. At the end of a reply that a stop token ended, an unclosed block is read as
-  it stands; in one the token limit cut (``finish(cut=True)``) it is content: a call
-  the model never finished is never returned.
+  reads as calls (a closer inside a JSON string or a parameter's value does not end
+  it), then read by the family's ``Body``. A call goes out whole (id, name, arguments)
+  once its block has closed; a block that does not read as calls goes to content as
+  written, with a warning. A block that only the family's lenient reader reads (a
+  closer left out) waits for the reply's end, in case a later closer is the real one.
+  At the end of a reply that a stop token ended, an unclosed block is read as it
+  stands (an opener with nothing after it is dropped); in one the token limit cut
+  (``finish(cut=True)``) only the calls written whole before the cut are kept and the
+  rest of the block is dropped: a call the model never finished is never returned,
+  and no fragment of its syntax reaches content (canitoolcall's spec).
+- A block opener inside reasoning that the prompt opened: held back; when the reply
+  ends with the reasoning never closed and that text reads as calls, they are calls
+  (Qwen3.5 starts a call without closing the ``<think>`` its prompt opened), else it
+  was reasoning.
 """
 
 from __future__ import annotations
@@ -25,7 +33,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from proxy.api.syntax.calls import Block, Delta, Syntax, Tools, new_call_id, to_parsed
+from proxy.api.syntax.calls import (
+    Block,
+    Delta,
+    RawCall,
+    Syntax,
+    Tools,
+    leading_calls,
+    new_call_id,
+    to_parsed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +71,15 @@ class BlockParser:
         self._blocks = syntax.blocks if parse_tools else ()
         self._buf = ""
         self._mode = "start"  # start | reasoning | content | block | done
-        self._close = syntax.reasoning[0][1] if syntax.reasoning else ""
+        # what ends the reasoning: the closers of the pairs that share its opener
+        self._closes = self._closers(syntax.reasoning[0][0]) if syntax.reasoning else ()
         if starts_in_reasoning and syntax.reasoning:
             self._mode = "reasoning"
         self._block: Block | None = None
         self._tried = 0  # where in a block's text the next closer is looked for
         self._failed = -1  # the first closer after which the block did not read
+        self._loose: tuple[int, list[RawCall]] | None = None  # (closer, calls) read leniently
+        self._in_reasoning = starts_in_reasoning and bool(syntax.reasoning)
         self._lead = True  # nothing but whitespace emitted in this segment yet
         self._content_seen = False  # content has begun (Llama 3's bare JSON: not at start)
         self._held_ws = ""  # content's trailing whitespace, out once more text follows
@@ -76,13 +96,15 @@ class BlockParser:
 
     def finish(self, cut: bool = False) -> Delta:
         out = Delta()
-        while self._step(out, final=True):
-            pass
-        if self._mode == "block":
+        while True:
+            while self._step(out, final=True):
+                pass
+            if self._mode != "block":
+                break
             self._end_block(out, cut)
         rest, self._buf = self._buf, ""
         if self._mode == "reasoning":
-            out.reasoning += self._trim_reasoning(rest, final=True)
+            self._end_reasoning(out, rest, cut)
         elif rest:
             self._content(out, rest, final=True)
         self._mode = "done"
@@ -103,15 +125,18 @@ class BlockParser:
 
     def _start(self, final: bool) -> bool:
         stripped = self._buf.lstrip()
-        for open_, close in self.syntax.reasoning:
+        for open_, _ in self.syntax.reasoning:
             if stripped.startswith(open_):
-                self._buf, self._close = stripped[len(open_):], close
+                self._buf, self._closes = stripped[len(open_):], self._closers(open_)
                 self._mode, self._lead = "reasoning", True
                 return True
         if not final and any(o.startswith(stripped) for o, _ in self.syntax.reasoning):
             return False  # empty, or a partial opener: wait
         self._mode = "content"
         return True
+
+    def _closers(self, opener: str) -> tuple[str, ...]:
+        return tuple(c for o, c in self.syntax.reasoning if o == opener)
 
     def _trim_reasoning(self, text: str, final: bool) -> str:
         if self._lead:
@@ -127,20 +152,39 @@ class BlockParser:
 
     def _reasoning(self, out: Delta, final: bool) -> bool:
         buf = self._buf
-        pos = buf.find(self._close)
-        if pos >= 0:
+        found = [(i, c) for i, c in ((buf.find(c), c) for c in self._closes) if i >= 0]
+        if found:
+            pos, close = min(found)
             self._buf = ""
             out.reasoning += self._trim_reasoning(buf[:pos], final=True)
-            self._buf = buf[pos + len(self._close):]
-            self._mode, self._lead = "content", True
+            self._buf = buf[pos + len(close):]
+            self._mode, self._lead, self._in_reasoning = "content", True, False
             return True
         if final:
             return False
-        hold = partial_len(buf, (self._close,))
+        hold = partial_len(buf, self._closes)
+        if self._in_reasoning:  # text from a block opener on waits for the closer
+            opened = [i for i in (buf.find(b.open) for b in self._blocks if not b.at_start)
+                      if i >= 0]
+            hold = len(buf) - min(opened) if opened else max(
+                hold, partial_len(buf, tuple(b.open for b in self._blocks)))
         self._buf = ""
         out.reasoning += self._trim_reasoning(buf[:len(buf) - hold], final=False)
         self._buf += buf[len(buf) - hold:]
         return False
+
+    def _end_reasoning(self, out: Delta, rest: str, cut: bool) -> None:
+        """Reasoning the reply never closed: calls where it ends in a block of them."""
+        if self._in_reasoning and any(rest.lstrip().startswith(b.open) for b in self._blocks
+                                      if not b.at_start):
+            sub = BlockParser(self.syntax, tools=self._tools, make_id=self._make_id,
+                              quiet=True)
+            got = sub.feed(rest)
+            got.extend(sub.finish(cut))
+            if got.tool_calls:
+                out.extend(got)
+                return
+        out.reasoning += self._trim_reasoning(rest, final=True)
 
     def _content(self, out: Delta, text: str, final: bool) -> None:
         """Emit content: whitespace at the very start dropped, trailing whitespace held."""
@@ -188,7 +232,7 @@ class BlockParser:
             if block is None:  # a stray marker: dropped
                 self._buf = rest
                 return True
-            self._block, self._tried, self._failed = block, 0, -1
+            self._block, self._tried, self._failed, self._loose = block, 0, -1, None
             self._buf = (marker + rest) if block.keep_open else rest
             self._mode = "block"
             return True
@@ -213,18 +257,36 @@ class BlockParser:
                 self._tried = max(self._tried, len(buf) - len(block.close) + 1, 0)
                 return False
             if self._failed >= 0 and block.open in buf[self._failed:pos]:
-                # a new block opened after the first closer: this one was malformed
-                self._malformed(out, self._failed + len(block.close))
+                # a new block opened after the first closer: this one ended there
+                self._settle(out)
                 return True
             calls = block.body(buf[:pos], self._tools)
             if calls is not None:
-                out.tool_calls.extend(to_parsed(calls, self._make_id))
-                self._buf = buf[pos + len(block.close):]
-                self._mode, self._block = "content", None
+                self._emit_calls(out, calls, pos + len(block.close))
                 return True
             if self._failed < 0:
                 self._failed = pos
+            if self._loose is None and block.loose is not None:
+                loose = block.loose(buf[:pos], self._tools)
+                if loose is not None:
+                    self._loose = (pos + len(block.close), loose)
             self._tried = pos + 1
+
+    def _emit_calls(self, out: Delta, calls: list[RawCall], end: int) -> None:
+        """The block's calls, and the text after ``end`` back to content."""
+        out.tool_calls.extend(to_parsed(calls, self._make_id))
+        self._buf = self._buf[end:]
+        self._mode, self._block, self._loose = "content", None, None
+
+    def _settle(self, out: Delta) -> None:
+        """A block whose body never read at a closer: its lenient reading, else content."""
+        if self._loose is not None:
+            end, calls = self._loose
+            self._emit_calls(out, calls, end)
+            return
+        block = self._block
+        assert block is not None and block.close is not None
+        self._malformed(out, self._failed + len(block.close))
 
     def _malformed(self, out: Delta, end: int) -> None:
         """The block's text up to ``end`` goes to content as written."""
@@ -234,22 +296,35 @@ class BlockParser:
         if not self._quiet:
             log.warning("a %s tool-call block did not parse; returned as content",
                         self.syntax.name)
-        self._mode, self._block = "content", None
+        self._mode, self._block, self._loose = "content", None, None
         self._content(out, text if block.keep_open else block.open + text, final=False)
 
     def _end_block(self, out: Delta, cut: bool) -> None:
-        """A block still open at the reply's end: its calls, unless the limit cut it."""
+        """A block still open at the reply's end: its calls as it stands, or those written
+        whole before the token limit cut it (the rest dropped)."""
         block = self._block
         assert block is not None
-        text, self._buf = self._buf, ""
+        text = self._buf
         calls = None if cut else block.body(text, self._tools)
-        self._mode, self._block = "content", None
         if calls is not None:
-            out.tool_calls.extend(to_parsed(calls, self._make_id))
+            self._emit_calls(out, calls, len(text))
             return
-        if not cut and not self._quiet:
+        if self._loose is not None:
+            self._settle(out)
+            return
+        if cut or not text.strip() or (block.keep_open and text == block.open):
+            kept = leading_calls(block.body, text, self._tools) if cut else []
+            self._emit_calls(out, kept, len(text))
+            return
+        loose = block.loose(text, self._tools) if block.loose is not None else None
+        if loose is not None:
+            self._emit_calls(out, loose, len(text))
+            return
+        if not self._quiet:
             log.warning("a %s tool-call block did not parse; returned as content",
                         self.syntax.name)
+        self._buf = ""
+        self._mode, self._block = "content", None
         written = text if block.keep_open else block.open + text
         self._lead = self._lead and not self._content_seen
         self._content(out, written, final=True)
