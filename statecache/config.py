@@ -23,8 +23,8 @@ INNER_SYSTEM = ("auto", "fold", "keep")
 TOOL_FORMATS = ("auto", "seed-oss", "qwen3-xml", "glm", "hermes", "hunyuan", "minimax-m2",
                 "deepseek-dsml", "deepseek", "kimi-k2", "kimi-k3", "mistral", "lfm2", "command-r",
                 "apertus", "gemma4", "tool-calls-json", "nemotron-v2", "solar", "minicpm",
-                "gigachat", "firefunction", "functionary-v3.1", "llama3", "pythonic",
-                "harmony", "none")
+                "gigachat", "firefunction", "minimax-m3", "atem", "functionary-v3.1", "llama3",
+                "pythonic", "harmony", "functionary-v3.2", "none")
 HOSTED_TOOLS = ("ignore", "reject")
 SPECULATIVE_SOURCES = ("off", "lookup", "draft", "auto")
 

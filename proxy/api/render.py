@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -39,6 +39,14 @@ import jinja2.ext
 from jinja2.sandbox import SandboxedEnvironment
 
 from proxy.api.chat import ChatMessage, ChatRequest, ToolCall
+from proxy.api.conventions import (
+    SUPPLIED,
+    Conventions,
+    adapt,
+    probe_conventions,
+    reads,
+    supplied_vars,
+)
 from proxy.api.fields import RESERVED_TEMPLATE_VARS
 from proxy.api.inner import (
     fold_inner_system,
@@ -74,9 +82,17 @@ class _IgnoreGeneration(jinja2.ext.Extension):
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # Same signature and defaults as transformers' chat-template tojson.
+    # Same signature and defaults as transformers' chat-template tojson; a generator (a
+    # template's ``tools | map(attribute='function')``) is written as the list it yields,
+    # as llama.cpp's Jinja engine does
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+                      sort_keys=sort_keys, default=_listed)
+
+
+def _listed(x: Any) -> Any:
+    if isinstance(x, Iterator):
+        return list(x)
+    raise TypeError(f"Object of type {type(x).__name__} is not JSON serializable")
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -110,6 +126,9 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.defaults = keep_thinking_defaults(source)
+        # how it wants a turn of tool calls written (proxy/api/conventions.py)
+        self.conventions = Conventions()
+        self.conventions = probe_conventions(self._render, reads(source, SUPPLIED))
         # what the template does with a system message after the first, and so whether
         # such messages are folded (proxy/api/inner.py)
         self.inner = probe_inner_system(self.render)
@@ -126,10 +145,17 @@ class ChatTemplate:
                template_kwargs: Mapping[str, Any] | None = None,
                add_generation_prompt: bool = True) -> str:
         """The prompt text; any failure of the template is a ValueError (a 400)."""
+        return self._render(adapt(messages, self.conventions), tools, add_generation_prompt,
+                            self.conventions, template_kwargs)
+
+    def _render(self, messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[Mapping[str, Any]] | None, add_generation_prompt: bool,
+                conv: Conventions, template_kwargs: Mapping[str, Any] | None = None) -> str:
         extra = {**self.defaults, **(template_kwargs or {})}
         clash = RESERVED_TEMPLATE_VARS & extra.keys()
         if clash:
             raise ValueError(f"template kwargs may not set {', '.join(sorted(clash))}")
+        extra = {**supplied_vars(conv, tools), **extra}
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages],

@@ -21,12 +21,12 @@ the grammar cannot enforce is a 400 naming the request field at fault.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from proxy.api.chat import ChatRequest, Constraint
 from proxy.api.fields import ApiError
+from proxy.api.forced import family_grammar
 from proxy.api.reply import CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN
 from proxy.api.syntax.calls import Syntax
 from proxy.api.syntax.forms import CallForm
@@ -77,8 +77,9 @@ def reply_grammar(*, json_schema: Mapping[str, Any] | None, json_path: str,
     for k, t in callable_:  # checked where they sit, before they are wrapped in a call
         check_schema(_parameters(t), f"{tools_path}[{k}].{params_key}")
     if form is not None:
-        return family_grammar(form, callable_, json_schema, json_path, forced, parallel,
-                              tools_path, params_key)
+        return family_grammar(form, [(k, _name(t), _parameters(t)) for k, t in callable_],
+                              json_schema, json_path, forced, parallel, tools_path,
+                              params_key)
     parts = [SchemaPart(_call_schema(t), f"{tools_path}[{k}].{params_key}",
                         f"call-{k}") for k, t in callable_]
     if json_schema is not None:
@@ -100,76 +101,6 @@ def reply_grammar(*, json_schema: Mapping[str, Any] | None, json_path: str,
         out.append(text_without("free-text", CALL_OPEN))
         out.append("root ::= free-text tool-call-block?")
     return "\n".join(out)
-
-
-def family_grammar(form: CallForm, callable_: list[tuple[int, Mapping[str, Any]]],
-                   json_schema: Mapping[str, Any] | None, json_path: str, forced: bool,
-                   parallel: bool, tools_path: str, params_key: str) -> str:
-    """``reply_grammar`` for a family's own form of a call (proxy/api/syntax/forms.py):
-    JSON arguments by the tool's schema, or each parameter by its property's schema
-    (a string as text up to the parameter's closer, anything else as JSON)."""
-    parts: list[SchemaPart] = []
-    calls: list[str] = []
-    out: list[str] = []
-    closer = form.param_close.strip()
-    closer = closer[:closer.find(">") + 1] if ">" in closer else closer
-    for k, t in callable_:
-        path = f"{tools_path}[{k}].{params_key}"
-        head = literal(form.prefix + _name(t) + form.middle)
-        if form.json_args:
-            parts.append(SchemaPart(_parameters(t), path, f"args-{k}"))
-            calls.append(f"{head} @{len(parts) - 1} {literal(form.suffix)}")
-            continue
-        params = _parameters(t)
-        props = params.get("properties") or {}
-        required = set(params.get("required") or ())
-        seq = []
-        for p, schema in props.items():
-            if _is_string(schema):
-                value = "param-text"
-            else:
-                parts.append(SchemaPart(schema, f"{path}.properties.{p}", f"arg-{k}-{p}"))
-                value = f"@{len(parts) - 1}"
-            item = f"( {literal(form.param_open + p + form.param_middle)} {value} " \
-                   f"{literal(form.param_close)} )"
-            seq.append(item if p in required else item + "?")
-        calls.append(f"{head} {' '.join(seq)} {literal(form.suffix)}")
-    if json_schema is not None:
-        parts.append(SchemaPart(json_schema, json_path, "json-reply"))
-    names, rules = schema_rules(parts) if parts else ([], "")
-    out.append(rules)
-    if any("param-text" in c for c in calls):
-        if not closer or closer[0] in closer[1:]:
-            raise SchemaError("tool_choice", "this model's tool-call syntax cannot be "
-                              "forced by a grammar here")
-        out.append(text_without("param-text", closer))
-    resolved = [_refs(c, names) for c in calls]
-    if callable_:
-        out.append(f"tool-call-block ::= {' | '.join(f'( {c} )' for c in resolved)}")
-        many = f" ( {literal(chr(10))}? tool-call-block )*" if parallel else ""
-        out.append(f"tool-calls ::= tool-call-block{many}")
-    if forced:
-        out.append("root ::= tool-calls")
-    elif json_schema is not None:
-        out.append(f"root ::= {names[-1]}" + (" | tool-calls" if callable_ else ""))
-    else:  # parallel_tool_calls false: text, then at most one call
-        opener = form.prefix[:max(form.prefix.find(">") + 1, 1)] if form.prefix else ""
-        if len(opener) < 2 or opener[0] in opener[1:]:
-            raise SchemaError("parallel_tool_calls", "this model's tool-call syntax cannot "
-                              "be limited to one call by a grammar here")
-        out.append(text_without("free-text", opener))
-        out.append("root ::= free-text tool-call-block?")
-    return "\n".join(out)
-
-
-def _refs(call: str, names: Sequence[str]) -> str:
-    """``@k`` placeholders as the names of the schema rules."""
-    return re.sub(r"@(\d+)", lambda m: names[int(m.group(1))], call)
-
-
-def _is_string(schema: object) -> bool:
-    return isinstance(schema, Mapping) and schema.get("type") == "string" and not (
-        set(schema) - {"type", "description", "title", "examples", "default"})
 
 
 def _callable(tools: Sequence[Mapping[str, Any]], name: str | None, tools_path: str,
@@ -245,13 +176,12 @@ def in_family(chat: ChatRequest, syntax: Syntax, form: CallForm | None) -> ChatR
         or not c.parallel)
     if form is None and calls and syntax.name not in ("hermes", "none"):
         raise ApiError(f"this model writes tool calls in the {syntax.name} syntax, which "
-                       "cannot be forced by a grammar here yet", "tool_choice")
+                       "cannot be forced by a grammar here", "tool_choice")
     grammar = constraint(json_schema=c.json_schema, json_path=c.json_path, tools=c.tools,
                          tool_choice=c.tool_choice, parallel=c.parallel,
                          params_key=c.params_key, form=form if calls else None)
-    reasoning = syntax.reasoning[0] if syntax.reasoning else None
     return dataclasses.replace(chat, sampling=dataclasses.replace(
-        chat.sampling, grammar=grammar, reasoning=reasoning))
+        chat.sampling, grammar=grammar, reasoning=syntax.grammar_reasoning))
 
 
 def _top(path: str) -> str:

@@ -210,6 +210,8 @@ class Params:
             if self.trim:
                 value = value[1:] if value.startswith("\n") else value
                 value = value[:-1] if value.endswith("\n") else value
+            if value.startswith("<![CDATA[") and value.endswith("]]>"):
+                value = value[9:-3]  # text MiniCPM wraps (a value with a line break)
             key = m.group("key").strip()
             pairs.append((key, value))
             if m.groupdict().get("raw") in ("true", "string"):

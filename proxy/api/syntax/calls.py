@@ -99,6 +99,16 @@ class Syntax:
     # same arguments as stream.BlockParser
     parser: Callable[..., Any] | None = None
     models: str = ""  # the families of models that write it, for people to read
+    # text a template of the family writes around the tools it offers: names the family
+    # where the template renders no calls of past turns (LFM2's <|tool_list_start|>)
+    hints: tuple[str, ...] = ()
+    # the reasoning a grammar lets the model write before a forced call, where it is not
+    # the first reasoning pair (Harmony's analysis message)
+    lazy: tuple[str, str] | None = None
+
+    @property
+    def grammar_reasoning(self) -> tuple[str, str] | None:
+        return self.lazy or (self.reasoning[0] if self.reasoning else None)
 
 
 def to_parsed(calls: Sequence[RawCall], make_id: Callable[[], str]) -> list[ParsedToolCall]:

@@ -12,7 +12,13 @@ from collections.abc import Sequence
 
 from proxy.api.syntax.bodies import NameThenJson, Params, json_calls, keyed_calls
 from proxy.api.syntax.calls import Block, Body, RawCall, Syntax, Tools
-from proxy.api.syntax.notations import XtmlCalls, gemma_calls, pythonic_calls
+from proxy.api.syntax.notations import (
+    MINIMAX_NS,
+    MinimaxM3Calls,
+    XtmlCalls,
+    gemma_calls,
+    pythonic_calls,
+)
 
 THINK = (("<think>", "</think>"),)
 S = re.DOTALL
@@ -158,12 +164,13 @@ PYTHONIC = Syntax(
 
 LFM2 = Syntax(
     "lfm2", (Block("<|tool_call_start|>", "<|tool_call_end|>", pythonic_calls),), THINK,
-    models="LFM2, LFM2.5")
+    models="LFM2, LFM2.5", hints=("<|tool_list_start|>",))
 
 COMMAND_R = Syntax(
     "command-r",
     (Block("<|START_ACTION|>", "<|END_ACTION|>", json_calls),
-     Block("Action: ```json", "```", json_calls)),
+     Block("Action: ```json", "```", json_calls),
+     Block("Action:\n```json", "```", json_calls)),
     (("<|START_THINKING|>", "<|END_THINKING|>"),),
     drop=("<|START_RESPONSE|>", "<|END_RESPONSE|>"), models="Command R, R+, R7B, Cohere 2")
 
@@ -203,14 +210,40 @@ MINICPM = Syntax(
         trim=False, closed=False), keep_open=True),), THINK, models="MiniCPM 5")
 
 GIGACHAT = Syntax(
-    "gigachat", (Block("<|function_call|>", None, json_calls),
-                 Block("function call<|role_sep|>", None, json_calls)),
+    "gigachat", (Block("<|function_call|>", "<|message_sep|>", json_calls),
+                 Block("function call<|role_sep|>", "<|message_sep|>", json_calls)),
     (), drop=("<|message_sep|>",), models="GigaChat 3")
 
+def _listed(text: str, tools: Tools | None) -> list[RawCall] | None:
+    """The calls of a JSON list whose "[" is the opener's."""
+    return json_calls("[" + text, tools)
+
+
 FIREFUNCTION = Syntax(
-    "firefunction", (Block(" functools[", None, json_calls),
-                     Block("functools[", None, json_calls)), (),
-    models="FireFunction v2")
+    "firefunction", (Block("functools[", None, _listed),), (), models="FireFunction v2")
+
+MINIMAX_M3 = Syntax(
+    "minimax-m3",
+    (Block(MINIMAX_NS + "<tool_call>", MINIMAX_NS + "</tool_call>", MinimaxM3Calls()),),
+    (("<mm:think>", "</mm:think>"),), models="MiniMax M3")
+
+
+def _recipient(text: str, tools: Tools | None) -> list[RawCall] | None:
+    """A message header's recipient (`` to=NAME<|message|>``): no call of its own."""
+    return [] if re.fullmatch(r"[\w.\-]+", text) else None
+
+
+# Muse Glimmer's ATEM: messages <|start|>assistant to=RECIPIENT<|message|>BODY<|eom|>,
+# reasoning to=self, the answer to=user, calls in an <atem:function_calls> body
+MUSE = Syntax(
+    "atem",
+    (Block("<atem:function_calls>", "</atem:function_calls>", Params(
+        re.compile(r'\s*<atem:invoke name="(?P<name>[^"]+)">(?P<inner>.*?)</atem:invoke>', S),
+        re.compile(r'\s*<atem:parameter name="(?P<key>[^"]+)">(?P<value>.*?)'
+                   r"</atem:parameter>", S), trim=False)),
+     Block(" to=", "<|message|>", _recipient)),
+    (("to=self<|message|>", "<|eom|>"),), drop=("<|start|>assistant", "<|eom|>"),
+    models="Muse Glimmer")
 
 # No syntax for tool calls: reasoning only (a template that renders no calls).
 PLAIN = Syntax("none", (), THINK)
@@ -220,5 +253,5 @@ PLAIN = Syntax("none", (), THINK)
 BLOCK_SYNTAXES: Sequence[Syntax] = (
     SEED_OSS, QWEN_XML, GLM, HERMES, HUNYUAN, MINIMAX, DSML, DEEPSEEK, KIMI, KIMI_K3, MISTRAL,
     LFM2, COMMAND_R, APERTUS, GEMMA4, TOOL_CALLS_JSON, NEMOTRON_V2, SOLAR, MINICPM,
-    GIGACHAT, FIREFUNCTION, FUNCTIONARY, LLAMA3, PYTHONIC,
+    GIGACHAT, FIREFUNCTION, MINIMAX_M3, MUSE, FUNCTIONARY, LLAMA3, PYTHONIC,
 )

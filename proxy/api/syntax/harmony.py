@@ -202,4 +202,5 @@ class HarmonyParser:
         return None
 
 
-HARMONY = Syntax("harmony", (), (), parser=HarmonyParser, models="gpt-oss")
+HARMONY = Syntax("harmony", (), (), parser=HarmonyParser, models="gpt-oss",
+                 lazy=("<|channel|>analysis<|message|>", "<|end|><|start|>assistant"))

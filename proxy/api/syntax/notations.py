@@ -26,12 +26,29 @@ def _literal(node: ast.expr) -> object:
     return value
 
 
+def _escape_newlines(text: str) -> str:
+    """Line breaks inside string literals escaped: templates render text values as they
+    are (LFM2's ``path='two\nlines'`` with a real line break), which Python refuses."""
+    out, quote, i = [], "", 0
+    while i < len(text):
+        c = text[i]
+        if quote and c == "\\":
+            out.append(text[i:i + 2])
+            i += 2
+            continue
+        if c in "'\"" and (not quote or c == quote):
+            quote = "" if quote else c
+        out.append("\\n" if quote and c == "\n" else c)
+        i += 1
+    return "".join(out)
+
+
 def pythonic_calls(text: str, tools: Tools | None) -> list[RawCall] | None:
     t = text.strip()
     if not (t.startswith("[") and t.endswith("]")):
         return None
     try:
-        tree = ast.parse(t, mode="eval")
+        tree = ast.parse(_escape_newlines(t), mode="eval")
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
     if not isinstance(tree.body, ast.List):
@@ -69,7 +86,9 @@ def _not_string(schema: object) -> bool:
 _Q = '<|"|>'
 
 
-_GEMMA_KEY = re.compile(r"\s*([^:{}\[\],<>]+?)\s*:")  # a bare key, spaces allowed
+# a bare key, spaces allowed (or a JSON one, as a grammar writes objects)
+_GEMMA_KEY = re.compile(r'\s*"?([^:{}\[\],<>"]+?)"?\s*:')
+_DECODER = json.JSONDecoder()
 _GEMMA_WORD = re.compile(r"[^,}\]]*")
 
 
@@ -88,6 +107,9 @@ class _Gemma:
             s = t[self.i + len(_Q):end]
             self.i = end + len(_Q)
             return s
+        if t.startswith('"', self.i):  # a JSON string
+            text, self.i = _DECODER.raw_decode(t, self.i)
+            return text
         if t.startswith("{", self.i):
             return self.obj()
         if t.startswith("[", self.i):
@@ -216,3 +238,97 @@ class XtmlCalls:
             out.append(RawCall(name, args))
             at = m.end()
         return out, text[at:]
+
+
+# -- MiniMax M3: every tag after the namespace token, values nested as elements ---------
+# ]<]minimax[>[<invoke name="NAME">]<]minimax[>[<key>value]<]minimax[>[</key>...
+# ]<]minimax[>[</invoke>; a list is <item> elements, an object its keys' elements
+
+MINIMAX_NS = "]<]minimax[>["
+_M3_TAG = re.compile(r"<(/?)([^<>\s/]+)>")
+
+
+class _M3:
+    def __init__(self, text: str) -> None:
+        self.t, self.i = text, 0
+
+    def tag(self) -> tuple[bool, str] | None:
+        """The element tag at the cursor (closing?, name), read past."""
+        if not self.t.startswith(MINIMAX_NS, self.i):
+            return None
+        m = _M3_TAG.match(self.t, self.i + len(MINIMAX_NS))
+        if m is None:
+            return None
+        self.i = m.end()
+        return m.group(1) == "/", m.group(2)
+
+    def value(self, name: str, schema: object) -> object:
+        """The value of element ``name`` whose opening tag was read, with its closer."""
+        start = self.i
+        children: list[tuple[str, object]] = []
+        while True:
+            if not children:  # text runs to the next namespace token
+                nxt = self.t.find(MINIMAX_NS, self.i)
+                self.i = len(self.t) if nxt < 0 else nxt
+            at = self.i
+            t = self.tag()
+            if t is None:
+                raise ValueError("expected an element")
+            closing, tag = t
+            if closing:
+                if tag != name:
+                    raise ValueError("mismatched element")
+                if not children:  # text: up to the closer
+                    return typed(self.t[start:at], schema)
+                if all(k == "item" for k, _ in children):
+                    return [v for _, v in children]
+                return dict(children)
+            if self.t[start:at].strip() and not children:
+                raise ValueError("text before an element")
+            children.append((tag, self.value(tag, _sub(schema, tag))))
+            start = self.i
+
+
+def _sub(schema: object, key: str) -> object:
+    if not isinstance(schema, Mapping):
+        return None
+    if key == "item":
+        return schema.get("items")
+    props = schema.get("properties")
+    return props.get(key) if isinstance(props, Mapping) else None
+
+
+_M3_INVOKE = re.compile(r'\s*' + re.escape(MINIMAX_NS) + r'<invoke name="(?P<name>[^"]*)">')
+
+
+class MinimaxM3Calls:
+    """MiniMax M3's calls: values as nested elements, each tag after the namespace token
+    (so a value may hold tag-like text), typed by the tool's schema."""
+
+    def __call__(self, text: str, tools: Tools | None) -> list[RawCall] | None:
+        calls, rest = self._read(text, tools)
+        return calls if calls and not rest.strip() else None
+
+    def leading(self, text: str, tools: Tools | None) -> list[RawCall]:
+        return self._read(text, tools)[0]
+
+    def _read(self, text: str, tools: Tools | None) -> tuple[list[RawCall], str]:
+        out: list[RawCall] = []
+        at = 0
+        while True:
+            m = _M3_INVOKE.match(text, at)
+            if m is None:
+                return out, text[at:]
+            p = _M3(text)
+            p.i = m.end()
+            name = m.group("name")
+            try:
+                value = p.value("invoke", tool_parameters(tools, name))
+            except (ValueError, RecursionError):
+                return out, text[at:]
+            if value == "":
+                value = {}
+            if not isinstance(value, dict):
+                return out, text[at:]
+            out.append(RawCall(name, value))
+            at = p.i

@@ -6,8 +6,9 @@ reasoning and known tool calls (two, else one: Llama 3.1's template refuses two)
 text after the generation prompt is what the model would have written; each family's
 parser reads it in turn, and the first that gets the probe's calls back exactly (names,
 and arguments typed by the probe tool's schema) is the template's syntax. A template
-that renders no calls gets ``none`` (reasoning only), unless ``model.tool_format``
-names one.
+that renders no calls gets the family whose marks it writes around the tools it offers
+(LFM2's ``<|tool_list_start|>``), else ``none`` (reasoning only), unless
+``model.tool_format`` names one.
 """
 
 from __future__ import annotations
@@ -20,19 +21,21 @@ from typing import Any
 from proxy.api.syntax.calls import Syntax
 from proxy.api.syntax.families import BLOCK_SYNTAXES, PLAIN
 from proxy.api.syntax.harmony import HARMONY
+from proxy.api.syntax.recipients import FUNCTIONARY_V32
 from proxy.api.syntax.stream import parse
 
 log = logging.getLogger(__name__)
 
-ALL: tuple[Syntax, ...] = (*BLOCK_SYNTAXES, HARMONY)
+ALL: tuple[Syntax, ...] = (*BLOCK_SYNTAXES, HARMONY, FUNCTIONARY_V32)
 BY_NAME: Mapping[str, Syntax] = {s.name: s for s in (*ALL, PLAIN)}
 TOOL_FORMATS = ("auto", *BY_NAME)
 
 PROBE_TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"},
-                                                    "limit": {"type": "integer"}},
-                   "required": ["path"]}}}]
+    "parameters": {"type": "object", "properties": {
+        "path": {"type": "string", "description": "the file"},
+        "limit": {"type": "integer", "description": "lines at most"}},
+        "required": ["path"]}}}]
 _CALLS = (("zqcA1b2C3", {"path": "zqp1.py", "limit": 5}), ("zqcZ9y8X7", {"path": "zqp2.py"}))
 
 Render = Callable[..., str]  # ChatTemplate.render
@@ -41,9 +44,9 @@ Render = Callable[..., str]  # ChatTemplate.render
 END_MARKERS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "</s>", "<end_of_turn>",
                "<|endoftext|>", "<｜end▁of▁sentence｜>", "<|END_OF_TURN_TOKEN|>", "[e~[",
                "<turn|>", "<|end_of_text|>", "<seed:eos>", "<|call|>", "<|return|>",
-               "<|message_sep|>", "<|role_end|>", "</assistant>", "<SPECIAL_12>",
-               "<|eot|>", "<|eom|>", "<end_of_sentence>", "<｜hy_eos:opensource｜>",
-               "<|end_of_msg|>")
+               "<|role_end|>", "</assistant>", "<SPECIAL_12>",
+               "<|eot|>", "<end_of_sentence>", "<｜hy_eos:opensource｜>",
+               "<|end_of_msg|>", "<|tool_response>")
 
 
 def _assistant(calls: Sequence[tuple[str, dict[str, Any]]],
@@ -54,6 +57,33 @@ def _assistant(calls: Sequence[tuple[str, dict[str, Any]]],
                             "arguments": args} for cid, args in calls]}
 
 
+def _common(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _after_prompt(prompt: str, text: str, at: int) -> int:
+    """Where the reply starts in a turn that parts from the generation prompt at ``at``.
+    A prompt that closes reasoning empty (thinking off: ``<think></think>``) is followed
+    by what the turn writes after its own closer (the reasoning of past turns is not the
+    model's to write now); else the turn parts from it inside a tag at most (an opened
+    ``<think>`` written otherwise), so back to the last tag's or line's end."""
+    start = at
+    if prompt.rfind("<", 0, at) > prompt.rfind(">", 0, at):  # parted inside a tag
+        start = prompt.rfind("<", 0, at)
+    rest = prompt[start:]
+    for k in range(len(rest)):
+        closer = rest[k:]
+        tag = closer.strip()
+        if len(tag) >= 3 and tag[0] in "<[" and tag[-1] in ">]":  # whole tags only
+            found = text.find(closer, start)
+            if found >= 0:
+                return found + len(closer)
+    return max(text.rfind(">", 0, at), text.rfind("\n", 0, at), text.rfind("]", 0, at)) + 1
+
+
 def probe_reply(render: Render, calls: Sequence[tuple[str, dict[str, Any]]],
                 stops: Sequence[str] = (), reasoning: str | None = "zqreason") -> str | None:
     """The text the template renders for an assistant turn of ``calls``, from where its
@@ -61,17 +91,30 @@ def probe_reply(render: Render, calls: Sequence[tuple[str, dict[str, Any]]],
     head = [{"role": "system", "content": "zqsys"}, {"role": "user", "content": "zquser"}]
     try:
         prompt = render(head, tools=PROBE_TOOLS)
+        bare = render(head, tools=PROBE_TOOLS, add_generation_prompt=False)
         text = render([*head, _assistant(calls, reasoning)], tools=PROBE_TOOLS,
                       add_generation_prompt=False)
     except ValueError:
         return None
-    at = 0
-    while at < min(len(prompt), len(text)) and prompt[at] == text[at]:
-        at += 1
-    if at < len(prompt):  # the generation prompt goes on (an opened <think>): the turn
-        # parts from it inside a tag at most, so back to the last tag's or line's end
-        at = max(text.rfind(">", 0, at), text.rfind("\n", 0, at), text.rfind("]", 0, at)) + 1
+    # the turn starts where the text leaves the conversation before it; where it starts
+    # with the generation prompt itself, the reply follows that
+    gen = prompt[len(bare):] if prompt.startswith(bare) else ""
+    split = _common(text, bare)
+    at = text.rfind(gen, 0, split + len(gen)) if gen.strip() else -1
+    if at >= 0 and at + len(gen) > split:
+        at += len(gen)
+    else:
+        at = _common(prompt, text)
+        if at < len(prompt):
+            at = _after_prompt(prompt, text, at)
     reply = text[at:]
+    # text the template writes after the last message (Command R+'s closing system
+    # turn) is not the model's
+    trailer = bare[bare.rfind("zquser") + len("zquser"):]
+    for marker in END_MARKERS:
+        trailer = trailer.removeprefix(marker)
+    if len(trailer.strip()) >= 16 and trailer in reply:
+        reply = reply[:reply.find(trailer)]
     ends = [i for i in (reply.find(m) for m in (*stops, *END_MARKERS) if m) if i >= 0]
     return reply[:min(ends)] if ends else reply
 
@@ -88,7 +131,11 @@ def probe_syntax(render: Render, stops: Sequence[str] = ()) -> Syntax:
             got = parse(syntax, reply, tools=PROBE_TOOLS, quiet=True).tool_calls
             if [(c.name, json.loads(c.arguments)) for c in got] == want:
                 return syntax
-    return PLAIN
+    try:
+        offered = render([{"role": "user", "content": "zquser"}], tools=PROBE_TOOLS)
+    except ValueError:
+        return PLAIN
+    return next((s for s in ALL if any(h in offered for h in s.hints)), PLAIN)
 
 
 def syntax_for(render: Render, tool_format: str = "auto", stops: Sequence[str] = ()
