@@ -22,7 +22,8 @@ from typing import Any
 from proxy.engine.binding import SchemaRules, check_grammar
 
 __all__ = ["ANNOTATIONS", "HANDLED", "SchemaError", "check_grammar", "check_schema",
-           "literal", "schema_rules", "text_without", "after_reasoning", "SchemaPart"]
+           "literal", "schema_rules", "text_without", "after_reasoning", "may_reason_first",
+           "SchemaPart"]
 
 # Keywords the converter enforces, and those that only describe (safe to ignore).
 HANDLED = frozenset({"type", "properties", "required", "additionalProperties", "items",
@@ -101,6 +102,17 @@ def after_reasoning(grammar: str, close: str, root: str = "root") -> tuple[str, 
     grammar text and the name of its new root rule."""
     rules = [grammar, text_without("reasoning-text", close),
              f"reasoned-root ::= reasoning-text {literal(close)} [ \\t\\n]{{0,4}} {root}"]
+    return "\n".join(rules), "reasoned-root"
+
+
+def may_reason_first(grammar: str, open_: str, close: str, root: str = "root"
+                     ) -> tuple[str, str]:
+    """The grammar for a reply that may open a reasoning block itself before ``root``
+    (a thinking model whose template leaves the choice to it): the grammar starts at
+    what follows the reasoning, as llama.cpp's lazy grammars start at their trigger."""
+    rules = [grammar, text_without("reasoning-text", close),
+             f"reasoned-root ::= ( {literal(open_)} reasoning-text {literal(close)} "
+             f"[ \\t\\n]{{0,4}} )? {root}"]
     return "\n".join(rules), "reasoned-root"
 
 

@@ -23,13 +23,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from proxy.engine.binding import Context, Model, SamplerChain
-from proxy.engine.grammar import after_reasoning
+from proxy.engine.grammar import after_reasoning, may_reason_first
 from proxy.engine.types import SamplingParams
 from statecache.config import SamplingConfig
 
@@ -141,10 +142,17 @@ def starts_in_reasoning(prompt_tail: str, tags: tuple[str, str]) -> bool:
     return prompt_tail.rfind(tags[0]) > prompt_tail.rfind(tags[1])
 
 
+def closed_empty(prompt_tail: str, tags: tuple[str, str]) -> bool:
+    """Whether the prompt ends in an empty reasoning block (thinking switched off)."""
+    pattern = re.escape(tags[0].strip()) + r"\s*" + re.escape(tags[1].strip()) + r"\s*$"
+    return re.search(pattern, prompt_tail) is not None
+
+
 def resolve(params: SamplingParams, base: Mapping[str, float | int], *,
             prompt_tail: str = "") -> ChainSpec:
     """The request's values over ``base`` (from ``defaults``), its grammar made to follow
-    the reasoning a thinking template opened in the prompt."""
+    the reasoning a thinking template opened in the prompt, or to allow the reasoning a
+    model may open itself where the prompt leaves it the choice."""
     values: dict[str, object] = {}
     for f in dataclasses.fields(ChainSpec):
         if f.name in base:
@@ -153,6 +161,9 @@ def resolve(params: SamplingParams, base: Mapping[str, float | int], *,
     grammar, root = params.grammar, "root"
     if grammar and params.reasoning and starts_in_reasoning(prompt_tail, params.reasoning):
         grammar, root = after_reasoning(grammar, params.reasoning[1])
+    elif grammar and params.reasoning and not closed_empty(prompt_tail, params.reasoning):
+        # the template left reasoning to the model (thinking on, the block not opened)
+        grammar, root = may_reason_first(grammar, *params.reasoning)
     return ChainSpec(**values,  # type: ignore[arg-type]
                      dry_sequence_breakers=params.dry_sequence_breakers or DRY_BREAKERS,
                      seed=params.seed, logit_bias=params.logit_bias, grammar=grammar,

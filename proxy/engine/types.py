@@ -33,7 +33,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias); -inf bans the token
     grammar: str = ""  # GBNF with a rule "root" that the whole reply must match
     # (open, close) of the template's reasoning block: when the prompt leaves the reply
-    # inside one, the reply may reason first and the grammar applies after ``close``
+    # inside one, the reply may reason first and the grammar applies after ``close``;
+    # when it leaves the choice to the model, the reply may open one first
     reasoning: tuple[str, str] | None = None
     speculative: bool | None = None  # False: no drafting for this request
 
