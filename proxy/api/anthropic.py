@@ -23,7 +23,8 @@ Mapping:
   call, proxy/api/structured.py); ``disable_parallel_tool_use`` allows one call at most.
 - ``output_config.format`` (``{"type": "json_schema", "schema": ...}``) constrains the
   reply to JSON that validates against the schema; ``output_config.effort`` is ignored.
-- ``thinking: {"type": "disabled"}`` sets the template's ``enable_thinking`` to false.
+- ``thinking`` switches the template's reasoning on or off, and ``budget_tokens`` bounds it
+  (proxy/api/thinking.py).
 - ``cache_control`` (on a tool, a system block or a content block) is a breakpoint: the
   prompt up to the end of that block is kept as a checkpoint, held above ordinary ones
   for its ``ttl`` ("5m", the default, or "1h"); at most four, as Anthropic allows. A
@@ -59,10 +60,10 @@ from proxy.api.fields import (
 )
 from proxy.api.sampling import grammar_fields
 from proxy.api.structured import constrained, constraint, json_format, spec
+from proxy.api.thinking import anthropic_thinking
 from proxy.engine.types import SamplingParams
 
 MAX_STOP_SEQUENCES = 16
-_THINKING_ON = ("enabled", "adaptive", "between_tools")
 _SERVER_TOOL_HINT = "only client tools (name, description, input_schema) are supported"
 
 
@@ -134,18 +135,6 @@ def _tool_choice(v: object) -> str | Mapping[str, Any] | None:
                    "{\"type\": \"tool\", \"name\": ...}", "tool_choice")
 
 
-def _thinking_kwargs(v: object) -> dict[str, Any]:
-    if v is None:
-        return {}
-    kind = obj(v, "thinking").get("type")
-    if kind == "disabled":
-        return {"enable_thinking": False}
-    if kind in _THINKING_ON:
-        return {}
-    raise ApiError(f"'thinking.type' must be one of {', '.join(_THINKING_ON)} or 'disabled'",
-                   "thinking.type")
-
-
 def _stop_sequences(body: Mapping[str, Any]) -> tuple[str, ...]:
     v = body.get("stop_sequences")
     if v is None:
@@ -199,7 +188,7 @@ def parse_messages_request(body: object, *, count_only: bool = False,
     # a top-level cache_control: the breakpoint goes on the last block of the conversation
     last = messages[-1]
     marks.breakpoint(body, "request", len(messages) - 1, len(last.content or ""))
-    kwargs = {**_thinking_kwargs(body.get("thinking")), **template_kwargs(body)}
+    kwargs = template_kwargs(body)
     grammar = constraint(json_schema=_output_format(body),
                          json_path="output_config.format.schema", tools=tools,
                          tool_choice=choice, parallel=_parallel(body.get("tool_choice")),
@@ -223,4 +212,5 @@ def parse_messages_request(body: object, *, count_only: bool = False,
         marks=tuple(marks.marks),
         session=session,
         ignored_tools=tuple(ignored),
+        thinking=anthropic_thinking(body.get("thinking")),
     )

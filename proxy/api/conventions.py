@@ -41,12 +41,12 @@ _STRING = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.S)
 
 
 def reads(source: str, names: Sequence[str]) -> frozenset[str]:
-    """Which of ``names`` a template reads without setting them itself: named in its
-    expressions and statements, outside their string literals (a look at its source:
-    jinja2.meta's full analysis would double the cost of loading it)."""
+    """Which of ``names`` a template reads as variables: named in its expressions and
+    statements, outside their string literals, not as an attribute (``message.thinking``)
+    (a look at its source: jinja2.meta's full analysis would double the cost of loading
+    it). A template that sets one where the caller left it undefined still reads it."""
     code = " ".join(_STRING.sub("''", c) for c in _CODE.findall(source))
-    return frozenset(n for n in names if re.search(rf"\b{n}\b", code)
-                     and not re.search(rf"\bset\s+{n}\s*=", code))
+    return frozenset(n for n in names if re.search(rf"(?<![.\w]){n}\b", code))
 
 
 def adapt(messages: Sequence[Mapping[str, Any]], conv: Conventions) -> list[dict[str, Any]]:

@@ -42,6 +42,7 @@ from proxy.api.fields import (
 )
 from proxy.api.sampling import chat_logprobs, completion_logprobs, parse_sampling
 from proxy.api.structured import constrained, constraint, json_format, spec
+from proxy.api.thinking import chat_thinking
 
 _ROLES = {"system": "system", "developer": "system", "user": "user",
           "assistant": "assistant", "tool": "tool"}
@@ -195,6 +196,7 @@ def parse_chat_request(body: object) -> ChatRequest:
         max_tokens=max_tokens,
         marks=tuple(marks),
         session=session_key(body.get("prompt_cache_key"), "prompt_cache_key"),
+        thinking=chat_thinking(body),
     )
 
 

@@ -57,6 +57,7 @@ from proxy.api.inner import (
 )
 from proxy.api.syntax.forms import derive_form
 from proxy.api.syntax.probe import syntax_for
+from proxy.api.thinking import switches_of, template_switches
 
 VENDOR_TEMPLATES = Path(__file__).resolve().parents[2] / "vendor" / "templates"
 FALLBACK_TEMPLATE = VENDOR_TEMPLATES / "gemma3.jinja"
@@ -126,6 +127,7 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.defaults = keep_thinking_defaults(source)
+        self.switches = switches_of(source)  # its reasoning variables (proxy/api/thinking.py)
         # how it wants a turn of tool calls written (proxy/api/conventions.py)
         self.conventions = Conventions()
         self.conventions = probe_conventions(self._render, reads(source, SUPPLIED))
@@ -233,7 +235,8 @@ def render_chat(template: ChatTemplate, req: ChatRequest, *,
     messages = fold_inner_system(req.messages) if template.fold_inner else req.messages
     if template.merge_runs:
         messages = merge_runs(messages)
+    kwargs = {**template_switches(req.thinking, template.switches), **req.template_kwargs}
     return template.render(escape([template_message(m) for m in messages]),
                            tools=escape(req.tools),
-                           template_kwargs=escape(dict(req.template_kwargs)),
+                           template_kwargs=escape(kwargs),
                            add_generation_prompt=add_generation_prompt)

@@ -26,7 +26,8 @@ Mapping:
   forced choice is a grammar.
 - ``text.format`` json_object / json_schema constrains the reply to JSON (as chat's
   ``response_format``); ``text.verbosity`` is accepted.
-- ``reasoning.effort: "none"`` sets the template's ``enable_thinking`` to false.
+- ``reasoning.effort`` switches the template's reasoning off ("none") or sets its effort
+  (proxy/api/thinking.py).
 - ``prompt_cache_key`` names the conversation (Codex sends its thread id): lane affinity
   and miss reasons. ``include``, ``metadata``, ``truncation`` are accepted;
   ``background``, ``conversation`` and ``prompt`` are rejected.
@@ -40,7 +41,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.api.chat import ChatMessage, ChatRequest, Constraint, Mark, ToolCall, joined_parts
+from proxy.api.chat import (
+    ChatMessage,
+    ChatRequest,
+    Constraint,
+    Mark,
+    Thinking,
+    ToolCall,
+    joined_parts,
+)
 from proxy.api.fields import (
     ApiError,
     obj,
@@ -53,6 +62,7 @@ from proxy.api.fields import (
 )
 from proxy.api.sampling import grammar_fields
 from proxy.api.structured import constrained, constraint, json_format, spec
+from proxy.api.thinking import from_effort
 from proxy.engine.types import SamplingParams
 
 # Reasoning sent back in ``encrypted_content`` is ours only with this prefix.
@@ -90,6 +100,7 @@ class ResponsesRequest:
     session: str | None = None  # prompt_cache_key
     ignored_tools: tuple[str, ...] = ()  # types of hosted tools left out
     constraint: Constraint | None = None
+    thinking: Thinking | None = None
 
     @property
     def parse_tools(self) -> bool:
@@ -335,8 +346,7 @@ def parse_responses_request(body: object, *, hosted_tools: str = "ignore"
     tools, namespaces = _tools(body.get("tools"), ignored)
     messages, marks = _input(body.get("input"))
     effort = _reasoning_effort(body)
-    kwargs = {**({"enable_thinking": False} if effort == "none" else {}),
-              **template_kwargs(body)}
+    kwargs = template_kwargs(body)
     store = opt_bool(body, "store")
     parallel = opt_bool(body, "parallel_tool_calls")
     choice = _tool_choice(body.get("tool_choice"))
@@ -366,6 +376,7 @@ def parse_responses_request(body: object, *, hosted_tools: str = "ignore"
         user=opt_str(body, "user"),
         metadata=dict(obj(metadata, "metadata")) if metadata is not None else {},
         reasoning_effort=effort,
+        thinking=from_effort(effort, "reasoning.effort"),
         max_tokens=max_tokens,
         marks=marks,
         session=session_key(body.get("prompt_cache_key"), "prompt_cache_key"),
@@ -386,4 +397,4 @@ def chat_request(req: ResponsesRequest, history: tuple[ChatMessage, ...]) -> Cha
                        marks=tuple(Mark(m.message + shift, m.offset, m.ttl)
                                    for m in req.marks),
                        session=req.session, ignored_tools=req.ignored_tools,
-                       constraint=req.constraint)
+                       constraint=req.constraint, thinking=req.thinking)

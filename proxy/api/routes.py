@@ -51,6 +51,7 @@ from proxy.api.responses_events import (
 )
 from proxy.api.streaming import JSON, Chunks, collect, stream
 from proxy.api.structured import in_family
+from proxy.api.thinking import with_budget
 from proxy.engine.types import FinishEvent, GenerationRequest, TokenLogprob
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -111,6 +112,7 @@ async def chat_route(request: web.Request, api: ChatApi[Any]) -> web.StreamRespo
     template = request.app[TEMPLATE]
     chat = in_family(request.app[VOLATILE].apply(api.conversation(request, req, tenant)),
                      template.syntax, template.call_form)
+    chat = with_budget(chat, template.syntax)
     # Rendering and tokenizing a long conversation takes a while: off the event loop.
     p = await asyncio.to_thread(tokenize_chat, engine, request.app[TEMPLATE],
                                 unbounded(chat) if api.fit_max_tokens else chat, tenant)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from proxy.engine.binding import Context, Model, SamplerChain
+from proxy.engine.budget import ReasoningBudget
 from proxy.engine.grammar import after_reasoning, may_reason_first
 from proxy.engine.types import SamplingParams
 from statecache.config import SamplingConfig
@@ -213,10 +214,14 @@ def _window(last_n: int) -> int:
 
 
 class Sampler:
-    """One request's sampling: the exact argmax of the logits, or its chain."""
+    """One request's sampling: the exact argmax of the logits, or its chain; with a
+    reasoning budget, the closer it forces once the budget is spent."""
 
-    def __init__(self, model: Model, spec: ChainSpec, prompt: np.ndarray) -> None:
+    def __init__(self, model: Model, spec: ChainSpec, prompt: np.ndarray,
+                 budget: ReasoningBudget | None = None) -> None:
         self.spec = spec
+        self.budget = budget
+        self._pieces = model.token_bytes
         self.chain: SamplerChain | None = None
         if not spec.exact_argmax:
             self.chain = build_chain(model, spec)
@@ -227,13 +232,27 @@ class Sampler:
 
     @property
     def constrained(self) -> bool:
-        """Whether a grammar constrains the reply: a drafted token would have to pass it
-        too, so speculative decoding should draft nothing for this request."""
-        return bool(self.spec.grammar)
+        """Whether a grammar or a reasoning budget constrains the reply: a drafted token
+        would have to pass them too, so speculative decoding drafts nothing for it."""
+        return bool(self.spec.grammar) or self.budget is not None
 
     def sample(self, ctx: Context, row: int, logits: np.ndarray | None = None) -> int:
         """The next token from output row ``row`` of the last decode, or from ``logits``
         (a row kept apart) where given."""
+        if self.budget is None:
+            return self._sample(ctx, row, logits)
+        tok = self.budget.next_forced()
+        if tok is not None and (self.chain is None or self.chain.allows(tok)):
+            if self.chain is not None:
+                self.chain.take(tok)
+        else:
+            if tok is not None:
+                self.budget.refused()
+            tok = self._sample(ctx, row, logits)
+        self.budget.accept(tok, self._pieces(tok))
+        return tok
+
+    def _sample(self, ctx: Context, row: int, logits: np.ndarray | None) -> int:
         if logits is not None:
             return int(logits.argmax()) if self.chain is None else \
                 self.chain.sample_logits(logits)
@@ -251,10 +270,19 @@ def make_sampler(model: Model, params: SamplingParams, cfg: SamplingConfig,
     """The sampler of a request whose prompt is ``prompt``; ValueError for a logit_bias
     token the vocabulary lacks (llama.cpp would ignore it)."""
     check_logit_bias(params, model.n_vocab)
-    tail = model.detokenize(prompt[-TAIL_TOKENS:].tolist()) \
-        if params.grammar and params.reasoning else ""
+    tail = model.detokenize(prompt[-TAIL_TOKENS:].tolist()) if params.reasoning else ""
     spec = resolve(params, defaults(cfg, model.metadata), prompt_tail=tail)
-    return Sampler(model, spec, prompt)
+    budget = None
+    if params.reasoning_budget is not None and params.reasoning:
+        try:
+            forced = model.tokenize(params.reasoning[1], parse_special=True)
+        except ValueError:  # a closer the vocabulary cannot write: no budget to keep
+            log.warning("the reasoning closer %r is not in this model's vocabulary; the "
+                        "reasoning budget is not kept", params.reasoning[1])
+        else:
+            budget = ReasoningBudget(params.reasoning_budget, params.reasoning, forced,
+                                     starts_in_reasoning(tail, params.reasoning))
+    return Sampler(model, spec, prompt, budget)
 
 
 def check_logit_bias(params: SamplingParams, n_vocab: int) -> None:

@@ -36,6 +36,8 @@ class SamplingParams:
     # inside one, the reply may reason first and the grammar applies after ``close``;
     # when it leaves the choice to the model, the reply may open one first
     reasoning: tuple[str, str] | None = None
+    # most tokens the reply may spend inside ``reasoning`` before its closer is forced
+    reasoning_budget: int | None = None
     speculative: bool | None = None  # False: no drafting for this request
 
     @property

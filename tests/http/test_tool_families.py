@@ -1,6 +1,7 @@
 """Every vendored template that renders tool calls, served for real: the model writes a
 call in its family's own syntax, and the openai and anthropic SDKs get it back as a call
-on all three APIs, streaming and not, with typed arguments.
+on all three APIs, streaming and not, with typed arguments; and a call the server forces
+in the family's own form (tool_choice, after a reasoning budget) reads back as a call.
 
 A random-weight model writes any exact text when a GBNF ``grammar`` forces it: the reply
 is what the template renders for an assistant turn with reasoning and one call of
@@ -45,6 +46,12 @@ ARGS = {"path": "src/a b.py", "limit": 5}
 CALL = (("zqcA1b2C3", ARGS),)
 USER = "Read the file."
 LANES = 4
+# described parameters: Command R+'s template concatenates their descriptions
+PICK = {"name": "pick", "description": "Pick one",
+        "input_schema": {"type": "object", "properties": {
+            "n": {"type": "integer", "description": "how many"},
+            "mode": {"type": "string", "enum": ["fast", "slow"], "description": "how"}},
+            "required": ["n", "mode"]}}
 
 
 def _families() -> list[str]:
@@ -140,8 +147,22 @@ async def _check(name: str, engine: Engine, out: Outcome) -> None:
                 done.append((ev.item.name, ev.item.arguments))
         _calls_ok(done)
 
+    async def forced() -> None:
+        # the server's own grammar, in the family's form, after at most 8 tokens of
+        # reasoning: a random model writes a call that the family's parser reads
+        m = await an.messages.create(
+            model="m", max_tokens=400, messages=user, tools=[PICK],
+            tool_choice={"type": "tool", "name": "pick", "disable_parallel_tool_use": True},
+            thinking={"type": "enabled", "budget_tokens": 8},
+            extra_body={"temperature": 0})
+        calls = [b for b in m.content if b.type == "tool_use"]
+        assert [c.name for c in calls] == ["pick"], m.content
+        assert isinstance(calls[0].input["n"], int), calls[0].input
+        assert calls[0].input["mode"] in ("fast", "slow"), calls[0].input
+
     steps: list[tuple[str, Callable[[], Awaitable[None]]]] = [
-        ("models", models), ("chat", chat), ("anthropic", anthropic), ("responses", responses)]
+        ("models", models), ("chat", chat), ("anthropic", anthropic), ("responses", responses),
+        ("forced", forced)]
     try:
         for label, step in steps:
             try:
