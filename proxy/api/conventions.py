@@ -18,6 +18,8 @@ request and so miss the cache from its first tokens).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +36,7 @@ class Conventions:
     null_content: bool = False  # a turn of calls only gets content None, not ""
     string_arguments: bool = False  # call arguments as JSON text, not an object
     supplied: frozenset[str] = frozenset()  # the SUPPLIED variables the template reads
+    short_ids: bool = False  # call ids of 9 letters and digits (Mistral's templates)
 
 
 _CODE = re.compile(r"\{\{.*?\}\}|\{%.*?%\}", re.S)
@@ -52,17 +55,39 @@ def reads(source: str, names: Sequence[str]) -> frozenset[str]:
 def adapt(messages: Sequence[Mapping[str, Any]], conv: Conventions) -> list[dict[str, Any]]:
     """``messages`` as the template wants them."""
     out = [dict(m) for m in messages]
-    if not (conv.null_content or conv.string_arguments):
+    if not (conv.null_content or conv.string_arguments or conv.short_ids):
         return out
     for m in out:
+        if conv.short_ids and isinstance(m.get("tool_call_id"), str):
+            m["tool_call_id"] = short_id(m["tool_call_id"])
         calls = m.get("tool_calls")
         if not calls:
             continue
+        if conv.short_ids:
+            calls = m["tool_calls"] = [_short_ids(c) for c in calls]
         if conv.null_content and m.get("content") == "":
             m["content"] = None
         if conv.string_arguments:
             m["tool_calls"] = [_string_arguments(c) for c in calls]
     return out
+
+
+_ALNUM = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def short_id(cid: str) -> str:
+    """A call id as 9 letters and digits: itself if it is one (the model's own), else
+    one derived from it, the same for the call and its result."""
+    if len(cid) == 9 and cid.isascii() and cid.isalnum():
+        return cid
+    n = int.from_bytes(hashlib.sha256(cid.encode("utf-8")).digest()[:8], "big")
+    return "".join(_ALNUM[(n >> (6 * k)) % 62] for k in range(9))
+
+
+def _short_ids(call: Any) -> Any:
+    if not isinstance(call, Mapping) or not isinstance(call.get("id"), str):
+        return call
+    return {**call, "id": short_id(call["id"])}
 
 
 def _string_arguments(call: Any) -> Any:
@@ -113,5 +138,44 @@ def probe_conventions(render: Render, supplied: frozenset[str]) -> Conventions:
             except ValueError:
                 continue
             if _PROBE_ARGS["path"] in text:
-                return conv
+                return dataclasses.replace(conv, short_ids=_wants_short_ids(render, msgs,
+                                                                            tools, conv))
     return Conventions(supplied=supplied)
+
+
+def _wants_short_ids(render: Render, msgs: list[dict[str, Any]], tools: Any,
+                     conv: Conventions) -> bool:
+    """Whether the template refuses a call id of another shape than its own 9 letters
+    and digits (Mistral's), which it takes where the id is one."""
+    def renders(cid: str) -> bool:
+        call = {**msgs[-1]["tool_calls"][0], "id": cid}
+        turn = [*msgs[:-1], {**msgs[-1], "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": cid, "content": "zqres"}]
+        try:
+            render(adapt(turn, conv), tools, False, conv)
+        except ValueError:
+            return False
+        return True
+    return renders("zqcA1b2C3") and not renders("call_0123456789abcdefghijklmn")
+
+
+def probe_trailer(render: Render, tools: Sequence[Mapping[str, Any]]) -> str:
+    """Text the template writes after the last message whatever it is (Command R+'s
+    closing instruction turn), or "": the next turn writes its messages where that text
+    was, so the history a later turn can share ends before it."""
+    head = [{"role": "system", "content": "zqsys"}, {"role": "user", "content": "zqa"}]
+    try:
+        a = render(head, tools, False, Conventions())
+        b = render([*head, {"role": "assistant", "content": "zqb"},
+                    {"role": "user", "content": "zqc"}], tools, False, Conventions())
+    except ValueError:
+        return ""
+    if b.startswith(a):
+        return ""
+    at = 0
+    while at < min(len(a), len(b)) and a[at] == b[at]:
+        at += 1
+    if a.rfind("<", 0, at) > a.rfind(">", 0, at):  # parted inside a tag: from its start
+        at = a.rfind("<", 0, at)
+    trailer = a[at:]
+    return trailer if len(trailer.strip()) >= 16 and b.endswith(trailer) else ""

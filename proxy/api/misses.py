@@ -13,7 +13,10 @@ and role there, a short excerpt of each side, and a cause:
 - "system prompt changed", "tools changed", "earlier message edited": the first
   message that differs (or the tools);
 - "reasoning dropped": an assistant message that carried reasoning comes back without;
-- "reply re-rendered differently": the same text (up to whitespace), other tokens;
+- "reply re-rendered differently": the same text (up to whitespace), other tokens; said
+  with the syntax of the template that re-rendered it and an excerpt of each side where
+  the tokens part (a template that writes a call's arguments otherwise than the model
+  did, or drops the reasoning its generation prompt opened);
 - "reply re-tokenized differently": the reply came back as the very text it was streamed
   as, and that text tokenizes to other ids than the model generated (a reply cut by
   ``max_tokens`` inside a UTF-8 character, a byte-fallback vocabulary): ``known`` then
@@ -200,6 +203,12 @@ def _retokenized(seen: Conversation, conv: Conversation, common: int, text: Text
     return bool(old) and new.startswith(old)
 
 
+def _family(conv: Conversation, cause: str) -> str:
+    """The syntax whose template re-rendered a reply (its calls, its reasoning)."""
+    return conv.syntax.name if cause in ("reply re-rendered differently",
+                                         "reasoning dropped") else ""
+
+
 def explain(seen: Conversation, conv: Conversation, common: int,
             text: Text | None = None) -> Divergence:
     """Why ``conv`` leaves the remembered ``seen`` (prompt and reply) at token ``common``;
@@ -221,7 +230,8 @@ def explain(seen: Conversation, conv: Conversation, common: int,
             cause = _cause(old, new, k, tools_changed, opening)
             o, w = (_excerpts(seen.tools, conv.tools) if cause == "tools changed"
                     else _turn_excerpts(old, new))
-            return Divergence(known, cause, common, k, new.role, o, w)
+            return Divergence(known, cause, common, k, new.role, o, w,
+                              family=_family(conv, cause))
     if tools_changed:
         return Divergence(known, "tools changed", common, -1, "",
                           *_excerpts(seen.tools, conv.tools))
@@ -231,8 +241,12 @@ def explain(seen: Conversation, conv: Conversation, common: int,
     if common >= seen.history:  # the same messages; the reply's tokens came back otherwise
         k = len(seen.turns) - 1
         role = conv.turns[k].role if 0 <= k < len(conv.turns) else ""
+        at = max(common - 8, seen.history)  # a few tokens before, in the reply
+        o, w = ("", "") if text is None else _excerpts(text(seen.tokens[at:common + 12]),
+                                                       text(conv.tokens[at:common + 12]))
         return Divergence(known, "reply re-rendered differently", common,
-                          k if role else -1, role)
+                          k if role else -1, role, o, w,
+                          family=_family(conv, "reply re-rendered differently"))
     # the same messages rendered otherwise before the reply (a date in the template)
     return Divergence(known, "system prompt changed", common)
 

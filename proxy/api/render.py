@@ -44,6 +44,7 @@ from proxy.api.conventions import (
     Conventions,
     adapt,
     probe_conventions,
+    probe_trailer,
     reads,
     supplied_vars,
 )
@@ -56,7 +57,7 @@ from proxy.api.inner import (
     takes_runs,
 )
 from proxy.api.syntax.forms import derive_form
-from proxy.api.syntax.probe import syntax_for
+from proxy.api.syntax.probe import PROBE_TOOLS, syntax_for
 from proxy.api.thinking import switches_of, template_switches
 
 VENDOR_TEMPLATES = Path(__file__).resolve().parents[2] / "vendor" / "templates"
@@ -131,6 +132,8 @@ class ChatTemplate:
         # how it wants a turn of tool calls written (proxy/api/conventions.py)
         self.conventions = Conventions()
         self.conventions = probe_conventions(self._render, reads(source, SUPPLIED))
+        # what it writes after the last message whatever it is: not history to share
+        self.trailer = probe_trailer(self._render, PROBE_TOOLS)
         # what the template does with a system message after the first, and so whether
         # such messages are folded (proxy/api/inner.py)
         self.inner = probe_inner_system(self.render)

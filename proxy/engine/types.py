@@ -66,11 +66,15 @@ class Divergence:
     # the prompt holds the whole earlier prompt and its reply as generated: this client
     # sends replies back verbatim, so the next turn will continue from the reply's end
     replayed: bool = False
+    # the tool-call and reasoning syntax of the template that re-rendered a reply
+    family: str = ""
 
     def describe(self) -> str:
         where = f" at token {self.token:,}" if self.token >= 0 else ""
         if self.message >= 0:
             where += f" (message {self.message}, {self.role or '?'})"
+        if self.family:
+            where += f" by the {self.family} template"
         text = f": {self.old!r} -> {self.new!r}" if self.old or self.new else ""
         return f"{self.cause}{where}{text}"
 

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestServer
 from anthropic import AsyncAnthropic
+from gguf import TokenType
 from openai import AsyncOpenAI
 
 from proxy.api.app import create_app
@@ -38,6 +39,8 @@ from proxy.engine.engine import Engine
 from proxy.engine.grammar import literal
 from proxy.models import resolve_model
 from statecache.config import load_config
+from tools.synth_gguf import SPECIAL_IDS, VOCAB
+from tools.tool_families import lost_chars, reuse
 
 pytestmark = [pytest.mark.http, pytest.mark.model]
 
@@ -46,6 +49,8 @@ ARGS = {"path": "src/a b.py", "limit": 5}
 CALL = (("zqcA1b2C3", ARGS),)
 USER = "Read the file."
 LANES = 4
+CANONICAL = {str(i): 100 for i in SPECIAL_IDS.values()} | {
+    str(i): -100 for i, t in enumerate(VOCAB.types) if t == TokenType.BYTE}
 # described parameters: Command R+'s template concatenates their descriptions
 PICK = {"name": "pick", "description": "Pick one",
         "input_schema": {"type": "object", "properties": {
@@ -71,6 +76,15 @@ FAMILIES = _families()
 class Outcome:
     syntax: str = ""
     failures: list[str] = field(default_factory=list)
+    prompt: int = 0  # turn N's prompt tokens
+    reply: int = 0  # ...and its reply's
+    cached: int = -1  # tokens turn N+1 (the call sent back, and its result) reused
+    reuse: str = ""  # what tools/tool_families.py finds turn N+1 keeps, by the text
+    lost: int = 0  # characters of turn N's prompt the template renders otherwise
+    # the reply holds U+2581, which the synthetic vocabulary reads as its space: such a
+    # text never tokenizes back as the model wrote it (DeepSeek's markers; a real
+    # DeepSeek vocabulary has them as special tokens)
+    spaced: bool = False
 
 
 def _calls_ok(calls: list[tuple[str, Any]]) -> None:
@@ -82,10 +96,13 @@ async def _check(name: str, engine: Engine, out: Outcome) -> None:
     app = create_app(engine, template_path=TEMPLATES / name, admin=False)
     tpl = app[TEMPLATE]
     out.syntax = tpl.syntax.name
+    out.reuse = reuse(tpl)
+    out.lost = lost_chars(tpl)
     reply = probe_reply(tpl.render, CALL, (engine.eos_token,))
     if not reply and tpl.call_form is not None:  # a template that lists tools only
         reply = tpl.call_form.write("read_file", ARGS)
     assert reply, name
+    out.spaced = "\u2581" in reply
     server = TestServer(app, host="127.0.0.1", port=0)
     await server.start_server()
     base = f"http://127.0.0.1:{server.port}"
@@ -147,6 +164,26 @@ async def _check(name: str, engine: Engine, out: Outcome) -> None:
                 done.append((ev.item.name, ev.item.arguments))
         _calls_ok(done)
 
+    async def next_turn() -> None:
+        # turn N+1: the call sent back as the client got it, and its result. A grammar
+        # lets a random model spell the reply in any tokens (a special token's text in
+        # characters, a character in bytes): biased to the tokens the text tokenizes to,
+        # as a trained model writes it, so the reply can come back token for token
+        r = await oa.chat.completions.create(model="m", messages=user, tools=PROBE_TOOLS,
+                                             max_tokens=n, temperature=0, extra_body=force,
+                                             logit_bias=CANONICAL)
+        msg = r.choices[0].message.model_dump(exclude_none=True)
+        msg.pop("refusal", None)
+        result = {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"],
+                  "content": "zqresult"}
+        r2 = await oa.chat.completions.create(
+            model="m", messages=[*user, msg, result], tools=PROBE_TOOLS, max_tokens=1,
+            temperature=0)
+        assert r.usage is not None and r2.usage is not None
+        details = r2.usage.prompt_tokens_details
+        out.prompt, out.reply = r.usage.prompt_tokens, r.usage.completion_tokens
+        out.cached = details.cached_tokens if details and details.cached_tokens else 0
+
     async def forced() -> None:
         # the server's own grammar, in the family's form, after at most 8 tokens of
         # reasoning: a random model writes a call that the family's parser reads
@@ -162,7 +199,7 @@ async def _check(name: str, engine: Engine, out: Outcome) -> None:
 
     steps: list[tuple[str, Callable[[], Awaitable[None]]]] = [
         ("models", models), ("chat", chat), ("anthropic", anthropic), ("responses", responses),
-        ("forced", forced)]
+        ("forced", forced), ("next turn", next_turn)]
     try:
         for label, step in steps:
             try:
@@ -214,3 +251,27 @@ def test_every_template_that_renders_calls_is_served() -> None:
 def test_each_family_calls_come_back_as_calls(name: str, outcomes: dict[str, Outcome]) -> None:
     out = outcomes[name]
     assert not out.failures, f"{name} ({out.syntax}):\n" + "\n".join(out.failures)
+
+
+# the template moves the system text into the last user message: the next turn parts from
+# this one inside the conversation (docs/tool-calls.md)
+MOVES_SYSTEM = {"mistralai-Mistral-Nemo-Instruct-2407.jinja"}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_turn_after_a_call_reuses_turn_n(name: str, outcomes: dict[str, Outcome]) -> None:
+    # turn N's whole prompt and reply where the template renders them again, its prompt
+    # where only that; else all but what it renders otherwise (the generation prompt,
+    # Command R+'s closing turn) and the page the checkpoint before it falls in
+    out = outcomes[name]
+    if name in MOVES_SYSTEM or out.cached < 0:
+        pytest.skip(out.reuse if name in MOVES_SYSTEM else "no turn N+1 (see the calls' test)")
+    if out.reuse == "prompt+reply" and not out.spaced:  # from the reply's end
+        want = out.prompt + out.reply - 1
+    elif out.reuse.startswith("prompt,"):  # from the prompt's end
+        want = out.prompt - 1
+    else:
+        # the synthetic vocabulary lacks most families' special tokens, so the prompt may
+        # be cut for the replay point only where one of its own starts: a page of slack
+        want = out.prompt - out.lost - 64
+    assert out.cached >= want, (out.reuse, out.prompt, out.cached)

@@ -155,7 +155,8 @@ class NameThenJson:
             mapping = arguments_of(args)
             if mapping is None:
                 return out, text[at:]
-            out.append(RawCall(m.group("name").strip(), mapping))
+            out.append(RawCall(m.group("name").strip(), mapping,
+                               (m.groupdict().get("id") or "").strip()))
             at = j
 
 

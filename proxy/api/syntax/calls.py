@@ -49,10 +49,14 @@ class Delta:
 
 @dataclass(slots=True, frozen=True)
 class RawCall:
-    """A call as a body reads it: the name and its arguments (an object)."""
+    """A call as a body reads it: the name and its arguments (an object), and the id the
+    model wrote for it where the family writes one (Kimi's functions.NAME:0, Mistral's
+    [CALL_ID], Solar's): given back as the call's id, the template renders the call as
+    written."""
 
     name: str
     arguments: Mapping[str, Any]
+    id: str = ""
 
     def json(self) -> str:
         return json.dumps(dict(self.arguments), ensure_ascii=False)
@@ -112,4 +116,9 @@ class Syntax:
 
 
 def to_parsed(calls: Sequence[RawCall], make_id: Callable[[], str]) -> list[ParsedToolCall]:
-    return [ParsedToolCall(make_id(), c.name, c.json()) for c in calls]
+    out, seen = [], set()
+    for c in calls:
+        cid = c.id if c.id and c.id not in seen else make_id()  # ids unique in a reply
+        seen.add(cid)
+        out.append(ParsedToolCall(cid, c.name, c.json()))
+    return out

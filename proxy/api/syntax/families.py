@@ -119,8 +119,9 @@ DEEPSEEK = Syntax(
 KIMI = Syntax(
     "kimi-k2",
     (Block("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", NameThenJson(
-        re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[^:<\s]+)(?::\d+)?\s*"
-                   r"<\|tool_call_argument_begin\|>"), end="<|tool_call_end|>", noise=True)),),
+        re.compile(r"<\|tool_call_begin\|>\s*(?P<id>(?:functions\.)?(?P<name>[^:<\s]+)"
+                   r"(?::\d+)?)\s*<\|tool_call_argument_begin\|>"), end="<|tool_call_end|>",
+        noise=True)),),
     THINK, models="Kimi K2")
 
 # Kimi K3's XTML: a reply is <|open|>think<|sep|>...<|close|>think<|sep|>, then the
@@ -136,7 +137,8 @@ KIMI_K3 = Syntax(
     models="Kimi K3")
 
 _MISTRAL_V11 = NameThenJson(
-    re.compile(r"(?:\[TOOL_CALLS\])?(?P<name>[^\[\s{]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]"))
+    re.compile(r"(?:\[TOOL_CALLS\])?(?P<name>[^\[\s{]+)(?:\[CALL_ID\](?P<id>[^\[]*))?"
+               r"\[ARGS\]"))
 MISTRAL = Syntax(
     "mistral", (Block("[TOOL_CALLS]", None, first_of(json_calls, _MISTRAL_V11)),),
     (("[THINK]", "[/THINK]"), ("<think>", "</think>")),
@@ -199,7 +201,7 @@ NEMOTRON_V2 = Syntax(
 
 SOLAR = Syntax(
     "solar", (Block("<|tool_calls|>", "<|calls|>", NameThenJson(
-        re.compile(r"<\|tool_call:begin\|>[^<]*<\|tool_call:name\|>(?P<name>[^<]+)"
+        re.compile(r"<\|tool_call:begin\|>(?P<id>[^<]*)<\|tool_call:name\|>(?P<name>[^<]+)"
                    r"<\|tool_call:args\|>"), end="<|tool_call:end|>")),),
     (("<|think|>", "<|end|>"),), models="Solar Open")
 

@@ -46,7 +46,7 @@ END_MARKERS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "</s>", "<en
                "<turn|>", "<|end_of_text|>", "<seed:eos>", "<|call|>", "<|return|>",
                "<|role_end|>", "</assistant>", "<SPECIAL_12>",
                "<|eot|>", "<end_of_sentence>", "<｜hy_eos:opensource｜>",
-               "<|end_of_msg|>", "<|tool_response>")
+               "<|end_of_msg|>", "<|tool_response>", "<sep>")
 
 
 def _assistant(calls: Sequence[tuple[str, dict[str, Any]]],
