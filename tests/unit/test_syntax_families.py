@@ -155,3 +155,12 @@ def test_a_forced_call_has_a_grammar_in_the_family_form(name: str) -> None:
         check_grammar(grammar)
         # the call opens as the family writes it
         assert f"tool-call-block ::= ( {literal(form.head('pick'))}" in grammar
+
+
+@pytest.mark.parametrize(("text", "content"), [
+    ("to", "to"), ("assistant", "assistant"),  # words a header may start with: text
+    ("<|start|>assistant to=functions.f<|channel|>commentary", ""),  # a header cut short
+])
+def test_a_harmony_reply_that_ends_before_a_message(text: str, content: str) -> None:
+    got = parse_reply(text, syntax=template("openai-gpt-oss-120b").syntax)
+    assert (got.content, got.tool_calls) == (content, [])

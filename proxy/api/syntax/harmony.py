@@ -35,8 +35,14 @@ _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 
 
 def _looks_like_head(text: str) -> bool:
+    """Whether ``text`` may still become a message header (wait for more)."""
     s = text.lstrip()
     return any(s.startswith(h) or h.startswith(s) for h in HEADS)
+
+
+def _is_head(text: str) -> bool:
+    """Whether ``text`` is the start of a header (a reply that ends in it has no text)."""
+    return text.lstrip().startswith(HEADS[:4])  # its markers, not a word
 
 
 class HarmonyParser:
@@ -72,7 +78,7 @@ class HarmonyParser:
         elif self._mode == "body" and self._kind != "builtin":
             self._emit(out, self._kind, rest, final=True)
         elif self._mode != "body" and rest.strip() and not (
-                self._mode == "header" and _looks_like_head(rest)):
+                self._mode == "header" and _is_head(rest)):
             # (a header the reply ended in, before its message began, is no text)
             self._emit(out, "content", rest, final=True)
         for kind in ("reasoning", "content"):
