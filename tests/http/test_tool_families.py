@@ -37,7 +37,7 @@ from proxy.api.render import ChatTemplate
 from proxy.api.syntax.probe import PROBE_TOOLS, probe_reply
 from proxy.engine.engine import Engine
 from proxy.engine.grammar import literal
-from proxy.models import resolve_model
+from proxy.models.names import resolve_model
 from statecache.config import load_config
 from tools.synth_gguf import SPECIAL_IDS, VOCAB
 from tools.tool_families import lost_chars, reuse
