@@ -37,7 +37,6 @@ from proxy.api.render import ChatTemplate
 from proxy.api.syntax.probe import PROBE_TOOLS, probe_reply
 from proxy.engine.engine import Engine
 from proxy.engine.grammar import literal
-from proxy.models.names import resolve_model
 from statecache.config import load_config
 from tools.synth_gguf import SPECIAL_IDS, VOCAB
 from tools.tool_families import lost_chars, reuse
@@ -219,7 +218,7 @@ def outcomes(hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
                              "model.threads": 1, "server.lanes": LANES,
                              "cache.disk_path": str(tmp / "ckpt"),
                              "cache.secret_path": str(tmp / "secret.key")})
-    engine = Engine(cfg, resolve_model(cfg.model.path))
+    engine = Engine(cfg, hybrid_path)
     results = {name: Outcome() for name in FAMILIES}
 
     async def run_all() -> None:
