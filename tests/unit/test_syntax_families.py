@@ -164,3 +164,31 @@ def test_a_forced_call_has_a_grammar_in_the_family_form(name: str) -> None:
 def test_a_harmony_reply_that_ends_before_a_message(text: str, content: str) -> None:
     got = parse_reply(text, syntax=template("openai-gpt-oss-120b").syntax)
     assert (got.content, got.tool_calls) == (content, [])
+
+
+def test_a_forced_harmony_reply_holds_one_call() -> None:
+    # a Harmony call ends at <|call|>, a stop token: a grammar that let more calls follow
+    # had a random model write call after call, with no <|start|> between, to the limit
+    form = template("openai-gpt-oss-120b").call_form
+    assert form is not None and not form.repeats
+    grammar = reply_grammar(json_schema=None, json_path="response_format",
+                            tools=[TOOL], tool_choice="required", parallel=True, form=form)
+    assert "tool-calls ::= tool-call-block\n" in grammar + "\n"
+
+
+def test_a_harmony_call_ends_where_a_header_begins() -> None:
+    # calls written one after the other without <|start|>assistant between are calls each,
+    # streamed alike, with no marker left in the arguments
+    one = "<|channel|>commentary to=functions.read_file <|constrain|>json<|message|>"
+    reply = f'{one}{{"path": "a<|channel|>b", "limit": 5}} \n{one}{{"path": "c"}}'
+    syntax = template("openai-gpt-oss-120b").syntax
+    want = [("read_file", {"path": "a<|channel|>b", "limit": 5}), ("read_file", {"path": "c"})]
+    got = parse_reply(reply, syntax=syntax, tools=PROBE_TOOLS)
+    assert [(c.name, json.loads(c.arguments)) for c in got.tool_calls] == want
+    assert got.content == ""
+    p = StreamParser(syntax, tools=PROBE_TOOLS)
+    streamed = Delta()
+    for ch in reply:
+        streamed.extend(p.feed(ch))
+    streamed.extend(p.finish())
+    assert [(c.name, json.loads(c.arguments)) for c in streamed.tool_calls] == want

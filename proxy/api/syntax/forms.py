@@ -68,6 +68,8 @@ class CallForm:
     json_args: bool  # arguments as one JSON text; else parameters one by one
     params: tuple[tuple[str, ParamForm], ...] = ()  # by JSON type; "string" always
     sep: str = ""  # between two parameters
+    # another call may follow in the same reply (Harmony's ends at <|call|>, a stop token)
+    repeats: bool = True
 
     def param(self, kind: str) -> ParamForm:
         """How a parameter of JSON type ``kind`` is written; a type without a form of its
@@ -227,7 +229,7 @@ def check_form(form: CallForm, syntax: Syntax) -> bool:
 # past call with the recipient in the role; a model writes it after the channel)
 OWN_FORMS: dict[str, CallForm] = {
     "harmony": CallForm("<|channel|>commentary to=functions.", " <|constrain|>json<|message|>",
-                        "", True),
+                        "", True, repeats=False),
 }
 
 # A template that renders no calls of past turns (LFM2 8B-A1B lists the tools only)

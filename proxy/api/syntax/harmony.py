@@ -29,6 +29,9 @@ MESSAGE = "<|message|>"
 # what ends a message's body: <|call|> and <|return|> are stop tokens, so generation ends
 # at the real one; written elsewhere (followed by more than a new message) they are text
 ENDS, STOPS = ("<|end|>", "<|start|>"), ("<|call|>", "<|return|>")
+# a call's JSON also ends where a new header begins without its <|start|> (kept for it)
+CALL_ENDS = (*ENDS, *STOPS, "<|channel|>")
+OPENS = ("<|start|>", "<|channel|>")
 HEADS = ("<|channel|>", "<|start|>", "<|constrain|>", "to=", "assistant")
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
@@ -149,7 +152,7 @@ class HarmonyParser:
             self._text_end(buf, final)
         if end is not None:
             at, marker = end
-            body, self._buf = buf[:at], buf[at + (0 if marker == "<|start|>" else len(marker)):]
+            body, self._buf = buf[:at], buf[at + (0 if marker in OPENS else len(marker)):]
             if self._kind == "call":
                 self._call(out, body, cut=False)
             elif self._kind != "builtin":
@@ -197,11 +200,11 @@ class HarmonyParser:
             elif c == '"':
                 in_str = True
             elif c == "<":
-                for e in (*ENDS, *STOPS):
+                for e in CALL_ENDS:
                     if buf.startswith(e, i):
                         self._scan = (i, in_str, esc)
                         return i, e
-                if not final and any(e.startswith(buf[i:]) for e in (*ENDS, *STOPS)):
+                if not final and any(e.startswith(buf[i:]) for e in CALL_ENDS):
                     break  # a marker may be arriving: wait for the next delta
             i += 1
         self._scan = (i, in_str, esc)
