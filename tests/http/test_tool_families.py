@@ -1,6 +1,9 @@
 """Every vendored template that renders tool calls, served for real: the model writes a
 call in its family's own syntax, and the openai and anthropic SDKs get it back as a call
-on all three APIs, streaming and not, with typed arguments; and a call the server forces
+on all three APIs, streaming and not, with typed arguments, each API's stream in its
+owner's events (a chat call's id and name before its arguments, Anthropic's thinking and
+tool_use blocks with input_json_delta, Responses' function_call_arguments deltas adding up
+to .done, the same blocks and items as the whole reply); and a call the server forces
 in the family's own form (tool_choice, after a reasoning budget) reads back as a call.
 
 A random-weight model writes any exact text when a GBNF ``grammar`` forces it: the reply
@@ -8,7 +11,7 @@ is what the template renders for an assistant turn with reasoning and one call o
 ``read_file`` (``path`` a string, ``limit`` an integer), from where its generation
 prompt ends. One engine (the tiny synthetic hybrid, whose vocabulary of single
 characters writes any text) serves an app per template, each on its own port, so the
-model is loaded once; the templates' requests run four at a time, one lane each, so the
+model is loaded once; the templates' requests run eight at a time, one lane each, so the
 engine decodes them in one batch. The engine runs one thread: on a machine whose cores
 are busy with other work, llama.cpp's two threads wait on each other at every step and
 decode twenty times slower (150 tokens: 20 s against 0.9 s here).
@@ -47,7 +50,7 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "vendor" / "templates" / "llam
 ARGS = {"path": "src/a b.py", "limit": 5}
 CALL = (("zqcA1b2C3", ARGS),)
 USER = "Read the file."
-LANES = 4
+LANES = 8
 CANONICAL = {str(i): 100 for i in SPECIAL_IDS.values()} | {
     str(i): -100 for i, t in enumerate(VOCAB.types) if t == TokenType.BYTE}
 # described parameters: Command R+'s template concatenates their descriptions
@@ -125,12 +128,13 @@ async def _check(name: str, engine: Engine, out: Outcome) -> None:
         assert r.choices[0].finish_reason == "tool_calls", msg
         _calls_ok([(c.function.name, c.function.arguments) for c in msg.tool_calls or []])
         calls: dict[int, list[str]] = {}
-        seen = ""
+        seen = thought = ""
         async for chunk in await oa.chat.completions.create(
                 model="m", messages=user, tools=PROBE_TOOLS, max_tokens=n, temperature=0,
                 extra_body=force, stream=True):
             for ch in chunk.choices:
                 seen += ch.delta.content or ""
+                thought += (ch.delta.model_extra or {}).get("reasoning_content") or ""
                 for tc in ch.delta.tool_calls or []:
                     entry = calls.setdefault(tc.index, ["", ""])
                     if tc.function and tc.function.name:
@@ -139,29 +143,57 @@ async def _check(name: str, engine: Engine, out: Outcome) -> None:
                     entry[1] += (tc.function.arguments or "") if tc.function else ""
         _calls_ok([(a, b) for a, b in calls.values()])
         assert (msg.content or "") == seen.strip()
+        assert (msg.model_extra or {}).get("reasoning_content", "") == thought
 
     async def anthropic() -> None:
         m = await an.messages.create(model="m", max_tokens=n, tools=tools_anth,
                                      messages=user, extra_body=force)
         _calls_ok([(b.name, b.input) for b in m.content if b.type == "tool_use"])
         assert m.stop_reason == "tool_use"
+        kinds: list[str] = []  # each block's type as it starts, and its deltas' types
         async with an.messages.stream(model="m", max_tokens=n, tools=tools_anth,
                                       messages=user, extra_body=force) as s:
+            async for ev in s:
+                if ev.type == "content_block_start":
+                    kinds.append(ev.content_block.type)
+                elif ev.type == "content_block_delta" and ev.delta.type not in kinds:
+                    kinds.append(ev.delta.type)
             final = await s.get_final_message()
         _calls_ok([(b.name, b.input) for b in final.content if b.type == "tool_use"])
         assert final.stop_reason == "tool_use"
+        assert "input_json_delta" in kinds[kinds.index("tool_use"):], kinds
+        # streamed or not, the same blocks: thinking where the reply reasons, text, the call
+        assert [(b.type, getattr(b, "thinking", None), getattr(b, "text", None))
+                for b in final.content] == [
+            (b.type, getattr(b, "thinking", None), getattr(b, "text", None))
+            for b in m.content], (final.content, m.content)
+        assert ("thinking" in kinds) == any(b.type == "thinking" for b in m.content)
 
     async def responses() -> None:
         resp = await oa.responses.create(model="m", input=USER, tools=tools_resp,
                                          max_output_tokens=n, extra_body=force)
         _calls_ok([(o.name, o.arguments) for o in resp.output if o.type == "function_call"])
         done: list[tuple[str, str]] = []
+        deltas: dict[str, str] = {}  # a call item's arguments as their deltas add up
+        finished: dict[str, str] = {}  # ... and as .done gives them
+        items: list[Any] = []
         async for ev in await oa.responses.create(model="m", input=USER, tools=tools_resp,
                                                   max_output_tokens=n, extra_body=force,
                                                   stream=True):
-            if ev.type == "response.output_item.done" and ev.item.type == "function_call":
-                done.append((ev.item.name, ev.item.arguments))
+            if ev.type == "response.function_call_arguments.delta":
+                deltas[ev.item_id] = deltas.get(ev.item_id, "") + ev.delta
+            elif ev.type == "response.function_call_arguments.done":
+                finished[ev.item_id] = ev.arguments
+            elif ev.type == "response.output_item.done":
+                items.append(ev.item)
+                if ev.item.type == "function_call":
+                    done.append((ev.item.name, ev.item.arguments))
         _calls_ok(done)
+        assert deltas == finished and list(finished.values()) == [a for _, a in done]
+        # the same items, streamed or not: reasoning where the reply reasons, the call
+        def shape(o: Any) -> tuple[str, str]:
+            return o.type, json.dumps(o.model_dump(include={"content", "arguments", "name"}))
+        assert [shape(o) for o in items] == [shape(o) for o in resp.output], items
 
     async def next_turn() -> None:
         # turn N+1: the call sent back as the client got it, and its result. A grammar
