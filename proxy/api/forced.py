@@ -53,7 +53,7 @@ def family_grammar(form: CallForm, callable_: Sequence[tuple[int, str, Mapping[s
         resolved = [re.sub(r"@(\d+)", lambda m: names[int(m.group(1))], c) for c in calls]
         out.append(f"tool-call-block ::= {' | '.join(f'( {c} )' for c in resolved)}")
         repeat = parallel and form.repeats
-        many = f" ( {literal(chr(10))}? tool-call-block )*" if repeat else ""
+        many = f" ( {literal(chr(10))} tool-call-block )*" if repeat else ""
         out.append(f"tool-calls ::= tool-call-block{many}")
     if forced:
         out.append("root ::= tool-calls")
