@@ -43,7 +43,7 @@ def build_app(cfg: Config) -> web.Application:
     access = Access(api_keys=MappingProxyType(dict(sc.api_keys)), admin_key=sc.admin_key,
                     admin_routes=sc.admin)
     app = create_app(engine, template_path=cfg.model.chat_template or model.chat_template,
-                     limits=limits,
+                     limits=limits, tool_format=cfg.model.tool_format,
                      access=access, volatile=cfg.server.volatile, page_size=cfg.cache.page_size,
                      inner_system=sc.inner_system, hosted_tools=sc.hosted_tools)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from proxy.api.appstate import ENGINE, METER, RECENT, STARTED, VOLATILE
+from proxy.api.appstate import ENGINE, METER, RECENT, STARTED, TEMPLATE, VOLATILE
 from proxy.api.errors import error_response
 from proxy.meter import CONTENT_TYPE, render
 
@@ -26,7 +26,8 @@ def _model_card(request: web.Request) -> dict[str, object]:
     and the file it is."""
     engine = request.app[ENGINE]
     return {"id": engine.model_name, "object": "model", "created": request.app[STARTED],
-            "owned_by": "statecache", "file": engine.model_file}
+            "owned_by": "statecache", "file": engine.model_file,
+            "tool_format": request.app[TEMPLATE].syntax.name}
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -23,7 +23,8 @@ Mapping:
   call, proxy/api/structured.py); ``disable_parallel_tool_use`` allows one call at most.
 - ``output_config.format`` (``{"type": "json_schema", "schema": ...}``) constrains the
   reply to JSON that validates against the schema; ``output_config.effort`` is ignored.
-- ``thinking: {"type": "disabled"}`` sets the template's ``enable_thinking`` to false.
+- ``thinking`` switches the template's reasoning on or off, and ``budget_tokens`` bounds it
+  (proxy/api/thinking.py).
 - ``cache_control`` (on a tool, a system block or a content block) is a breakpoint: the
   prompt up to the end of that block is kept as a checkpoint, held above ordinary ones
   for its ``ttl`` ("5m", the default, or "1h"); at most four, as Anthropic allows. A
@@ -57,11 +58,12 @@ from proxy.api.fields import (
     session_key,
     template_kwargs,
 )
-from proxy.api.structured import constrained, constraint, json_format
+from proxy.api.sampling import grammar_fields
+from proxy.api.structured import constrained, constraint, json_format, spec
+from proxy.api.thinking import anthropic_thinking
 from proxy.engine.types import SamplingParams
 
 MAX_STOP_SEQUENCES = 16
-_THINKING_ON = ("enabled", "adaptive", "between_tools")
 _SERVER_TOOL_HINT = "only client tools (name, description, input_schema) are supported"
 
 
@@ -133,18 +135,6 @@ def _tool_choice(v: object) -> str | Mapping[str, Any] | None:
                    "{\"type\": \"tool\", \"name\": ...}", "tool_choice")
 
 
-def _thinking_kwargs(v: object) -> dict[str, Any]:
-    if v is None:
-        return {}
-    kind = obj(v, "thinking").get("type")
-    if kind == "disabled":
-        return {"enable_thinking": False}
-    if kind in _THINKING_ON:
-        return {}
-    raise ApiError(f"'thinking.type' must be one of {', '.join(_THINKING_ON)} or 'disabled'",
-                   "thinking.type")
-
-
 def _stop_sequences(body: Mapping[str, Any]) -> tuple[str, ...]:
     v = body.get("stop_sequences")
     if v is None:
@@ -167,7 +157,8 @@ def _sampling(body: Mapping[str, Any], need_max_tokens: bool
     top_p = opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
     return SamplingParams(temperature=temperature, top_p=top_p,
                           top_k=opt_int(body, "top_k", lo=0), stop=_stop_sequences(body),
-                          speculative=opt_bool(body, "speculative")), max_tokens
+                          speculative=opt_bool(body, "speculative"),
+                          **grammar_fields(body)), max_tokens
 
 
 def _session(body: Mapping[str, Any]) -> str | None:
@@ -197,7 +188,7 @@ def parse_messages_request(body: object, *, count_only: bool = False,
     # a top-level cache_control: the breakpoint goes on the last block of the conversation
     last = messages[-1]
     marks.breakpoint(body, "request", len(messages) - 1, len(last.content or ""))
-    kwargs = {**_thinking_kwargs(body.get("thinking")), **template_kwargs(body)}
+    kwargs = template_kwargs(body)
     grammar = constraint(json_schema=_output_format(body),
                          json_path="output_config.format.schema", tools=tools,
                          tool_choice=choice, parallel=_parallel(body.get("tool_choice")),
@@ -210,6 +201,10 @@ def parse_messages_request(body: object, *, count_only: bool = False,
         tool_choice=choice,
         template_kwargs=kwargs,
         sampling=constrained(sampling, grammar),
+        constraint=spec(json_schema=_output_format(body),
+                        json_path="output_config.format.schema", tools=tools,
+                        tool_choice=choice, parallel=_parallel(body.get("tool_choice")),
+                        params_key="input_schema", grammar=grammar),
         stream=bool(opt_bool(body, "stream")) and not count_only,
         include_usage=True,
         user=None,
@@ -217,4 +212,5 @@ def parse_messages_request(body: object, *, count_only: bool = False,
         marks=tuple(marks.marks),
         session=session,
         ignored_tools=tuple(ignored),
+        thinking=anthropic_thinking(body.get("thinking")),
     )

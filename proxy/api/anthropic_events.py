@@ -22,7 +22,7 @@ import json
 import secrets
 from typing import Any
 
-from proxy.api.reply import Delta, ParsedToolCall, StreamParser
+from proxy.api.reply import Delta, ParsedToolCall, ReplyParser
 from proxy.engine.types import FinishEvent, StartEvent, TokenLogprob, Usage
 
 JSON = dict[str, Any]
@@ -104,7 +104,7 @@ class MessageEvents:
     named = True
     end = b""
 
-    def __init__(self, message_id: str, model: str, parser: StreamParser,
+    def __init__(self, message_id: str, model: str, parser: ReplyParser,
                  prompt_tokens: int, window: bool = False) -> None:
         self._id, self._model = message_id, model
         self._window = window
@@ -171,7 +171,7 @@ class MessageEvents:
         return self._deltas(self._parser.feed(text))
 
     def finish(self, fin: FinishEvent) -> list[JSON]:
-        out = self._deltas(self._parser.finish()) + self._close()
+        out = self._deltas(self._parser.finish(cut=fin.reason == "length")) + self._close()
         out.append({"type": "message_delta",
                     "delta": {"stop_reason": stop_reason(fin, self._n_calls > 0,
                                                          self._window),

@@ -100,7 +100,8 @@ def create_app(engine: EngineLike, *, admin: bool = True,
                template_path: str | Path | None = None,
                limits: Limits | None = None, access: Access | None = None,
                volatile: Sequence[VolatileRule] = (), page_size: int = 32,
-               inner_system: str = "auto", hosted_tools: str = "ignore") -> web.Application:
+               inner_system: str = "auto", hosted_tools: str = "ignore",
+               tool_format: str = "auto") -> web.Application:
     """The app over a started engine; ``template_path`` overrides the chat template;
     ``inner_system`` and ``hosted_tools`` are the ``[server]`` keys of those names."""
     limits = limits or Limits()
@@ -113,7 +114,7 @@ def create_app(engine: EngineLike, *, admin: bool = True,
     app[SLOTS] = asyncio.Semaphore(limits.parse_concurrency)
     app[TEMPLATE] = load_chat_template(engine.chat_template, bos_token=engine.bos_token,
                                        eos_token=engine.eos_token, override=template_path,
-                                       inner_system=inner_system)
+                                       inner_system=inner_system, tool_format=tool_format)
     app[HOSTED_TOOLS] = hosted_tools
     app[METER] = ApiMeter()
     app[WARNED] = set()
@@ -127,8 +128,11 @@ def create_app(engine: EngineLike, *, admin: bool = True,
     app[STARTED] = int(time.time())
     app.on_response_prepare.append(_routing_headers)
     tpl = app[TEMPLATE]
-    log.info("chat template: %s; a system message after the first: %s by the template, %s; "
-             "messages of one role in a row: %s", tpl.origin, tpl.inner.value,
+    log.info("chat template: %s; tool calls and reasoning: %s syntax (%s); a system "
+             "message after the first: %s by the template, %s; "
+             "messages of one role in a row: %s", tpl.origin, tpl.syntax.name,
+             "model.tool_format" if tool_format != "auto" else "probed from the template",
+             tpl.inner.value,
              "folded into the conversation" if tpl.fold_inner else "rendered as sent",
              "merged" if tpl.merge_runs else "rendered as sent")
     app.router.add_get("/", index)

@@ -55,6 +55,29 @@ class Mark:
 
 
 @dataclass(slots=True, frozen=True)
+class Thinking:
+    """What a request asks of the model's reasoning (proxy/api/thinking.py sets it as the
+    template's variables)."""
+
+    on: bool | None = None  # None: the template's default
+    effort: str | None = None  # low, medium, high ... as asked
+    budget: int | None = None  # reasoning tokens at most
+
+
+@dataclass(slots=True, frozen=True)
+class Constraint:
+    """What constrains a reply (structured output, forced tool calls), as the request
+    says it: the grammar is built once the template's syntax is known (routes.py)."""
+
+    json_schema: Mapping[str, Any] | None
+    json_path: str
+    tools: tuple[Mapping[str, Any], ...] | None
+    tool_choice: object
+    parallel: bool
+    params_key: str
+
+
+@dataclass(slots=True, frozen=True)
 class ChatRequest:
     model: str
     messages: tuple[ChatMessage, ...]
@@ -72,6 +95,8 @@ class ChatRequest:
     # prompt_cache_key, Claude Code's session and agent ids): lane affinity, miss reasons
     session: str | None = None
     ignored_tools: tuple[str, ...] = ()  # types of hosted tools left out of the prompt
+    constraint: Constraint | None = None  # a grammar to build in the family's syntax
+    thinking: Thinking | None = None  # reasoning on or off, its effort and budget
 
     @property
     def parse_tools(self) -> bool:

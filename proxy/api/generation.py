@@ -34,6 +34,7 @@ from proxy.api.appstate import (
     METER,
     SEEN,
     SESSION_HEADER,
+    TEMPLATE,
     TENANT,
     TENANT_HEADER,
     WARNED,
@@ -131,7 +132,8 @@ def chat_generation(request: web.Request, p: Prompt, req: ChatRequest, asked: in
     session = session_of(request, req.session)
     return generation(request, p.tokens, req.sampling, asked, prefix, param, tenant,
                       p.history,
-                      chat_conversation(tenant, req, p.tokens, p.text, p.history, session),
+                      chat_conversation(tenant, req, p.tokens, p.text, p.history, session,
+                                        request.app[TEMPLATE].syntax),
                       share_points=p.share_points, breakpoints=p.breakpoints,
                       session=session)
 

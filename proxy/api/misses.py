@@ -13,7 +13,10 @@ and role there, a short excerpt of each side, and a cause:
 - "system prompt changed", "tools changed", "earlier message edited": the first
   message that differs (or the tools);
 - "reasoning dropped": an assistant message that carried reasoning comes back without;
-- "reply re-rendered differently": the same text (up to whitespace), other tokens;
+- "reply re-rendered differently": the same text (up to whitespace), other tokens; said
+  with the syntax of the template that re-rendered it and an excerpt of each side where
+  the tokens part (a template that writes a call's arguments otherwise than the model
+  did, or drops the reasoning its generation prompt opened);
 - "reply re-tokenized differently": the reply came back as the very text it was streamed
   as, and that text tokenizes to other ids than the model generated (a reply cut by
   ``max_tokens`` inside a UTF-8 character, a byte-fallback vocabulary): ``known`` then
@@ -50,6 +53,8 @@ import numpy as np
 
 from proxy.api.chat import ChatMessage, ChatRequest
 from proxy.api.reply import parse_reply, starts_in_reasoning
+from proxy.api.syntax.calls import Syntax
+from proxy.api.syntax.families import HERMES
 from proxy.engine.types import Divergence
 from statecache.pages import common_prefix
 
@@ -105,16 +110,19 @@ class Conversation:
     opens_reasoning: bool = False  # the prompt ends inside <think>
     parse_tools: bool = False
     session: str | None = None  # the client's name for the conversation
+    syntax: Syntax = HERMES  # the template's, to read the reply back into a message
 
 
 def chat_conversation(tenant: str, req: ChatRequest, tokens: Sequence[int], rendered: str,
-                      history: int | None, session: str | None = None) -> Conversation:
+                      history: int | None, session: str | None = None,
+                      syntax: Syntax = HERMES) -> Conversation:
     ids = np.asarray(tokens, dtype=np.int32)
     return Conversation(tenant, tuple(turn_of(m) for m in req.messages),
                         _canonical(list(req.tools)) if req.tools else "",
                         _canonical(dict(req.template_kwargs)), ids,
                         len(ids) if history is None else history,
-                        starts_in_reasoning(rendered), req.parse_tools, session)
+                        starts_in_reasoning(rendered, syntax), req.parse_tools, session,
+                        syntax)
 
 
 def prompt_conversation(tenant: str, text: str, tokens: Sequence[int]) -> Conversation:
@@ -198,6 +206,12 @@ def _retokenized(seen: Conversation, conv: Conversation, common: int, text: Text
     return bool(old) and new.startswith(old)
 
 
+def _family(conv: Conversation, cause: str) -> str:
+    """The syntax whose template re-rendered a reply (its calls, its reasoning)."""
+    return conv.syntax.name if cause in ("reply re-rendered differently",
+                                         "reasoning dropped") else ""
+
+
 def explain(seen: Conversation, conv: Conversation, common: int,
             text: Text | None = None) -> Divergence:
     """Why ``conv`` leaves the remembered ``seen`` (prompt and reply) at token ``common``;
@@ -219,7 +233,8 @@ def explain(seen: Conversation, conv: Conversation, common: int,
             cause = _cause(old, new, k, tools_changed, opening)
             o, w = (_excerpts(seen.tools, conv.tools) if cause == "tools changed"
                     else _turn_excerpts(old, new))
-            return Divergence(known, cause, common, k, new.role, o, w)
+            return Divergence(known, cause, common, k, new.role, o, w,
+                              family=_family(conv, cause))
     if tools_changed:
         return Divergence(known, "tools changed", common, -1, "",
                           *_excerpts(seen.tools, conv.tools))
@@ -229,8 +244,12 @@ def explain(seen: Conversation, conv: Conversation, common: int,
     if common >= seen.history:  # the same messages; the reply's tokens came back otherwise
         k = len(seen.turns) - 1
         role = conv.turns[k].role if 0 <= k < len(conv.turns) else ""
+        at = max(common - 8, seen.history)  # a few tokens before, in the reply
+        o, w = ("", "") if text is None else _excerpts(text(seen.tokens[at:common + 12]),
+                                                       text(conv.tokens[at:common + 12]))
         return Divergence(known, "reply re-rendered differently", common,
-                          k if role else -1, role)
+                          k if role else -1, role, o, w,
+                          family=_family(conv, "reply re-rendered differently"))
     # the same messages rendered otherwise before the reply (a date in the template)
     return Divergence(known, "system prompt changed", common)
 
@@ -327,13 +346,14 @@ def _with_reply(conv: Conversation, text: str, ids: Sequence[int]) -> _Seen:
     if conv.turns and conv.turns[-1].role == "prompt":
         turns = (*conv.turns[:-1], Turn("prompt", conv.turns[-1].content + text))
     else:
-        r = parse_reply(text, starts_in_reasoning=conv.opens_reasoning,
-                        parse_tools=conv.parse_tools)
+        r = parse_reply(text, syntax=conv.syntax, starts_in_reasoning=conv.opens_reasoning,
+                        parse_tools=conv.parse_tools,
+                        tools=json.loads(conv.tools) if conv.tools else None)
         turns = (*conv.turns, Turn("assistant", r.content, r.reasoning,
                                    tuple((c.name, _arguments(c.arguments))
                                          for c in r.tool_calls)))
     tokens = np.concatenate([conv.tokens, np.asarray(ids, dtype=np.int32)])
     seen = Conversation(conv.tenant, turns, conv.tools, conv.setup, tokens, conv.history,
-                        conv.opens_reasoning, conv.parse_tools, conv.session)
+                        conv.opens_reasoning, conv.parse_tools, conv.session, conv.syntax)
     nbytes = tokens.nbytes + sum(t.nbytes for t in turns) + len(conv.tools) + len(conv.setup)
     return _Seen(seen, nbytes)

@@ -48,7 +48,8 @@ from proxy.api.fields import (
     template_kwargs,
 )
 from proxy.api.sampling import chat_logprobs, completion_logprobs, parse_sampling
-from proxy.api.structured import constrained, constraint, json_format
+from proxy.api.structured import constrained, constraint, json_format, spec
+from proxy.api.thinking import chat_thinking
 
 _ROLES = {"system": "system", "developer": "system", "user": "user",
           "assistant": "assistant", "tool": "tool"}
@@ -179,12 +180,17 @@ def parse_chat_request(body: object) -> ChatRequest:
         tool_choice=choice,
         template_kwargs=template_kwargs(body),
         sampling=constrained(sampling, grammar),
+        constraint=spec(json_schema=json_format(body.get("response_format"), "response_format"),
+                        json_path="response_format.json_schema.schema", tools=tools,
+                        tool_choice=choice, parallel=parallel is not False,
+                        params_key="function.parameters", grammar=grammar),
         stream=stream,
         include_usage=usage,
         user=body.get("user"),
         max_tokens=max_tokens,
         marks=tuple(marks),
         session=session_key(body.get("prompt_cache_key"), "prompt_cache_key"),
+        thinking=chat_thinking(body),
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from proxy.api.reply import Delta, StreamParser
+from proxy.api.reply import Delta, ReplyParser
 from proxy.engine.types import FinishEvent, StartEvent, TokenLogprob
 
 JSON = dict[str, Any]
@@ -40,7 +40,7 @@ class ChatChunks:
     named = False
     end = _END
 
-    def __init__(self, request_id: str, model: str, parser: StreamParser,
+    def __init__(self, request_id: str, model: str, parser: ReplyParser,
                  include_usage: bool) -> None:
         self._head = {"id": request_id, "object": "chat.completion.chunk",
                       "created": int(time.time()), "model": model}
@@ -58,8 +58,11 @@ class ChatChunks:
             out.append(self._chunk({"reasoning_content": d.reasoning}))
         if d.content:
             out.append(self._chunk({"content": d.content}))
-        for call in d.tool_calls:
-            out.append(self._chunk({"tool_calls": [{"index": self._n_calls, **call.to_json()}]}))
+        for call in d.tool_calls:  # the id and name first, then the arguments
+            start = {"index": self._n_calls, "id": call.id, "type": "function",
+                     "function": {"name": call.name, "arguments": ""}}
+            args = {"index": self._n_calls, "function": {"arguments": call.arguments}}
+            out += [self._chunk({"tool_calls": [start]}), self._chunk({"tool_calls": [args]})]
             self._n_calls += 1
         return out
 
@@ -76,7 +79,7 @@ class ChatChunks:
         return out
 
     def finish(self, fin: FinishEvent) -> list[JSON]:
-        out = self._deltas(self._parser.finish())
+        out = self._deltas(self._parser.finish(cut=fin.reason == "length"))
         out.append(self._chunk({}, finish_reason(fin, self._n_calls > 0)))
         if self._usage:
             out.append({**self._head, "choices": [], "usage": fin.usage.to_json()})

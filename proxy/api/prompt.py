@@ -84,6 +84,8 @@ def chat_prompt(tokenizer: Tokenizer, template: ChatTemplate, req: ChatRequest, 
     check_fits(utf8_len(text), tokenizer.max_token_bytes, n_ctx, req.max_tokens,
                "messages")
     history = render_chat(template, req, add_generation_prompt=False, escape=table.escape)
+    if template.trailer and history.endswith(template.trailer):
+        history = history[:-len(template.trailer)]  # the next turn's messages go there
     cut = _history_cut(text, history, tokenizer.special_re)
     segments, at = table.segments(text, () if cut is None else (cut,))
     tokens, ends = tokenizer.tokenize_segments(segments, tenant)

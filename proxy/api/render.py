@@ -29,16 +29,25 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import SandboxedEnvironment
 
 from proxy.api.chat import ChatMessage, ChatRequest, ToolCall
+from proxy.api.conventions import (
+    SUPPLIED,
+    Conventions,
+    adapt,
+    probe_conventions,
+    probe_trailer,
+    reads,
+    supplied_vars,
+)
 from proxy.api.fields import RESERVED_TEMPLATE_VARS
 from proxy.api.inner import (
     fold_inner_system,
@@ -47,6 +56,9 @@ from proxy.api.inner import (
     should_fold,
     takes_runs,
 )
+from proxy.api.syntax.forms import derive_form
+from proxy.api.syntax.probe import PROBE_TOOLS, syntax_for
+from proxy.api.thinking import switches_of, template_switches
 
 VENDOR_TEMPLATES = Path(__file__).resolve().parents[2] / "vendor" / "templates"
 FALLBACK_TEMPLATE = VENDOR_TEMPLATES / "gemma3.jinja"
@@ -72,9 +84,17 @@ class _IgnoreGeneration(jinja2.ext.Extension):
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # Same signature and defaults as transformers' chat-template tojson.
+    # Same signature and defaults as transformers' chat-template tojson; a generator (a
+    # template's ``tools | map(attribute='function')``) is written as the list it yields,
+    # as llama.cpp's Jinja engine does
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+                      sort_keys=sort_keys, default=_listed)
+
+
+def _listed(x: Any) -> Any:
+    if isinstance(x, Iterator):
+        return list(x)
+    raise TypeError(f"Object of type {type(x).__name__} is not JSON serializable")
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -89,8 +109,11 @@ class ChatTemplate:
     """A compiled chat template; ``origin`` says where its text came from."""
 
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "",
-                 origin: str = "inline", inner_system: str = "auto") -> None:
-        env = ImmutableSandboxedEnvironment(
+                 origin: str = "inline", inner_system: str = "auto",
+                 tool_format: str = "auto") -> None:
+        # a sandbox that lets a template change its own lists (Kimi K2's templates
+        # append to one, as llama.cpp's Jinja engine allows); unsafe attributes stay shut
+        env = SandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True,
             extensions=[_IgnoreGeneration, jinja2.ext.loopcontrols],
         )
@@ -105,22 +128,39 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.defaults = keep_thinking_defaults(source)
+        self.switches = switches_of(source)  # its reasoning variables (proxy/api/thinking.py)
+        # how it wants a turn of tool calls written (proxy/api/conventions.py)
+        self.conventions = Conventions()
+        self.conventions = probe_conventions(self._render, reads(source, SUPPLIED))
+        # what it writes after the last message whatever it is: not history to share
+        self.trailer = probe_trailer(self._render, PROBE_TOOLS)
         # what the template does with a system message after the first, and so whether
         # such messages are folded (proxy/api/inner.py)
         self.inner = probe_inner_system(self.render)
         self.fold_inner = should_fold(inner_system, self.inner)
         # messages of one role in a row: merged where the template refuses them
         self.merge_runs = not takes_runs(self.render)
+        # the family's tool-call and reasoning syntax, from what the template writes
+        self.syntax = syntax_for(self.render, tool_format, (eos_token,))
+        # how it writes one call: grammars that force calls write them so
+        self.call_form = derive_form(self.render, self.syntax, (eos_token,))
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
                tools: Sequence[Mapping[str, Any]] | None = None,
                template_kwargs: Mapping[str, Any] | None = None,
                add_generation_prompt: bool = True) -> str:
         """The prompt text; any failure of the template is a ValueError (a 400)."""
+        return self._render(adapt(messages, self.conventions), tools, add_generation_prompt,
+                            self.conventions, template_kwargs)
+
+    def _render(self, messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[Mapping[str, Any]] | None, add_generation_prompt: bool,
+                conv: Conventions, template_kwargs: Mapping[str, Any] | None = None) -> str:
         extra = {**self.defaults, **(template_kwargs or {})}
         clash = RESERVED_TEMPLATE_VARS & extra.keys()
         if clash:
             raise ValueError(f"template kwargs may not set {', '.join(sorted(clash))}")
+        extra = {**supplied_vars(conv, tools), **extra}
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages],
@@ -139,7 +179,7 @@ class ChatTemplate:
 
 def load_chat_template(gguf_template: str | None, *, bos_token: str, eos_token: str,
                        override: str | Path | None = None,
-                       inner_system: str = "auto") -> ChatTemplate:
+                       inner_system: str = "auto", tool_format: str = "auto") -> ChatTemplate:
     """The override file if given, else the GGUF's template, else the Gemma 3 fallback."""
     if override:
         path = Path(override).expanduser()
@@ -150,7 +190,7 @@ def load_chat_template(gguf_template: str | None, *, bos_token: str, eos_token: 
         source = FALLBACK_TEMPLATE.read_text(encoding="utf-8")
         origin = f"fallback {FALLBACK_TEMPLATE.name}"
     return ChatTemplate(source, bos_token=bos_token, eos_token=eos_token, origin=origin,
-                        inner_system=inner_system)
+                        inner_system=inner_system, tool_format=tool_format)
 
 
 def _arguments(text: str) -> Any:
@@ -198,7 +238,8 @@ def render_chat(template: ChatTemplate, req: ChatRequest, *,
     messages = fold_inner_system(req.messages) if template.fold_inner else req.messages
     if template.merge_runs:
         messages = merge_runs(messages)
+    kwargs = {**template_switches(req.thinking, template.switches), **req.template_kwargs}
     return template.render(escape([template_message(m) for m in messages]),
                            tools=escape(req.tools),
-                           template_kwargs=escape(dict(req.template_kwargs)),
+                           template_kwargs=escape(kwargs),
                            add_generation_prompt=add_generation_prompt)

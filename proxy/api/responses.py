@@ -26,7 +26,8 @@ Mapping:
   forced choice is a grammar.
 - ``text.format`` json_object / json_schema constrains the reply to JSON (as chat's
   ``response_format``); ``text.verbosity`` is accepted.
-- ``reasoning.effort: "none"`` sets the template's ``enable_thinking`` to false.
+- ``reasoning.effort`` switches the template's reasoning off ("none") or sets its effort
+  (proxy/api/thinking.py).
 - ``prompt_cache_key`` names the conversation (Codex sends its thread id): lane affinity
   and miss reasons. ``include``, ``metadata``, ``truncation`` are accepted;
   ``background``, ``conversation`` and ``prompt`` are rejected.
@@ -40,7 +41,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.api.chat import ChatMessage, ChatRequest, Mark, ToolCall, content_text
+from proxy.api.chat import (
+    ChatMessage,
+    ChatRequest,
+    Constraint,
+    Mark,
+    Thinking,
+    ToolCall,
+    content_text,
+)
 from proxy.api.fields import (
     ApiError,
     obj,
@@ -51,7 +60,9 @@ from proxy.api.fields import (
     session_key,
     template_kwargs,
 )
-from proxy.api.structured import constrained, constraint, json_format
+from proxy.api.sampling import grammar_fields
+from proxy.api.structured import constrained, constraint, json_format, spec
+from proxy.api.thinking import from_effort
 from proxy.engine.types import SamplingParams
 
 # Reasoning sent back in ``encrypted_content`` is ours only with this prefix.
@@ -90,6 +101,8 @@ class ResponsesRequest:
     marks: tuple[Mark, ...] = ()  # content parts' starts, by index into ``messages``
     session: str | None = None  # prompt_cache_key
     ignored_tools: tuple[str, ...] = ()  # types of hosted tools left out
+    constraint: Constraint | None = None
+    thinking: Thinking | None = None
 
     @property
     def parse_tools(self) -> bool:
@@ -295,7 +308,8 @@ def _sampling(body: Mapping[str, Any]) -> tuple[SamplingParams, int | None]:
     top_p = opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
     max_tokens = opt_int(body, "max_output_tokens", lo=0)  # 0: pre-warm
     return SamplingParams(temperature=temperature, top_p=top_p,
-                          speculative=opt_bool(body, "speculative")), max_tokens
+                          speculative=opt_bool(body, "speculative"),
+                          **grammar_fields(body)), max_tokens
 
 
 def _text_format(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -319,8 +333,7 @@ def parse_responses_request(body: object, *, hosted_tools: str = "ignore"
     tools, namespaces = _tools(body.get("tools"), ignored)
     messages, marks = _input(body.get("input"))
     effort = _reasoning_effort(body)
-    kwargs = {**({"enable_thinking": False} if effort == "none" else {}),
-              **template_kwargs(body)}
+    kwargs = template_kwargs(body)
     store = opt_bool(body, "store")
     parallel = opt_bool(body, "parallel_tool_calls")
     choice = _tool_choice(body.get("tool_choice"))
@@ -342,11 +355,15 @@ def parse_responses_request(body: object, *, hosted_tools: str = "ignore"
         parallel_tool_calls=True if parallel is None else parallel,
         template_kwargs=kwargs,
         sampling=constrained(sampling, grammar),
+        constraint=spec(json_schema=_text_format(body), json_path="text.format.schema",
+                        tools=tools, tool_choice=choice, parallel=parallel is not False,
+                        params_key="parameters", grammar=grammar),
         stream=bool(opt_bool(body, "stream")),
         store=True if store is None else store,
         user=opt_str(body, "user"),
         metadata=dict(obj(metadata, "metadata")) if metadata is not None else {},
         reasoning_effort=effort,
+        thinking=from_effort(effort, "reasoning.effort"),
         max_tokens=max_tokens,
         marks=marks,
         session=session_key(body.get("prompt_cache_key"), "prompt_cache_key"),
@@ -366,4 +383,5 @@ def chat_request(req: ResponsesRequest, history: tuple[ChatMessage, ...]) -> Cha
                        max_tokens=req.max_tokens,
                        marks=tuple(Mark(m.message + shift, m.offset, m.ttl)
                                    for m in req.marks),
-                       session=req.session, ignored_tools=req.ignored_tools)
+                       session=req.session, ignored_tools=req.ignored_tools,
+                       constraint=req.constraint, thinking=req.thinking)

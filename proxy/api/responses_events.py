@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from proxy.api.chat import ChatMessage, ToolCall
-from proxy.api.reply import Delta, ParsedToolCall, StreamParser
+from proxy.api.reply import Delta, ParsedToolCall, ReplyParser
 from proxy.api.responses import REASONING_MARK, ResponsesRequest
 from proxy.engine.types import FinishEvent, StartEvent, TokenLogprob, Usage
 
@@ -128,7 +128,7 @@ class ResponseEvents:
     named = True
     end = b""
 
-    def __init__(self, head: JSON, parser: StreamParser,
+    def __init__(self, head: JSON, parser: ReplyParser,
                  namespaces: Mapping[str, str]) -> None:
         self._head = head
         self._namespaces = namespaces
@@ -229,7 +229,7 @@ class ResponseEvents:
         return self._deltas(self._parser.feed(text))
 
     def finish(self, fin: FinishEvent) -> list[JSON]:
-        out = self._deltas(self._parser.finish()) + self._close()
+        out = self._deltas(self._parser.finish(cut=fin.reason == "length")) + self._close()
         self.final = finished(self._head, self._output, fin)
         kind = "response.incomplete" if fin.reason == "length" else "response.completed"
         out.append(self._event(kind, response=self.final))

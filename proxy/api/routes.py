@@ -40,7 +40,7 @@ from proxy.api.misses import prompt_conversation
 from proxy.api.openai import parse_chat_request, parse_completion_request
 from proxy.api.openai_events import ChatChunks, CompletionChunks
 from proxy.api.prompt import completion_prompt
-from proxy.api.reply import Delta, StreamParser, new_call_id, starts_in_reasoning
+from proxy.api.reply import Delta, ReplyParser, StreamParser, new_call_id, starts_in_reasoning
 from proxy.api.responses import ResponsesRequest, chat_request, parse_responses_request
 from proxy.api.responses_events import (
     ResponseEvents,
@@ -50,6 +50,8 @@ from proxy.api.responses_events import (
     response_head,
 )
 from proxy.api.streaming import JSON, Chunks, collect, stream
+from proxy.api.structured import in_family
+from proxy.api.thinking import with_budget
 from proxy.engine.types import FinishEvent, GenerationRequest, TokenLogprob
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -61,7 +63,7 @@ class Turn:
 
     gen: GenerationRequest
     model: str
-    parser: StreamParser  # splits the reply into reasoning, content and tool calls
+    parser: ReplyParser  # splits the reply into reasoning, content and tool calls
     prompt_tokens: int
     window: bool  # max_tokens was cut to the room the context leaves (Anthropic)
 
@@ -107,15 +109,19 @@ async def chat_route(request: web.Request, api: ChatApi[Any]) -> web.StreamRespo
     req = api.parse(await read_json(request), request.app[HOSTED_TOOLS])
     note_ignored_tools(request, req.ignored_tools)
     engine, tenant = request.app[ENGINE], tenant_of(request, req.user)
-    chat = request.app[VOLATILE].apply(api.conversation(request, req, tenant))
+    template = request.app[TEMPLATE]
+    chat = in_family(request.app[VOLATILE].apply(api.conversation(request, req, tenant)),
+                     template.syntax, template.call_form)
+    chat = with_budget(chat, template.syntax)
     # Rendering and tokenizing a long conversation takes a while: off the event loop.
     p = await asyncio.to_thread(tokenize_chat, engine, request.app[TEMPLATE],
                                 unbounded(chat) if api.fit_max_tokens else chat, tenant)
     asked = fit_max_tokens(chat.max_tokens, engine.n_ctx, len(p.tokens)) \
         if api.fit_max_tokens else chat.max_tokens
     gen = chat_generation(request, p, chat, asked, api.prefix, api.param, tenant)
-    parser = StreamParser(starts_in_reasoning=starts_in_reasoning(p.text),
-                          parse_tools=chat.parse_tools, make_id=api.tool_ids)
+    syntax = request.app[TEMPLATE].syntax
+    parser = StreamParser(syntax, starts_in_reasoning=starts_in_reasoning(p.text, syntax),
+                          parse_tools=chat.parse_tools, tools=chat.tools, make_id=api.tool_ids)
     writer = api.writer(request, req, Turn(gen, engine.model_name, parser, len(p.tokens),
                                            asked != chat.max_tokens))
     resp: web.StreamResponse
@@ -124,7 +130,7 @@ async def chat_route(request: web.Request, api: ChatApi[Any]) -> web.StreamRespo
     else:
         text, fin, logprobs = await collect(request, gen)
         reply = parser.feed(text)
-        reply.extend(parser.finish())
+        reply.extend(parser.finish(cut=fin.reason == "length"))
         resp = web.json_response(writer.body(reply, fin, logprobs))
     writer.written()
     return resp

@@ -81,7 +81,7 @@ def parse_sampling(body: Mapping[str, Any]) -> tuple[SamplingParams, int | None]
         stop=_stop(body),
         logit_bias=_logit_bias(body),
         speculative=opt_bool(body, "speculative"),
-        **_grammar(body),
+        **grammar_fields(body),
     )
     return sampling, max_completion if max_completion is not None else max_tokens
 
@@ -157,7 +157,7 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def _grammar(body: Mapping[str, Any]) -> dict[str, Any]:
+def grammar_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     """llama-server's ``grammar`` (GBNF: the whole reply must match it) or ``json_schema``
     (the reply, after any reasoning, is JSON that validates): SamplingParams' fields."""
     text = opt_str(body, "grammar")

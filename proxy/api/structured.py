@@ -24,8 +24,12 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from proxy.api.chat import ChatRequest, Constraint
 from proxy.api.fields import ApiError
+from proxy.api.forced import family_grammar
 from proxy.api.reply import CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN
+from proxy.api.syntax.calls import Syntax
+from proxy.api.syntax.forms import CallForm
 from proxy.engine.grammar import (
     SchemaError,
     SchemaPart,
@@ -55,9 +59,10 @@ def reply_grammar(*, json_schema: Mapping[str, Any] | None, json_path: str,
                   tools: Sequence[Mapping[str, Any]] | None, tool_choice: object,
                   parallel: bool, tools_path: str = "tools",
                   params_key: str = "function.parameters",
-                  choice_path: str = "tool_choice") -> str:
-    """The GBNF (rule ``root``) a reply must match, or "" when nothing constrains it.
-    SchemaError names the part of the request at fault."""
+                  choice_path: str = "tool_choice", form: CallForm | None = None) -> str:
+    """The GBNF (rule ``root``) a reply must match, or "" when nothing constrains it;
+    ``form``: how the family writes one call (None: Hermes JSON). SchemaError names the
+    part of the request at fault."""
     name = forced_tool(tool_choice)
     forced = tool_choice == "required" or name is not None
     offered = tools if tool_choice != "none" else None
@@ -71,6 +76,10 @@ def reply_grammar(*, json_schema: Mapping[str, Any] | None, json_path: str,
         return ""
     for k, t in callable_:  # checked where they sit, before they are wrapped in a call
         check_schema(_parameters(t), f"{tools_path}[{k}].{params_key}")
+    if form is not None:
+        return family_grammar(form, [(k, _name(t), _parameters(t)) for k, t in callable_],
+                              json_schema, json_path, forced, parallel, tools_path,
+                              params_key)
     parts = [SchemaPart(_call_schema(t), f"{tools_path}[{k}].{params_key}",
                         f"call-{k}") for k, t in callable_]
     if json_schema is not None:
@@ -136,14 +145,43 @@ def _rebase(node: Any, at: str) -> Any:
 
 def constraint(*, json_schema: Mapping[str, Any] | None, json_path: str,
                tools: tuple[Mapping[str, Any], ...] | None = None, tool_choice: object = None,
-               parallel: bool = True, params_key: str = "function.parameters") -> str:
+               parallel: bool = True, params_key: str = "function.parameters",
+               form: CallForm | None = None) -> str:
     """``reply_grammar`` with its errors as 400s naming the field at fault."""
     try:
         return reply_grammar(json_schema=json_schema, json_path=json_path, tools=tools,
                              tool_choice=tool_choice, parallel=parallel,
-                             params_key=params_key)
+                             params_key=params_key, form=form)
     except SchemaError as e:
         raise ApiError(str(e), _top(e.path)) from None
+
+
+def spec(*, json_schema: Mapping[str, Any] | None, json_path: str,
+         tools: tuple[Mapping[str, Any], ...] | None, tool_choice: object, parallel: bool,
+         params_key: str, grammar: str) -> Constraint | None:
+    """The request's constraint, kept to build in the family's syntax (None: none)."""
+    if not grammar:
+        return None
+    return Constraint(json_schema, json_path, tools, tool_choice, parallel, params_key)
+
+
+def in_family(chat: ChatRequest, syntax: Syntax, form: CallForm | None) -> ChatRequest:
+    """``chat`` with its grammar in the template's own syntax: calls as the family writes
+    them, after the reasoning its template opens (lazy, as llama.cpp's grammars are)."""
+    c = chat.constraint
+    if c is None:
+        return chat
+    calls = c.tools is not None and c.tool_choice != "none" and (
+        c.tool_choice == "required" or forced_tool(c.tool_choice) is not None
+        or not c.parallel)
+    if form is None and calls and syntax.name not in ("hermes", "none"):
+        raise ApiError(f"this model writes tool calls in the {syntax.name} syntax, which "
+                       "cannot be forced by a grammar here", "tool_choice")
+    grammar = constraint(json_schema=c.json_schema, json_path=c.json_path, tools=c.tools,
+                         tool_choice=c.tool_choice, parallel=c.parallel,
+                         params_key=c.params_key, form=form if calls else None)
+    return dataclasses.replace(chat, sampling=dataclasses.replace(
+        chat.sampling, grammar=grammar, reasoning=syntax.grammar_reasoning))
 
 
 def _top(path: str) -> str:

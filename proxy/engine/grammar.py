@@ -22,7 +22,8 @@ from typing import Any
 from proxy.engine.binding import SchemaRules, check_grammar
 
 __all__ = ["ANNOTATIONS", "HANDLED", "SchemaError", "check_grammar", "check_schema",
-           "literal", "schema_rules", "text_without", "after_reasoning", "SchemaPart"]
+           "literal", "schema_rules", "text_without", "after_reasoning", "may_reason_first",
+           "SchemaPart"]
 
 # Keywords the converter enforces, and those that only describe (safe to ignore).
 HANDLED = frozenset({"type", "properties", "required", "additionalProperties", "items",
@@ -63,20 +64,35 @@ def _char(c: str) -> str:
 def text_without(name: str, lit: str) -> str:
     """Rules ``name`` matching any text (possibly empty) that does not contain ``lit``.
 
-    A right-recursive automaton over how much of ``lit`` the text ends with; it needs
-    ``lit``'s first character not to occur again in it (true of the tags used here).
+    A right-recursive automaton over how much of ``lit`` the text ends with (the
+    Knuth-Morris-Pratt states): from state k a character of ``lit`` moves to the state it
+    leads to, any other character back to 0, and the one that would complete ``lit`` is
+    not allowed.
     """
-    assert len(lit) > 1 and lit[0] not in lit[1:], lit
-    first = _char(lit[0])
-    # each state may end the text: its empty alternative comes first (GBNF reads a
-    # trailing "|" as going on over the newline)
-    rules = [f"{name} ::= {name}-0",
-             f"{name}-0 ::= | [^{first}] {name}-0 | {literal(lit[0])} {name}-1"]
-    for k in range(1, len(lit)):
-        c = _char(lit[k])
-        go_on = f" | {literal(lit[k])} {name}-{k + 1}" if k < len(lit) - 1 else ""
-        rules.append(f"{name}-{k} ::= | {literal(lit[0])} {name}-1 | [^{c}{first}] "
-                     f"{name}-0{go_on}")
+    assert lit, "an empty literal"
+    fail = [0] * len(lit)
+    k = 0
+    for i in range(1, len(lit)):
+        while k and lit[i] != lit[k]:
+            k = fail[k - 1]
+        k += lit[i] == lit[k]
+        fail[i] = k
+
+    def step(state: int, c: str) -> int:
+        while state and lit[state] != c:
+            state = fail[state - 1]
+        return state + 1 if lit[state] == c else 0
+
+    rules = [f"{name} ::= {name}-0"]
+    for state in range(len(lit)):
+        moves = {c: step(state, c) for c in sorted(set(lit))}
+        moves = {c: to for c, to in moves.items() if to}  # the rest go back to 0
+        others = "".join(_char(c) for c in moves)
+        # the empty alternative first: the text may end in any state (GBNF reads a
+        # trailing "|" as going on over the newline)
+        alts = ["", f"[^{others}] {name}-0"]
+        alts += [f"{literal(c)} {name}-{to}" for c, to in moves.items() if to < len(lit)]
+        rules.append(f"{name}-{state} ::= " + " | ".join(alts))
     return "\n".join(rules)
 
 
@@ -86,6 +102,17 @@ def after_reasoning(grammar: str, close: str, root: str = "root") -> tuple[str, 
     grammar text and the name of its new root rule."""
     rules = [grammar, text_without("reasoning-text", close),
              f"reasoned-root ::= reasoning-text {literal(close)} [ \\t\\n]{{0,4}} {root}"]
+    return "\n".join(rules), "reasoned-root"
+
+
+def may_reason_first(grammar: str, open_: str, close: str, root: str = "root"
+                     ) -> tuple[str, str]:
+    """The grammar for a reply that may open a reasoning block itself before ``root``
+    (a thinking model whose template leaves the choice to it): the grammar starts at
+    what follows the reasoning, as llama.cpp's lazy grammars start at their trigger."""
+    rules = [grammar, text_without("reasoning-text", close),
+             f"reasoned-root ::= ( {literal(open_)} reasoning-text {literal(close)} "
+             f"[ \\t\\n]{{0,4}} )? {root}"]
     return "\n".join(rules), "reasoned-root"
 
 

@@ -23,13 +23,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from proxy.engine.binding import Context, Model, SamplerChain
-from proxy.engine.grammar import after_reasoning
+from proxy.engine.budget import ReasoningBudget
+from proxy.engine.grammar import after_reasoning, may_reason_first
 from proxy.engine.types import SamplingParams
 from statecache.config import SamplingConfig
 
@@ -141,10 +143,17 @@ def starts_in_reasoning(prompt_tail: str, tags: tuple[str, str]) -> bool:
     return prompt_tail.rfind(tags[0]) > prompt_tail.rfind(tags[1])
 
 
+def closed_empty(prompt_tail: str, tags: tuple[str, str]) -> bool:
+    """Whether the prompt ends in an empty reasoning block (thinking switched off)."""
+    pattern = re.escape(tags[0].strip()) + r"\s*" + re.escape(tags[1].strip()) + r"\s*$"
+    return re.search(pattern, prompt_tail) is not None
+
+
 def resolve(params: SamplingParams, base: Mapping[str, float | int], *,
             prompt_tail: str = "") -> ChainSpec:
     """The request's values over ``base`` (from ``defaults``), its grammar made to follow
-    the reasoning a thinking template opened in the prompt."""
+    the reasoning a thinking template opened in the prompt, or to allow the reasoning a
+    model may open itself where the prompt leaves it the choice."""
     values: dict[str, object] = {}
     for f in dataclasses.fields(ChainSpec):
         if f.name in base:
@@ -153,6 +162,9 @@ def resolve(params: SamplingParams, base: Mapping[str, float | int], *,
     grammar, root = params.grammar, "root"
     if grammar and params.reasoning and starts_in_reasoning(prompt_tail, params.reasoning):
         grammar, root = after_reasoning(grammar, params.reasoning[1])
+    elif grammar and params.reasoning and not closed_empty(prompt_tail, params.reasoning):
+        # the template left reasoning to the model (thinking on, the block not opened)
+        grammar, root = may_reason_first(grammar, *params.reasoning)
     return ChainSpec(**values,  # type: ignore[arg-type]
                      dry_sequence_breakers=params.dry_sequence_breakers or DRY_BREAKERS,
                      seed=params.seed, logit_bias=params.logit_bias, grammar=grammar,
@@ -202,10 +214,14 @@ def _window(last_n: int) -> int:
 
 
 class Sampler:
-    """One request's sampling: the exact argmax of the logits, or its chain."""
+    """One request's sampling: the exact argmax of the logits, or its chain; with a
+    reasoning budget, the closer it forces once the budget is spent."""
 
-    def __init__(self, model: Model, spec: ChainSpec, prompt: np.ndarray) -> None:
+    def __init__(self, model: Model, spec: ChainSpec, prompt: np.ndarray,
+                 budget: ReasoningBudget | None = None) -> None:
         self.spec = spec
+        self.budget = budget
+        self._pieces = model.token_bytes
         self.chain: SamplerChain | None = None
         if not spec.exact_argmax:
             self.chain = build_chain(model, spec)
@@ -216,13 +232,27 @@ class Sampler:
 
     @property
     def constrained(self) -> bool:
-        """Whether a grammar constrains the reply: a drafted token would have to pass it
-        too, so speculative decoding should draft nothing for this request."""
-        return bool(self.spec.grammar)
+        """Whether a grammar or a reasoning budget constrains the reply: a drafted token
+        would have to pass them too, so speculative decoding drafts nothing for it."""
+        return bool(self.spec.grammar) or self.budget is not None
 
     def sample(self, ctx: Context, row: int, logits: np.ndarray | None = None) -> int:
         """The next token from output row ``row`` of the last decode, or from ``logits``
         (a row kept apart) where given."""
+        if self.budget is None:
+            return self._sample(ctx, row, logits)
+        tok = self.budget.next_forced()
+        if tok is not None and (self.chain is None or self.chain.allows(tok)):
+            if self.chain is not None:
+                self.chain.take(tok)
+        else:
+            if tok is not None:
+                self.budget.refused()
+            tok = self._sample(ctx, row, logits)
+        self.budget.accept(tok, self._pieces(tok))
+        return tok
+
+    def _sample(self, ctx: Context, row: int, logits: np.ndarray | None) -> int:
         if logits is not None:
             return int(logits.argmax()) if self.chain is None else \
                 self.chain.sample_logits(logits)
@@ -240,10 +270,19 @@ def make_sampler(model: Model, params: SamplingParams, cfg: SamplingConfig,
     """The sampler of a request whose prompt is ``prompt``; ValueError for a logit_bias
     token the vocabulary lacks (llama.cpp would ignore it)."""
     check_logit_bias(params, model.n_vocab)
-    tail = model.detokenize(prompt[-TAIL_TOKENS:].tolist()) \
-        if params.grammar and params.reasoning else ""
+    tail = model.detokenize(prompt[-TAIL_TOKENS:].tolist()) if params.reasoning else ""
     spec = resolve(params, defaults(cfg, model.metadata), prompt_tail=tail)
-    return Sampler(model, spec, prompt)
+    budget = None
+    if params.reasoning_budget is not None and params.reasoning:
+        try:
+            forced = model.tokenize(params.reasoning[1], parse_special=True)
+        except ValueError:  # a closer the vocabulary cannot write: no budget to keep
+            log.warning("the reasoning closer %r is not in this model's vocabulary; the "
+                        "reasoning budget is not kept", params.reasoning[1])
+        else:
+            budget = ReasoningBudget(params.reasoning_budget, params.reasoning, forced,
+                                     starts_in_reasoning(tail, params.reasoning))
+    return Sampler(model, spec, prompt, budget)
 
 
 def check_logit_bias(params: SamplingParams, n_vocab: int) -> None:

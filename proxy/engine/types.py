@@ -33,8 +33,11 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias); -inf bans the token
     grammar: str = ""  # GBNF with a rule "root" that the whole reply must match
     # (open, close) of the template's reasoning block: when the prompt leaves the reply
-    # inside one, the reply may reason first and the grammar applies after ``close``
+    # inside one, the reply may reason first and the grammar applies after ``close``;
+    # when it leaves the choice to the model, the reply may open one first
     reasoning: tuple[str, str] | None = None
+    # most tokens the reply may spend inside ``reasoning`` before its closer is forced
+    reasoning_budget: int | None = None
     speculative: bool | None = None  # False: no drafting for this request
 
     @property
@@ -64,11 +67,15 @@ class Divergence:
     # the prompt holds the whole earlier prompt and its reply as generated: this client
     # sends replies back verbatim, so the next turn will continue from the reply's end
     replayed: bool = False
+    # the tool-call and reasoning syntax of the template that re-rendered a reply
+    family: str = ""
 
     def describe(self) -> str:
         where = f" at token {self.token:,}" if self.token >= 0 else ""
         if self.message >= 0:
             where += f" (message {self.message}, {self.role or '?'})"
+        if self.family:
+            where += f" by the {self.family} template"
         text = f": {self.old!r} -> {self.new!r}" if self.old or self.new else ""
         return f"{self.cause}{where}{text}"
 

@@ -7,6 +7,7 @@ from statecache.config.sections import (
     INNER_SYSTEM,
     LOG_LEVELS,
     SPECULATIVE_SOURCES,
+    TOOL_FORMATS,
     CacheConfig,
     Config,
     ConfigError,
@@ -20,7 +21,8 @@ from statecache.config.sections import (
     VolatileRule,
 )
 
-__all__ = ["HOSTED_TOOLS", "INNER_SYSTEM", "LOG_LEVELS", "SPECULATIVE_SOURCES", "CacheConfig",
+__all__ = ["HOSTED_TOOLS", "INNER_SYSTEM", "LOG_LEVELS", "SPECULATIVE_SOURCES", "TOOL_FORMATS",
+           "CacheConfig",
            "Config", "ConfigError", "EngineConfig", "LogConfig", "ModelConfig", "RemoteConfig",
            "SamplingConfig", "ServerConfig", "SpeculativeConfig", "VolatileRule", "get_value",
            "load_config"]

@@ -19,6 +19,7 @@ from statecache.config.sections import (
     INNER_SYSTEM,
     LOG_LEVELS,
     SPECULATIVE_SOURCES,
+    TOOL_FORMATS,
     CacheConfig,
     Config,
     ConfigError,
@@ -307,6 +308,7 @@ def _validate(cfg: Config) -> None:
     if cfg.speculative.source == "draft" and not cfg.model.draft_path:
         raise ConfigError('speculative.source = "draft" needs model.draft_path')
     for key, choices in (("server.inner_system", INNER_SYSTEM),
+                         ("model.tool_format", TOOL_FORMATS),
                          ("server.hosted_tools", HOSTED_TOOLS)):
         if get_value(cfg, key) not in choices:
             raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got "

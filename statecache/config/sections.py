@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 _SIZE = {"size": True}
 LOG_LEVELS = ("debug", "info", "warning", "error")
 INNER_SYSTEM = ("auto", "fold", "keep")
+# model.tool_format: "auto", or a family of proxy/api/syntax (a test keeps the two in step)
+TOOL_FORMATS = ("auto", "seed-oss", "qwen3-xml", "glm", "hermes", "hunyuan", "minimax-m2",
+                "deepseek-dsml", "deepseek", "kimi-k2", "kimi-k3", "mistral", "lfm2", "command-r",
+                "apertus", "gemma4", "tool-calls-json", "nemotron-v2", "solar", "minicpm",
+                "gigachat", "firefunction", "minimax-m3", "atem", "functionary-v3.1", "llama3",
+                "pythonic", "harmony", "functionary-v3.2", "none")
 HOSTED_TOOLS = ("ignore", "reject")
 SPECULATIVE_SOURCES = ("off", "lookup", "draft", "auto")
 
@@ -28,6 +34,8 @@ class ModelConfig:
     n_gpu_layers: int = -1
     n_rs_seq: int = 0
     chat_template: str = ""  # a .jinja file overriding the GGUF's template
+    # the tool-call syntax: "auto" probes the template (proxy/api/syntax/probe.py)
+    tool_format: str = "auto"
     threads: int = 0  # 0: auto
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from proxy.api.anthropic import parse_messages_request
 from proxy.api.anthropic_events import MessageEvents, error_body, message_body
-from proxy.api.chat import ChatMessage, ToolCall
+from proxy.api.chat import ChatMessage, Thinking, ToolCall
 from proxy.api.fields import ApiError
 from proxy.api.generation import fit_max_tokens
 from proxy.api.openai import parse_chat_request
@@ -121,7 +121,8 @@ def test_sampling_tool_choice_and_thinking() -> None:
     assert (s.temperature, s.top_p, s.top_k, s.stop, req.max_tokens) == (0.0, 0.5, 3, ("END",),
                                                                           10)
     assert req.stream and req.tool_choice == "required" and req.user is None
-    assert dict(req.template_kwargs) == {"enable_thinking": False}
+    # off, set as the variables the model's template reads when it renders
+    assert req.thinking == Thinking(on=False) and dict(req.template_kwargs) == {}
     tool = parse_messages_request({"max_tokens": 1, "messages": [USER],
                                    "tool_choice": {"type": "tool", "name": "read_file"},
                                    "tools": ANTHROPIC["tools"]})

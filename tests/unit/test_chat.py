@@ -192,8 +192,11 @@ def test_sandbox_blocks_attribute_escapes() -> None:
     assert ChatTemplate("[{{ ().__class__ }}]").render([]) == "[]"
     with pytest.raises(ValueError):
         ChatTemplate("{{ ().__class__.__base__.__subclasses__() }}").render([])
-    with pytest.raises(ValueError):
-        ChatTemplate("{{ messages.append(1) }}").render([])  # immutable sandbox
+    # a template may change its own lists (Kimi K2's append to one, as llama.cpp's engine
+    # allows); the messages it is given are copies, so the caller's stay as they were
+    sent = [{"role": "user", "content": "hi"}]
+    tpl = ChatTemplate("{% set _ = messages.append({'role': 'x'}) %}{{ messages | length }}")
+    assert tpl.render(sent) == "2" and sent == [{"role": "user", "content": "hi"}]
 
 
 def test_tojson_matches_hf_and_globals_exist() -> None:

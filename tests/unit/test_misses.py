@@ -6,6 +6,7 @@ text), so where two prompts part is where their texts part, as on the synthetic 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 
@@ -316,3 +317,21 @@ def test_a_reply_whose_text_came_back_in_other_tokens_is_named() -> None:
     blind.remember(c, "caf\ufffd", reply_ids)
     assert blind.divergence(conv(back, tokens=same_text)).cause == \
         "reply re-rendered differently"
+
+
+def test_a_re_rendered_reply_names_the_family_and_where() -> None:
+    from proxy.api.syntax.families import QWEN_XML
+
+    m = SeenConversations(page=8, text=lambda ids: "".join(chr(int(i)) for i in ids))
+    first = [sys_(), user("Read it.")]
+    c = conv(first)
+    reply = replied(m, dataclasses.replace(c, syntax=QWEN_XML), "", "<function=f>")
+    tokens = render([*first, reply, user("And?")])
+    n = len(render(first))
+    tokens[n + 3] = ord("X")  # the template wrote the reply's tokens otherwise
+    d = m.divergence(dataclasses.replace(conv([*first, reply, user("And?")], tokens=tokens),
+                                         syntax=QWEN_XML))
+    assert (d.cause, d.token, d.family) == ("reply re-rendered differently", n + 3,
+                                            "qwen3-xml")
+    assert "by the qwen3-xml template" in d.describe()
+    assert (d.old, d.new) == ("<assistant>|<fu", "<asXistant>|<fu")

@@ -107,7 +107,8 @@ def test_every_place_and_its_figures(layout: dict[str, Path],
     assert rows["hf:org/Big-GGUF:Q8_0"]["size"] == sum(
         Path(p).stat().st_size for p in Path(rows["hf:org/Big-GGUF:Q8_0"]["file"]).parent.iterdir())
     # the template: the GGUF's, Ollama's layer mapped, or none
-    assert (qwen["template"], qwen["tool_syntax"]) == ("gguf", "unknown")
+    # the synthetic models' ChatML template writes Hermes calls (the server's own probe)
+    assert (qwen["template"], qwen["tool_syntax"]) == ("gguf", "hermes")
     assert rows["ollama:chatml:latest"]["template"] == "ollama layer as chatml-tools.jinja"
     assert (rows[gemma]["template"], rows[gemma]["tool_syntax"]) == ("none", "none")
     assert "truncated" in rows[cut]["error"]

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from proxy.api.chat import ChatMessage, ToolCall
+from proxy.api.chat import ChatMessage, Thinking, ToolCall
 from proxy.api.fields import ApiError
 from proxy.api.openai import parse_chat_request
 from proxy.api.render import VENDOR_TEMPLATES, ChatTemplate, render_chat
@@ -113,7 +113,7 @@ def test_sampling_and_options() -> None:
     s = req.sampling
     assert (req.max_tokens, s.temperature, s.top_p) == (20, 0.0, 0.5)
     assert not req.store and not req.parallel_tool_calls and req.stream
-    assert dict(req.template_kwargs) == {"enable_thinking": False}
+    assert req.thinking == Thinking(on=False) and dict(req.template_kwargs) == {}
     assert req.tool_choice == {"type": "function", "function": {"name": "f"}}
     head = response_head("resp_1", "m", req)
     assert head["tool_choice"] == {"type": "function", "name": "f"}

@@ -285,6 +285,14 @@ class SamplerChain:
         _ll.llama_sampler_apply(self._grammar, ctypes.byref(_candidates(one)))
         return bool(np.isfinite(one["logit"][0]))
 
+    def take(self, token: int) -> None:
+        """Accept a token this chain did not choose (a forced one) as if it had: the
+        grammar (which must allow it), the penalties and the draw all see it."""
+        if self._grammar is not None:
+            _ll.llama_sampler_accept(self._grammar, token)
+        for chain in {id(c): c for c in (self._mods, self._chain, self._draw)}.values():
+            _ll.llama_sampler_accept(chain, token)
+
     def accept_grammar(self, token: int) -> None:
         """Advance the grammar over ``token`` (tests walk a text through it); ValueError if
         the grammar does not allow it (llama.cpp would abort the process)."""
