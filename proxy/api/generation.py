@@ -46,7 +46,7 @@ from proxy.api.misses import Conversation, chat_conversation
 from proxy.api.prompt import Prompt, chat_prompt
 from proxy.api.render import ChatTemplate
 from proxy.api.sampling import to_params
-from proxy.engine.types import GenerationRequest, SamplingParams
+from proxy.engine.types import GenerationRequest, Intake, SamplingParams
 
 log = logging.getLogger(APP_LOG)
 
@@ -126,14 +126,18 @@ def fit_max_tokens(asked: int | None, n_ctx: int, n_prompt: int) -> int | None:
 
 
 def chat_generation(request: web.Request, p: Prompt, req: ChatRequest, asked: int | None,
-                    prefix: str, param: str, tenant: str) -> GenerationRequest:
-    """A tokenized chat request for the engine; ``asked``: its ``max_tokens``."""
+                    prefix: str, param: str, tenant: str,
+                    t_arrival: float | None = None) -> GenerationRequest:
+    """A tokenized chat request for the engine; ``asked``: its ``max_tokens``;
+    ``t_arrival``: when its handler began (``time.perf_counter``)."""
     session = session_of(request, req.session)
+    intake = None if t_arrival is None else Intake(t_arrival, p.render_s, p.tokenize_s,
+                                                     p.points_s)
     return generation(request, p.tokens, req.sampling, asked, prefix, param, tenant,
                       p.history,
                       chat_conversation(tenant, req, p.tokens, p.text, p.history, session),
                       share_points=p.share_points, breakpoints=p.breakpoints,
-                      session=session)
+                      session=session, intake=intake)
 
 
 def generation(request: web.Request, tokens: list[int], sampling: SamplingParams,
@@ -141,7 +145,8 @@ def generation(request: web.Request, tokens: list[int], sampling: SamplingParams
                history: int | None = None,
                seen: Conversation | None = None, *, share_points: tuple[int, ...] = (),
                breakpoints: tuple[tuple[int, float], ...] = (),
-               session: str | None = None) -> GenerationRequest:
+               session: str | None = None, intake: Intake | None = None
+               ) -> GenerationRequest:
     """The engine's request: ids prefixed ``prefix``; a context-length error names
     ``param``; ``seen``: the conversation, remembered once replied (miss reasons)."""
     release(request)  # the prompt is tokenized: the next request may be parsed
@@ -155,7 +160,7 @@ def generation(request: web.Request, tokens: list[int], sampling: SamplingParams
                             prompt_tokens=tuple(tokens), sampling=to_params(sampling, max_tokens),
                             tenant=tenant, history_tokens=history, divergence=divergence,
                             share_points=share_points, breakpoints=breakpoints,
-                            session=session)
+                            session=session, intake=intake)
     if divergence is not None:
         log.debug("%s: %s", gen.request_id, divergence.describe())
     return gen

@@ -19,6 +19,7 @@ These functions block (tokenizing a long prompt takes a while): call them off th
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,9 @@ class Prompt:
     history: int | None  # tokens of the history before the generation prompt
     share_points: tuple[int, ...] = ()  # token positions (proxy/api/hints.py)
     breakpoints: tuple[tuple[int, float], ...] = ()  # (token position, seconds to keep)
+    render_s: float = 0.0  # what each part took (the Done line, /admin/requests)
+    tokenize_s: float = 0.0
+    points_s: float = 0.0
 
 
 def utf8_len(text: str) -> int:
@@ -79,19 +83,23 @@ def _history_cut(prompt: str, history: str, special_re: re.Pattern[str] | None) 
 
 def chat_prompt(tokenizer: Tokenizer, template: ChatTemplate, req: ChatRequest, tenant: str,
                 n_ctx: int) -> Prompt:
+    t0 = time.perf_counter()
     table = Literals(tokenizer.special_re)
     text = render_chat(template, req, escape=table.escape)
     check_fits(utf8_len(text), tokenizer.max_token_bytes, n_ctx, req.max_tokens,
                "messages")
     history = render_chat(template, req, add_generation_prompt=False, escape=table.escape)
+    t1 = time.perf_counter()
     cut = _history_cut(text, history, tokenizer.special_re)
     segments, at = table.segments(text, () if cut is None else (cut,))
     tokens, ends = tokenizer.tokenize_segments(segments, tenant)
     n_history = None
     if cut is not None:
         n_history = ends[at[0] - 1] if at[0] > 0 else 0
+    t2 = time.perf_counter()
     share, keep = _points(tokenizer, template, req, text, tokens, table)
-    return Prompt(text, tokens, n_history or None, share, keep)
+    return Prompt(text, tokens, n_history or None, share, keep, render_s=t1 - t0,
+                  tokenize_s=t2 - t1, points_s=time.perf_counter() - t2)
 
 
 def _points(tokenizer: Tokenizer, template: ChatTemplate, req: ChatRequest, text: str,

@@ -16,6 +16,7 @@ starts with it (the engine's tokenize adds none).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -102,6 +103,7 @@ class ChatApi(Generic[R]):
 
 
 async def chat_route(request: web.Request, api: ChatApi[Any]) -> web.StreamResponse:
+    t_arrival = time.perf_counter()  # the request's TTFT counts from here
     # read_json holds a parse slot until generation() (or the end of the request) gives
     # it back
     req = api.parse(await read_json(request), request.app[HOSTED_TOOLS])
@@ -113,7 +115,7 @@ async def chat_route(request: web.Request, api: ChatApi[Any]) -> web.StreamRespo
                                 unbounded(chat) if api.fit_max_tokens else chat, tenant)
     asked = fit_max_tokens(chat.max_tokens, engine.n_ctx, len(p.tokens)) \
         if api.fit_max_tokens else chat.max_tokens
-    gen = chat_generation(request, p, chat, asked, api.prefix, api.param, tenant)
+    gen = chat_generation(request, p, chat, asked, api.prefix, api.param, tenant, t_arrival)
     parser = StreamParser(starts_in_reasoning=starts_in_reasoning(p.text),
                           parse_tools=chat.parse_tools, make_id=api.tool_ids)
     writer = api.writer(request, req, Turn(gen, engine.model_name, parser, len(p.tokens),

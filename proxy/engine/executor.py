@@ -91,7 +91,12 @@ class Executor:
                 first = len(job.spec.replay)
                 row = batch.add(lane.id, toks, w.pos0, logits_last=True, logits_from=first)
                 w.row = row - (len(toks) - 1 - first)
+        t0 = time.perf_counter()
         self.p.ctx.decode()
+        dt = time.perf_counter() - t0
+        for w in works:  # what the requests before their first token waited in llama_decode
+            if not w.job.out.t_first:
+                w.job.stats.decode_s += dt
         for w in works:
             try:
                 self._commit(w)
