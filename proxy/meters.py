@@ -17,6 +17,8 @@ _COUNTS = {
     "checkpoint_bytes_saved": "Bytes of checkpoints published.",
     "restore_failures": "Checkpoint restores that failed (fell back cold).",
     "handoffs": "Lane states handed to the pool to free a lane.",
+    "owed_checkpoints": "Checkpoints a prefill passed without stopping (a lane cut back "
+                        "anywhere), taken from the lane when it was cut back or replaced.",
     "replaced_replies": "Lane states cut back unsaved: the request held the last one's "
                         "history and replaced its turn.",
     "replies_spliced": "Replies whose generated ids were spliced in.",

@@ -152,6 +152,8 @@ class Executor:
             job.stats.prefilled += w.n
             job.stats.prefill_steps += 1
             job.pos += w.n
+            while job.owed and job.owed[0][0] <= job.pos:  # passed: the lane owes them
+                lane.owed.append(job.owed.pop(0))
             if not job.prefilling:  # 1 MiB at Gemma 3's vocabulary: a copy is cheap
                 lane.keep_logits(self.p.ctx.logits_view(w.row).copy())
             if job.publish and job.publish[0][0] == job.pos:

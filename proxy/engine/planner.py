@@ -250,19 +250,15 @@ def rank(offers: Sequence[Offer], costs: Costs, prompt: int) -> list[tuple[Estim
 
 
 def publish_points(
-    *, reuse: int, limit: int, replay_at: int, match_depth: int, page: int, every_pages: int,
+    *, reuse: int, limit: int, replay_at: int, match_depth: int, page: int,
 ) -> list[tuple[int, Role]]:
     """Positions (after ``reuse``, at most ``limit``) where prefill saves a checkpoint.
 
     The replay point is the last whole page at or before the generation prompt; the
     branch point the last whole page before this prompt left the deepest cached
-    match; periodic ones every ``every_pages`` pages of a long prompt.
+    match. Periodic points are placed after every other point (``periodic_points``).
     """
     points: dict[int, Role] = {}
-    if every_pages > 0:
-        step = every_pages * page
-        for n in range((reuse // step + 1) * step, limit + 1, step):
-            points[n] = Role.PERIODIC
     branch = (match_depth // page) * page
     if reuse < branch <= limit and match_depth < limit:
         points[branch] = Role.BRANCH
@@ -270,3 +266,35 @@ def publish_points(
     if reuse < replay <= limit:
         points[replay] = Role.REPLAY
     return sorted(points.items())
+
+
+def periodic_points(fixed: Sequence[int], *, reuse: int, limit: int, every: int,
+                    chunk: int) -> list[int]:
+    """Periodic checkpoints of a long prefill (after ``reuse``, at most ``limit``), where
+    its steps end anyway: a step carries ``chunk`` prompt tokens and ends early only at
+    one of the ``fixed`` points, so a point on that grid costs no step of its own (a
+    multiple of ``every`` would, wherever a fixed point has shifted the grid). One goes
+    at the first step's end at least ``every`` tokens past the last checkpoint, fixed or
+    periodic, or the state the prefill starts from. Points asked for more often than
+    steps end (``every`` < ``chunk``) go at the multiples of ``every``, as asked: the
+    grid would give up what they are for."""
+    if every <= 0 or chunk <= 0:
+        return []
+    if every < chunk:
+        return list(range((reuse // every + 1) * every, limit + 1, every))
+    cuts = sorted(f for f in set(fixed) if reuse < f <= limit)
+    out: list[int] = []
+    pos = last = reuse
+    i = 0
+    while True:
+        end = pos + chunk
+        if i < len(cuts) and cuts[i] <= end:
+            pos = last = cuts[i]
+            i += 1
+            continue
+        if end > limit:
+            return out
+        pos = end
+        if pos - last >= every:
+            out.append(pos)
+            last = pos

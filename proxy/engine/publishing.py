@@ -33,7 +33,7 @@ from proxy.engine.binding import FLAGS_FULL, FLAGS_PARTIAL, MemoryKind
 from proxy.engine.build import Parts
 from proxy.engine.job import Job
 from proxy.engine.lanes import Lane
-from proxy.engine.planner import publish_points
+from proxy.engine.planner import can_truncate, periodic_points, publish_points
 from statecache.pages import PageChain
 from statecache.records import Kind, Owner, Role
 
@@ -60,21 +60,10 @@ class Publisher:
             # (a cut costs a step, about a pass over the weights)
             replay_at = 0
         points = publish_points(reuse=job.reuse, limit=limit, replay_at=replay_at,
-                                match_depth=match_depth, page=p.page,
-                                every_pages=p.cfg.cache.periodic_pages)
+                                match_depth=match_depth, page=p.page)
         kind = self.kind()
         first = self._first_turn_end(job)
-        out: Points = []
-        for n, r in points:
-            if r is Role.PERIODIC and n <= first:
-                # inside the first turn (an agent's system prompt), periodic points are
-                # FULL: a prompt edited further on starts here in any lane
-                if not self.has_full(job, chain, n):
-                    out.append((n, r, Kind.FULL))
-            elif r is Role.BRANCH:
-                out.append((n, r, Kind.FULL))
-            elif not (kind is Kind.FULL and r is Role.PERIODIC):  # full states grow: skip
-                out.append((n, r, kind))
+        out: Points = [(n, r, Kind.FULL if r is Role.BRANCH else kind) for n, r in points]
         end = len(job.prompt)
         if kind is Kind.PARTIAL and end > job.reuse and (not out or out[-1][0] < end):
             # a lane that cannot roll back keeps the state at the prompt's end too, with
@@ -88,9 +77,38 @@ class Publisher:
         self._client_breakpoints(job, chain, out)
         for n in self._share_points(job, chain, out):
             full_at(out, n)
+        self._periodic(job, chain, out, first)
+        if kind is Kind.FULL:
+            # a live lane is cut back with seq_rm (attention; SWA, whose live lane keeps
+            # every cell): the prefill stops nowhere (its steps stay whole), and the lane
+            # owes these checkpoints until it is cut back or replaced
+            job.owed = [(n, r, job.keep.get(n, 0.0)) for n, r, _ in out]
+            out = []
         if job.prewarm and len(job.prompt) > job.reuse:
             full_at(out, len(job.prompt))  # what comes next starts from the prompt
         return out
+
+    def _periodic(self, job: Job, chain: PageChain | None, points: Points,
+                  first: int) -> None:
+        """Every ``cache.periodic_pages`` pages of a long prefill, on the grid its steps
+        make (``planner.periodic_points``): inside the first turn (an agent's system
+        prompt) FULL, so a prompt edited further on starts there in any lane; beyond it
+        in the lane's kind, and none where that kind is FULL (full states grow)."""
+        p = self.p
+        kind = self.kind()
+        every = p.cfg.cache.periodic_pages * p.page
+        chunk = min(p.cfg.engine.prefill_chunk or p.step_tokens, p.step_tokens)
+        taken = {m for m, _, _ in points}
+        for n in periodic_points(sorted(taken), reuse=job.reuse, limit=len(job.prompt) - 1,
+                                 every=every, chunk=chunk):
+            if n in taken:
+                continue
+            if n <= first:
+                if not self.has_full(job, chain, n):
+                    points.append((n, Role.PERIODIC, Kind.FULL))
+            elif kind is not Kind.FULL:
+                points.append((n, Role.PERIODIC, kind))
+        points.sort(key=lambda pt: pt[0])
 
     def _client_breakpoints(self, job: Job, chain: PageChain | None, points: Points) -> None:
         """A client's cache breakpoints: a FULL checkpoint at each one this request
@@ -230,7 +248,7 @@ class Publisher:
 
     # -- hand-off --------------------------------------------------------------------
 
-    def hand_off_unless_replaced(self, lane: Lane, job: Job, *,
+    def hand_off_unless_replaced(self, lane: Lane, job: Job, *, cut: int = 0,
                                  convert_replay: bool = True) -> None:
         """Keep the state ``job`` cuts back or replaces, unless all it loses is the turn
         of the lane's last request (its generation prompt and reply) and ``job`` holds
@@ -243,15 +261,17 @@ class Publisher:
         if job.use_cache and lane.replaced_by(job.prompt, job.req.tenant):
             self.p.meter.count("replaced_replies")
             return
-        self.hand_off_timed(lane, job, convert_replay=convert_replay)
+        self.hand_off_timed(lane, job, cut=cut, convert_replay=convert_replay)
 
-    def hand_off_timed(self, lane: Lane, job: Job, *, convert_replay: bool = True) -> None:
+    def hand_off_timed(self, lane: Lane, job: Job, *, cut: int = 0,
+                       convert_replay: bool = True) -> None:
         t0 = time.perf_counter()
-        self.hand_off(lane, convert_replay=convert_replay)
+        self.hand_off(lane, cut=cut, convert_replay=convert_replay)
         job.stats.handoff_s += time.perf_counter() - t0
 
-    def hand_off(self, lane: Lane, *, convert_replay: bool = True) -> None:
-        """Before a lane's state is cut back or replaced, keep it as a FULL checkpoint.
+    def hand_off(self, lane: Lane, *, cut: int = 0, convert_replay: bool = True) -> None:
+        """Before a lane's state is cut back to ``cut`` tokens or replaced (0), keep it as
+        a FULL checkpoint, and take the checkpoints it owes above ``cut``.
 
         On a hybrid, the lane's replay points (partial checkpoints: the history's end
         and the prompt's end, with its logits) become FULL ones too: restore each,
@@ -264,6 +284,7 @@ class Publisher:
             p.meter.count("handoffs")
             # a lane ends where its last request's reply ended
             self.save(lane, Role.END_OF_REPLY, Kind.FULL)
+        self._pay_owed(lane, cut)
         if not convert_replay or lane.replay_saved or self.kind() is not Kind.PARTIAL:
             return
         limit, converted = lane.n - 1, 0
@@ -289,6 +310,26 @@ class Publisher:
                 converted += 1
             limit = n - 1
         lane.replay_saved = True
+
+    def _pay_owed(self, lane: Lane, cut: int) -> None:
+        """The FULL checkpoints the lane owes above ``cut`` (Lane.owed), deepest first:
+        the live lane cut back to each and saved there. Nothing is prefilled again; the
+        lane ends cut back to the shallowest of them."""
+        p = self.p
+        due = [o for o in lane.owed if cut < o[0] < lane.n]
+        if not due or p.pool is None:
+            return
+        chain = p.pool.chain(lane.tokens, lane.tenant)
+        for n, role, keep_s in reversed(due):
+            if p.pool.holds(chain, n, tenant=lane.tenant) or \
+                    not can_truncate(p.memory, lane, n, p.ctx.pos_min):
+                continue
+            if not p.ctx.seq_rm(lane.id, n, -1):
+                self.clear(lane)  # the lane no longer holds what it says: nothing of it
+                return
+            lane.truncate(n)
+            self.save(lane, role, Kind.FULL, keep_s, older=True)
+            p.meter.count("owed_checkpoints")
 
     def idle_save(self, lane: Lane) -> None:
         """Keep an idle lane's live state as a FULL checkpoint without cutting it back,

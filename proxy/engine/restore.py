@@ -123,7 +123,8 @@ class Restorer:
         job.stats.source, job.stats.role = plan.source.value, plan.role
         if plan.source is Source.LANE:
             if plan.partial is not None or plan.truncate:
-                publisher.hand_off_unless_replaced(lane, job, convert_replay=False)
+                publisher.hand_off_unless_replaced(lane, job, cut=plan.reuse,
+                                                   convert_replay=False)
             if plan.partial is not None and not p.ctx.restore(
                     lane.id, plan.partial.data, FLAGS_PARTIAL):
                 self._fall_back_cold(lane, job, "partial restore failed")

@@ -8,7 +8,7 @@ import numpy as np
 from proxy.engine.binding import MemoryInfo, MemoryKind
 from proxy.engine.detok import TextStream
 from proxy.engine.lanes import Lane
-from proxy.engine.planner import can_truncate, publish_points
+from proxy.engine.planner import can_truncate, periodic_points, publish_points
 from proxy.engine.splice import aligned_replies, tokenize_spliced
 from statecache.records import Kind, Role
 from tests.unit.conftest import PoolFactory, put
@@ -23,24 +23,51 @@ def _memory(kind: MemoryKind, n_swa: int = 0) -> MemoryInfo:
 # -- publish points -------------------------------------------------------------------
 
 
-def test_publish_points_replay_branch_periodic() -> None:
+def test_publish_points_replay_and_branch() -> None:
     # A 300-token prompt (limit 299), nothing reused, the history ends at 290, a cached
-    # prompt shared the first 100 tokens: replay at 288, branch at 96, periodic at 128, 256.
-    got = publish_points(reuse=0, limit=299, replay_at=290, match_depth=100, page=32,
-                         every_pages=4)
-    assert got == [(96, Role.BRANCH), (128, Role.PERIODIC), (256, Role.PERIODIC),
-                   (288, Role.REPLAY)]
+    # prompt shared the first 100 tokens: replay at 288, branch at 96.
+    got = publish_points(reuse=0, limit=299, replay_at=290, match_depth=100, page=32)
+    assert got == [(96, Role.BRANCH), (288, Role.REPLAY)]
 
 
 def test_publish_points_skip_what_is_already_reused() -> None:
     # Reusing 200 tokens: only points after it; the branch below is not saved again.
-    got = publish_points(reuse=200, limit=299, replay_at=290, match_depth=100, page=32,
-                         every_pages=4)
-    assert got == [(256, Role.PERIODIC), (288, Role.REPLAY)]
+    got = publish_points(reuse=200, limit=299, replay_at=290, match_depth=100, page=32)
+    assert got == [(288, Role.REPLAY)]
     # A prompt that fully matches what is cached has no branch point.
-    got = publish_points(reuse=0, limit=299, replay_at=0, match_depth=299, page=32,
-                         every_pages=0)
+    got = publish_points(reuse=0, limit=299, replay_at=0, match_depth=299, page=32)
     assert got == []
+
+
+def test_periodic_points_go_where_the_steps_end_anyway() -> None:
+    # Steps of 512 from 0: every 2,048 tokens, as multiples would be.
+    assert periodic_points([], reuse=0, limit=9999, every=2048, chunk=512) == \
+        [2048, 4096, 6144, 8192]
+    # A share point at 3,739 ends a step there, and the steps after it end at
+    # 3,739 + k * 512: the next periodic point is on that grid (5,787), not at 4,096 or
+    # 6,144, each of which would have cut a step of its own
+    got = periodic_points([3739], reuse=0, limit=9999, every=2048, chunk=512)
+    assert got == [2048, 3739 + 4 * 512, 3739 + 8 * 512, 3739 + 12 * 512]
+    # ... and a follow-up that starts from 1,000 tokens counts from there
+    assert periodic_points([], reuse=1000, limit=5000, every=2048, chunk=512) == [3048]
+    # a cold prompt of 8,881 tokens cut at 3,739 and 4,245 (Codex's share points on
+    # Gemma 3) takes 19 steps; multiples of 2,048 would have cut one more (4,096)
+    fixed = [3739, 4245]
+    steps_with = _steps(fixed + periodic_points(fixed, reuse=0, limit=8880, every=2048,
+                                                chunk=512), 8881, 512)
+    assert steps_with == _steps(fixed, 8881, 512)
+    assert steps_with == 19
+    assert _steps(fixed + [2048, 4096, 6144, 8192], 8881, 512) == steps_with + 1
+    assert periodic_points([100], reuse=0, limit=99, every=0, chunk=512) == []
+    # points asked for more often than steps end go where asked (cutting steps)
+    assert periodic_points([200], reuse=100, limit=600, every=128, chunk=512) == \
+        [128, 256, 384, 512]
+
+
+def _steps(cuts: list[int], n: int, chunk: int) -> int:
+    """Steps of a prefill of ``n`` tokens that ends a step at each cut."""
+    bounds = sorted({0, *cuts, n})
+    return sum(-(-(b - a) // chunk) for a, b in zip(bounds, bounds[1:], strict=False))
 
 
 # -- truncation rules -----------------------------------------------------------------
