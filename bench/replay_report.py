@@ -1,0 +1,149 @@
+"""The tables of ``bench.replay``: statecache's TTFT against the other systems' on the
+agents' own requests, by kind of request, and where statecache's time went.
+
+Ratios are paired: a request's time on statecache over the same request's time on the
+other system in the same repeat (seconds apart, the same stretch of the machine's
+drift); the median over requests and repeats, with its 95% confidence interval
+(``bench.batching.median_ci``: order statistics, no assumption on the distribution).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from bench.batching import median_ci
+
+KINDS = ("cold", "new session", "follow-up")
+# statecache's phases (GET /admin/requests phases_ms), in the order a request meets them
+PHASES = (("http", "HTTP side: body, render, tokenize, points"), ("render", "  render"),
+          ("tokenize", "  tokenize"), ("queue", "queue"), ("plan", "plan"),
+          ("hand-off", "  hand-off (in plan)"), ("restore", "  restore (in plan)"),
+          ("prefill", "prefill (admission to token one)"),
+          ("llama_decode", "  inside llama_decode"), ("checkpoints", "  checkpoints saved"))
+Row = dict[str, Any]
+
+
+def _ok(r: Row) -> bool:
+    return 200 <= int(r["status"]) < 300
+
+
+def ratios(results: Iterable[Row], a: str, b: str) -> dict[tuple[str, str], list[float]]:
+    """(fixture, kind) -> each request's TTFT on ``a`` over its TTFT on ``b``, in the
+    same repeat; requests either system refused are left out."""
+    by: dict[tuple[str, int, int], dict[str, Row]] = defaultdict(dict)
+    for r in results:
+        if r["kind"] in KINDS:
+            by[(r["fixture"], r["repeat"], r["index"])][r["system"]] = r
+    out: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for (fixture, _, _), pair in sorted(by.items()):
+        x, y = pair.get(a), pair.get(b)
+        if x is not None and y is not None and _ok(x) and _ok(y) and y["ttft_s"] > 0:
+            out[(fixture, x["kind"])].append(x["ttft_s"] / y["ttft_s"])
+    return out
+
+
+def ratio_cell(xs: list[float]) -> str:
+    """``median (low–high) n``: the 95% interval, or the range where too few for one."""
+    if not xs:
+        return "n/a"
+    ci = median_ci(xs)
+    lo, hi = ci if ci is not None else (min(xs), max(xs))
+    mark = "" if ci is not None else " (range)"
+    return f"{statistics.median(xs):.3f} ({lo:.2f}–{hi:.2f}{mark}), n={len(xs)}"
+
+
+def _med(xs: Iterable[float | None]) -> float | None:
+    v = [x for x in xs if x is not None]
+    return statistics.median(v) if v else None
+
+
+def _f(x: float | None, spec: str = ".3f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _reused(results: list[Row], fixture: str, system: str) -> float | None:
+    """Tokens reused over the whole replay (median over repeats)."""
+    per: dict[int, int] = defaultdict(int)
+    for r in results:
+        if r["fixture"] == fixture and r["system"] == system and r["kind"] in KINDS \
+                and r.get("cached_tokens") is not None:
+            per[r["repeat"]] += int(r["cached_tokens"])
+    return _med(per.values())
+
+
+def table(data: dict[str, Any]) -> list[str]:
+    """The report: TTFT by fixture and kind with the paired ratios, then statecache's
+    phases by kind."""
+    results: list[Row] = data["results"]
+    systems: list[str] = data["systems"]
+    others = [s for s in systems if s != "statecache"]
+    pairs = {o: ratios(results, "statecache", o) for o in others}
+    head = ["agent (model)", "requests", "kind", *(f"{s} TTFT s" for s in systems),
+            *(f"statecache ÷ {o}: median (95% CI)" for o in others),
+            "statecache outside llama_decode ms (% of TTFT)"]
+    rows: list[list[str]] = []
+    for fixture, meta in data["fixtures"].items():
+        for kind in KINDS:
+            mine = [r for r in results if r["fixture"] == fixture and r["kind"] == kind
+                    and _ok(r)]
+            if not mine:
+                continue
+            sc = [r for r in mine if r["system"] == "statecache"]
+            outside = _med(r["server"].get("outside_ms") for r in sc)
+            share = _med(r["server"]["outside_ms"] / (10 * r["server"]["ttft_s"])
+                         for r in sc if r["server"].get("outside_ms") is not None
+                         and r["server"].get("ttft_s"))
+            n = len({r["index"] for r in sc})
+            rows.append([f"{meta['agent']} ({meta['model']})", str(n), kind,
+                         *(_f(_med(r["ttft_s"] for r in mine if r["system"] == s))
+                           for s in systems),
+                         *(ratio_cell(pairs[o].get((fixture, kind), [])) for o in others),
+                         f"{_f(outside, '.1f')} ({_f(share, '.1f')}%)"])
+    for kind in KINDS:  # Claude Code and Codex together: what the issue asks of them
+        cells = [ratio_cell([x for (fx, k), xs in pairs[o].items() if k == kind
+                             and data["fixtures"][fx]["agent"] in ("claude", "codex")
+                             for x in xs]) for o in others]
+        if any(c != "n/a" for c in cells):
+            rows.append(["Claude Code and Codex", "", kind, *([""] * len(systems)), *cells,
+                         ""])
+    out = [f"{data['repeats']} repeats, {data['lanes']} lanes, {data['threads']} threads; "
+           "TTFT: the time to a reply of one token (medians over requests and repeats).", ""]
+    out += _table(head, rows)
+    out += ["", "Tokens reused over each whole replay (median over repeats):", ""]
+    out += _table(["agent (model)", *systems],
+                  [[f"{m['agent']} ({m['model']})",
+                    *(_f(_reused(results, fx, s), ",.0f") for s in systems)]
+                   for fx, m in data["fixtures"].items()])
+    out += ["", "Where statecache's time to the first token went, by kind (median ms over "
+            "its requests; GET /admin/requests):", ""]
+    rows = []
+    for key, label in PHASES:
+        rows.append([label, *(_f(_med(r["server"].get("phases_ms", {}).get(key)
+                                      for r in results if r["system"] == "statecache"
+                                      and r["kind"] == k and _ok(r)), ".1f")
+                              for k in KINDS)])
+    sc = [r for r in results if r["system"] == "statecache" and _ok(r) and r["server"]]
+    rows.append(["prefill steps", *(_f(_med(r["server"].get("phases_ms", {}).get(
+        "prefill_steps") for r in sc if r["kind"] == k), ".0f") for k in KINDS)])
+    rows.append(["outside llama_decode (server TTFT − llama_decode)",
+                 *(_f(_med(r["server"].get("outside_ms") for r in sc if r["kind"] == k), ".1f")
+                   for k in KINDS)])
+    rows.append(["server TTFT", *(_f(_med(1000 * r["server"]["ttft_s"] for r in sc
+                                          if r["kind"] == k and r["server"].get("ttft_s")),
+                                     ".1f") for k in KINDS)])
+    rows.append(["client TTFT", *(_f(_med(1000 * r["ttft_s"] for r in sc if r["kind"] == k),
+                                     ".1f") for k in KINDS)])
+    rows.append(["outside the server (client TTFT − server TTFT)",
+                 *(_f(_med(1000 * (r["ttft_s"] - r["server"]["ttft_s"]) for r in sc
+                           if r["kind"] == k and r["server"].get("ttft_s")), ".1f")
+                   for k in KINDS)])
+    out += _table(["", *KINDS], rows)
+    return out
