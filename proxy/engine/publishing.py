@@ -314,9 +314,10 @@ class Publisher:
     def _pay_owed(self, lane: Lane, cut: int) -> None:
         """The FULL checkpoints the lane owes above ``cut`` (Lane.owed), deepest first:
         the live lane cut back to each and saved there. Nothing is prefilled again; the
-        lane ends cut back to the shallowest of them."""
+        lane ends cut back to the shallowest of them. One within a page above the cut is
+        left: the lane keeps the state at the cut live, a page short of it."""
         p = self.p
-        due = [o for o in lane.owed if cut < o[0] < lane.n]
+        due = [o for o in lane.owed if cut + (p.page if cut else 0) <= o[0] < lane.n]
         if not due or p.pool is None:
             return
         chain = p.pool.chain(lane.tokens, lane.tenant)
