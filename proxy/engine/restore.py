@@ -24,6 +24,7 @@ from proxy.engine.placement import Placement
 from proxy.engine.planner import Plan, Source, cold_lane, make_plan
 from proxy.engine.publishing import Publisher
 from statecache.lease import Lease
+from statecache.pages import PageChain, common_prefix
 from statecache.pool import Offer
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class Restorer:
         self.publisher = publisher
         self.placement = placement
         self.emitter = emitter
+        self._chains: list[PageChain] = []  # recent prompts' page hashes, newest first
 
     def plan(self, job: Job, *, held: Lease | None = None, defer_reads: bool = False
              ) -> Plan | Offer:
@@ -54,7 +56,7 @@ class Restorer:
                 held.close()
             plan = Plan(cold_lane(free, job.req.session), Source.COLD, 0)
         else:
-            chain = p.pool.chain(job.prompt, tenant)
+            chain = self._chain(job.prompt, tenant)
             plan = make_plan(job.prompt, chain, free, tenant=tenant, memory=p.memory,
                              pool=p.pool, pos_min=p.ctx.pos_min, all_lanes=p.lanes.lanes,
                              held=held, defer_reads=defer_reads, session=job.req.session)
@@ -65,6 +67,19 @@ class Restorer:
             plan.match_depth = max(plan.match_depth, p.pool.match_depth(chain))
         plan.plan_s = time.perf_counter() - t0
         return plan
+
+    def _chain(self, prompt: np.ndarray, tenant: str) -> PageChain:
+        """The prompt's page hashes, from the recent chain that shares most with it: a
+        follow-up hashes only its new pages."""
+        pool = self.p.pool
+        assert pool is not None
+        prev = max(self._chains, key=lambda c: common_prefix(c.tokens, prompt), default=None)
+        chain = pool.chain(prompt, tenant, prev)
+        if prev is not None and common_prefix(prev.tokens, prompt) == len(prev):
+            self._chains.remove(prev)  # the prompt goes on from it: it stands for both
+        self._chains.insert(0, chain)
+        del self._chains[len(self.p.lanes) + 2:]
+        return chain
 
     def start(self, job: Job, plan: Plan) -> None:
         """Carry ``plan`` out: the job's lane holds the prefix it starts from, its

@@ -4,6 +4,7 @@ splicing generated ids, text streaming, sampling, and the pool calls the planner
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from proxy.engine.binding import MemoryInfo, MemoryKind
 from proxy.engine.detok import TextStream
@@ -205,3 +206,41 @@ def test_lane_push_grows_and_marks_the_lane_changed() -> None:
     assert not lane.saved_full and not lane.replay_saved
     lane.extend([9, 10])
     assert lane.tokens[-4:].tolist() == [7, 8, 9, 10]
+
+
+# -- a prompt's page hashes -----------------------------------------------------------
+
+
+def test_a_follow_up_hashes_only_its_new_pages(make_pool: PoolFactory,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import statecache.pages
+    from proxy.engine.restore import Restorer
+
+    pool = make_pool()  # pages of 4 tokens
+    hashed: list[int] = []
+    real = statecache.pages.xxhash.xxh3_128
+
+    def counting(*a: object) -> object:
+        hashed.append(1)
+        return real(*a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(statecache.pages.xxhash, "xxh3_128", counting)
+    restorer = Restorer.__new__(Restorer)
+    restorer.p = types.SimpleNamespace(pool=pool, lanes=[Lane(0), Lane(1)])  # type: ignore[assignment]
+    restorer._chains = []
+    first = np.arange(400, dtype=np.int32)
+    follow = np.concatenate([first, np.arange(1000, 1042, dtype=np.int32)])
+    other = np.arange(5000, 5400, dtype=np.int32)
+    assert restorer._chain(first, "").hashes == pool.chain(first).hashes
+    hashed.clear()
+    got = restorer._chain(follow, "")
+    assert len(hashed) == 10  # 442 tokens: 110 pages, 100 of them the first prompt's
+    assert got.hashes == pool.chain(follow).hashes
+    hashed.clear()
+    restorer._chain(other, "")  # another conversation: all its pages
+    assert len(hashed) == 100
+    hashed.clear()
+    assert restorer._chain(follow, "t2").hashes == pool.chain(follow, "t2").hashes
+    assert len(hashed) > 110  # another tenant hashes from its own namespace: all again
