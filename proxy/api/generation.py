@@ -21,6 +21,7 @@ import logging
 import secrets
 from collections.abc import Sequence
 
+import numpy as np
 from aiohttp import web
 
 from proxy.api.appstate import (
@@ -44,6 +45,7 @@ from proxy.api.fields import ApiError
 from proxy.api.intake import release
 from proxy.api.misses import Conversation, chat_conversation
 from proxy.api.prompt import Prompt, chat_prompt
+from proxy.api.prompt_memo import PromptMemo
 from proxy.api.render import ChatTemplate
 from proxy.api.sampling import to_params
 from proxy.engine.types import GenerationRequest, Intake, SamplingParams
@@ -84,14 +86,15 @@ def note_ignored_tools(request: web.Request, kinds: Sequence[str]) -> None:
 
 
 def tokenize_chat(engine: EngineLike, template: ChatTemplate, req: ChatRequest,
-                  tenant: str) -> Prompt:
+                  tenant: str, memo: PromptMemo | None = None) -> Prompt:
     """The prompt, its tokens, the tokens of the history before the generation prompt,
     and where it may be shared or kept.
 
     Client text stays text, a prompt past the context is refused before it is
-    tokenized, and it is tokenized once (proxy/api/prompt.py).
+    tokenized, and it is tokenized once (proxy/api/prompt.py); with ``memo``, what the
+    prompts before it showed is not rendered or placed again.
     """
-    return chat_prompt(engine.tokenizer, template, req, tenant, engine.n_ctx)
+    return chat_prompt(engine.tokenizer, template, req, tenant, engine.n_ctx, memo)
 
 
 def max_tokens_for(n_ctx: int, n_prompt: int, asked: int | None, param: str,
@@ -135,12 +138,14 @@ def chat_generation(request: web.Request, p: Prompt, req: ChatRequest, asked: in
                                                      p.points_s)
     return generation(request, p.tokens, req.sampling, asked, prefix, param, tenant,
                       p.history,
-                      chat_conversation(tenant, req, p.tokens, p.text, p.history, session),
+                      chat_conversation(tenant, req, p.tokens, p.text, p.history, session,
+                                        p.tools_json),
                       share_points=p.share_points, breakpoints=p.breakpoints,
                       session=session, intake=intake)
 
 
-def generation(request: web.Request, tokens: list[int], sampling: SamplingParams,
+def generation(request: web.Request, tokens: Sequence[int] | np.ndarray,
+               sampling: SamplingParams,
                asked: int | None, prefix: str, param: str, tenant: str,
                history: int | None = None,
                seen: Conversation | None = None, *, share_points: tuple[int, ...] = (),
@@ -157,7 +162,8 @@ def generation(request: web.Request, tokens: list[int], sampling: SamplingParams
         divergence = request.app[SEEN].divergence(seen)
         request[CONVERSATION] = seen
     gen = GenerationRequest(request_id=f"{prefix}-{secrets.token_hex(12)}",
-                            prompt_tokens=tuple(tokens), sampling=to_params(sampling, max_tokens),
+                            prompt_tokens=tokens if isinstance(tokens, np.ndarray)
+                            else tuple(tokens), sampling=to_params(sampling, max_tokens),
                             tenant=tenant, history_tokens=history, divergence=divergence,
                             share_points=share_points, breakpoints=breakpoints,
                             session=session, intake=intake)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
@@ -84,12 +86,12 @@ class Intake:
     points_s: float = 0.0  # share points and breakpoints placed (proxy/api/hints.py)
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, eq=False)
 class GenerationRequest:
     """One generation: the prompt already rendered and tokenized."""
 
     request_id: str
-    prompt_tokens: tuple[int, ...]
+    prompt_tokens: tuple[int, ...] | np.ndarray  # an int32 array goes to the engine as is
     sampling: SamplingParams
     tenant: str = ""
     use_cache: bool = True

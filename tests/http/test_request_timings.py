@@ -44,5 +44,6 @@ async def test_the_time_outside_llama_decode_is_the_ttft_less_the_decodes(
     for m, rec in zip(done, (cold, again), strict=True):
         assert m is not None
         assert float(m[2]) == pytest.approx(rec["outside_ms"], abs=0.1)
+        # (the record rounds the TTFT to 0.1 ms: a share of a TTFT of a few ms moves)
         assert float(m[3]) == pytest.approx(100 * rec["outside_ms"] / (1000 * rec["ttft_s"]),
-                                            abs=0.1)
+                                            abs=2.0)
