@@ -67,6 +67,7 @@ class Sent:
     path: str
     headers: tuple[tuple[str, str], ...]
     body: bytes
+    peer_body: bytes  # what llama-server gets (``for_llama_server``)
 
 
 @dataclass(slots=True, frozen=True)
@@ -121,6 +122,24 @@ def _same_request(body: Any) -> str:
     return json.dumps({k: v for k, v in body.items() if k != "stream"}, sort_keys=True)
 
 
+def for_llama_server(path: str, body: Any) -> Any:
+    """The body as llama-server gets it: Codex's namespace tools (a group of functions),
+    which llama-server leaves out of the prompt (2,549 of Codex's 8,878 tokens on Gemma 3),
+    as the functions they hold, in their place, as statecache reads them
+    (proxy/api/responses.py): both prefill the same tools."""
+    if not (path.startswith("/v1/responses") and isinstance(body, dict)
+            and isinstance(body.get("tools"), list)):
+        return body
+    tools: list[Any] = []
+    for t in body["tools"]:
+        if isinstance(t, dict) and t.get("type") == "namespace" and \
+                isinstance(t.get("tools"), list):
+            tools += t["tools"]
+        else:
+            tools.append(t)
+    return {**body, "tools": tools}
+
+
 def kinds(records: list[dict[str, Any]]) -> list[str]:
     """Each request's kind: the first that generates is the cold first turn; the first of
     the "new session" turn starts a new conversation; every later one that generates is
@@ -154,14 +173,17 @@ def load(path: Path) -> Fixture:
     name = path.name.removesuffix(".jsonl.zst")
     agent, _, model = name.partition("-")
     records = read_records(path)
-    sent = tuple(
-        Sent(i, str(r.get("label", "")), kind, str(r["method"]), str(r["path"]),
-             tuple((str(k), str(v)) for k, v in r.get("headers", ())
-                   if str(k).lower() not in SENT_HEADERS_DROPPED),
-             body_bytes(greedy_one_token(str(r["path"]), r.get("body"))))
-        for i, (r, kind) in enumerate(zip(records, kinds(records), strict=True))
-        if kind != "retry")
-    return Fixture(name, agent, model, sent)
+    sent = []
+    for i, (r, kind) in enumerate(zip(records, kinds(records), strict=True)):
+        if kind == "retry":
+            continue
+        where = str(r["path"])
+        body = greedy_one_token(where, r.get("body"))
+        sent.append(Sent(i, str(r.get("label", "")), kind, str(r["method"]), where,
+                         tuple((str(k), str(v)) for k, v in r.get("headers", ())
+                               if str(k).lower() not in SENT_HEADERS_DROPPED),
+                         body_bytes(body), body_bytes(for_llama_server(where, body))))
+    return Fixture(name, agent, model, tuple(sent))
 
 
 def fixtures(folder: Path, agents: list[str] | None, models: list[str] | None) -> list[Fixture]:
@@ -215,14 +237,16 @@ def _usage(obj: dict[str, Any], got: dict[str, int]) -> None:
             got["cached"] = int(cached)
 
 
-def send(url: str, req: Sent) -> tuple[int, float, dict[str, int], str]:
-    """(status, seconds to the first output or the reply's end, usage, error text)."""
+def send(url: str, req: Sent, peer: bool = False) -> tuple[int, float, dict[str, int], str]:
+    """(status, seconds to the first output or the reply's end, usage, error text);
+    ``peer``: llama-server's body."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=1800)
     got: dict[str, int] = {}
     try:
         t0 = time.perf_counter()
-        conn.request(req.method, req.path, body=req.body or None, headers=dict(req.headers))
+        body = req.peer_body if peer else req.body
+        conn.request(req.method, req.path, body=body or None, headers=dict(req.headers))
         resp = conn.getresponse()
         first: float | None = None
         if resp.status >= 400 or "text/event-stream" not in resp.getheader("Content-Type", ""):
@@ -309,7 +333,7 @@ def run_fixture(fx: Fixture, names: list[str], opts: Options, root: Path | None
                 for name in order:
                     srv = servers[name]
                     wait_quiet(pids)
-                    status, t, usage, err = send(srv.url, req)
+                    status, t, usage, err = send(srv.url, req, peer=name == "llama-server")
                     rec = last_record(srv) if name.startswith("statecache") and \
                         req.kind != "other" else {}
                     out.append(Result(fx.name, name, rep, req.index, req.kind, status, t,

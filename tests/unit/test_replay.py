@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from bench.replay import _first_output, _usage, greedy_one_token, kinds, load
+from bench.replay import _first_output, _usage, for_llama_server, greedy_one_token, kinds, load
 from bench.replay_report import ratios, table
 from tools.recorder import SCRATCH_KEY, Recorder, read_records, write_records
 
@@ -156,3 +156,45 @@ def test_ratios_pair_each_request_with_itself_in_the_same_repeat() -> None:
                             "fixtures": {"codex-smollm2": {"agent": "codex",
                                                            "model": "smollm2"}}}))
     assert "0.750 (0.50–1.00 (range)), n=2" in text
+
+
+def test_llama_server_gets_codex_namespace_tools_as_the_functions_they_hold() -> None:
+    fn = {"type": "function", "name": "f", "parameters": {}}
+    inner = [{"type": "function", "name": "g", "parameters": {}},
+             {"type": "function", "name": "h", "parameters": {}}]
+    body = {"tools": [fn, {"type": "namespace", "name": "ns", "tools": inner},
+                      {"type": "web_search"}], "input": []}
+    assert for_llama_server("/v1/responses", body)["tools"] == [fn, *inner,
+                                                                {"type": "web_search"}]
+    assert for_llama_server("/v1/messages", body) is body
+
+
+def test_llama_servers_gemma_template_folds_as_statecache_does(tmp_path: Path) -> None:
+    """bench/servers.py gives llama-server a Gemma 3 template that folds system messages
+    after the first and merges runs in the template, as statecache does before it: the
+    same conversation renders to the same prompt on both."""
+    from bench.servers import GEMMA_TEMPLATE, _gemma_template_for_llama_server
+    from proxy.api.openai import parse_chat_request
+    from proxy.api.render import ChatTemplate, render_chat
+
+    ours = ChatTemplate(GEMMA_TEMPLATE.read_text(), bos_token="<bos>")
+    theirs = ChatTemplate(_gemma_template_for_llama_server(tmp_path).read_text(),
+                          bos_token="<bos>", inner_system="keep")
+    # Claude Code's shape (a system message after the first user message, parts), Codex's
+    # (developer items after the instructions, two user messages in a row), replies cut
+    # into pieces, and system text with nothing after it
+    for messages in (
+            [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "  First part.  \n\nSecond part."},
+             {"role": "system", "content": "Environment: /repo"},
+             {"role": "assistant", "content": "One"}, {"role": "assistant", "content": "two."},
+             {"role": "user", "content": "Go on."}],
+            [{"role": "system", "content": "Instructions."},
+             {"role": "system", "content": "Developer A."},
+             {"role": "system", "content": "Developer B."},
+             {"role": "user", "content": "<environment>x</environment>"},
+             {"role": "user", "content": "Fix it."}],
+            [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Yes?"},
+             {"role": "system", "content": "Late note."}]):
+        assert theirs.render(messages) == render_chat(ours, parse_chat_request(
+            {"messages": messages}))
