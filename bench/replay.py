@@ -297,10 +297,13 @@ class Options:
     lanes: int
     threads: int
     log_dir: Path
+    model: Path | None = None  # every fixture on this GGUF instead of its own model
 
 
-def _spec(model: str) -> ModelSpec:
+def _spec(model: str, other: Path | None = None) -> ModelSpec:
     n_ctx, gemma = MODELS[model]
+    if other is not None:  # its own template (from the GGUF)
+        return ModelSpec(other.stem, other, is_gemma=False)
     path = gemma_model_path() if gemma else default_model_path()
     return ModelSpec(model, path, is_gemma=gemma)
 
@@ -308,8 +311,8 @@ def _spec(model: str) -> ModelSpec:
 @contextlib.contextmanager
 def _systems(names: list[str], fx: Fixture, opts: Options, root: Path | None,
              repeat: int) -> Iterator[dict[str, Server]]:
-    n_ctx = MODELS[fx.model][0]
-    spec = _spec(fx.model)
+    n_ctx = MODELS[fx.model][0] if opts.model is None else max(v[0] for v in MODELS.values())
+    spec = _spec(fx.model, opts.model)
     with contextlib.ExitStack() as stack:
         out: dict[str, Server] = {}
         for name in names:
@@ -359,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default="statecache,llama-server")
     ap.add_argument("--against", help="a git revision: its statecache runs beside this one "
                     "(named statecache@REV)")
+    ap.add_argument("--model", type=Path, help="replay every fixture on this GGUF (its own "
+                    "template, the largest recorded context) instead of its own model: a "
+                    "hybrid's checkpoints, say")
     ap.add_argument("--json", type=Path, default=ROOT / "results" / "replay.json")
     ap.add_argument("--log-dir", type=Path, default=ROOT / "results" / "logs")
     a = ap.parse_args(argv)
@@ -372,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     if not fxs:
         print(f"bench.replay: no fixtures in {a.fixtures}", file=sys.stderr)
         return 2
-    opts = Options(a.repeats, a.lanes, a.threads, a.log_dir)
+    opts = Options(a.repeats, a.lanes, a.threads, a.log_dir, a.model)
     results: list[Result] = []
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
@@ -388,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     a.json.write_text(json.dumps({
         "systems": names, "repeats": opts.repeats, "lanes": opts.lanes,
         "threads": opts.threads, "seconds": round(time.monotonic() - t0, 1),
-        "fixtures": {fx.name: {"agent": fx.agent, "model": fx.model,
+        "fixtures": {fx.name: {"agent": fx.agent,
+                               "model": a.model.stem if a.model is not None else fx.model,
                                "requests": len(fx.requests)} for fx in fxs},
         "results": [asdict(r) for r in results]}, indent=1))
     from bench.replay_report import table
