@@ -19,6 +19,7 @@ each file is replayed against every system in turn, on the model it was recorded
     python -m bench.replay                       # every fixture, 6 repeats
     python -m bench.replay --agents codex --models smollm2 --repeats 1   # a short one
     python -m bench.replay --against main        # statecache at main beside this checkout
+    python -m bench.replay --docs docs/benchmarks.md   # and its section of that page
 
 ``bench.replay_report`` makes the tables (``--json`` keeps the records).
 """
@@ -367,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                     "hybrid's checkpoints, say")
     ap.add_argument("--json", type=Path, default=ROOT / "results" / "replay.json")
     ap.add_argument("--log-dir", type=Path, default=ROOT / "results" / "logs")
+    ap.add_argument("--docs", type=Path, help="write the tables into this page "
+                    "(docs/benchmarks.md) in place of the replay's section there")
     a = ap.parse_args(argv)
     names = a.systems.split(",")
     if "llama-server" in names and not LLAMA_SERVER.exists():
@@ -398,8 +401,12 @@ def main(argv: list[str] | None = None) -> int:
                                "model": a.model.stem if a.model is not None else fx.model,
                                "requests": len(fx.requests)} for fx in fxs},
         "results": [asdict(r) for r in results]}, indent=1))
-    from bench.replay_report import table
-    print("\n".join(table(json.loads(a.json.read_text()))))
+    from bench.replay_report import into_doc, table
+    data = json.loads(a.json.read_text())
+    if a.docs is not None:
+        said = sys.argv[1:] if argv is None else argv
+        into_doc(a.docs, data, " ".join(["python -m bench.replay", *said]))
+    print("\n".join(table(data)))
     return 0
 
 

@@ -9,9 +9,13 @@ drift); the median over requests and repeats, with its 95% confidence interval
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import time
 from collections import defaultdict
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from bench.batching import median_ci
@@ -147,3 +151,53 @@ def table(data: dict[str, Any]) -> list[str]:
                    for k in KINDS)])
     out += _table(["", *KINDS], rows)
     return out
+
+
+TITLE = "## The agents' own requests, replayed"
+INTRO = ("`bench.replay`: what Claude Code, the Codex CLI and opencode sent "
+         "(bench/fixtures/agents, recorded by `make agents`), sent again to "
+         "statecache and llama-server side by side: fresh servers each repeat, "
+         "the same model, threads and batch, the two taking turns request by "
+         "request; each request greedy with a reply of one token.")
+
+
+def section(data: dict[str, Any], command: str = "") -> list[str]:
+    """The replay's section of docs/benchmarks.md (and of bench.run's report)."""
+    said = f" `{command}`, {data.get('seconds', 0) / 60:.0f} min." if command else ""
+    return [TITLE, "", INTRO + said, "", *table(data), ""]
+
+
+def into_doc(doc: Path, data: dict[str, Any], command: str) -> None:
+    """Write the replay's section into ``doc`` in place of the one there (the rest of
+    the page is ``make bench``'s): before "Batched steps under load", else the end."""
+    lines = doc.read_text().splitlines() if doc.exists() else []
+    new = section(data, command) + [f"_Written by `{command}` on "
+                                    f"{time.strftime('%Y-%m-%d %H:%M %Z')}._", ""]
+    heads = [i for i, ln in enumerate(lines) if ln.startswith("## ")]
+    if TITLE in lines:
+        at = lines.index(TITLE)
+        end = next((i for i in heads if i > at), len(lines))
+        lines[at:end] = new
+    else:
+        at = next((i for i in heads if lines[i] in ("## Batched steps under load",
+                                                   "## Wall time per part")), len(lines))
+        lines[at:at] = new
+    doc.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.replay_report",
+                                 description="the tables of a bench.replay run")
+    ap.add_argument("json", type=Path, help="what bench.replay --json wrote")
+    ap.add_argument("--docs", type=Path, help="write the section into this page "
+                    "(docs/benchmarks.md) in place of the one there")
+    a = ap.parse_args(argv)
+    data = json.loads(a.json.read_text())
+    if a.docs is not None:
+        into_doc(a.docs, data, "python -m bench.replay_report " + str(a.json))
+    print("\n".join(table(data)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -435,14 +435,8 @@ def write(out_dir: Path, prof: Profile, systems: tuple[str, ...], res: Results) 
         lines += _variants(res.records, model, systems)
         lines.append("")
     if res.replay:
-        from bench.replay_report import table as replay_table
-        lines += ["## The agents' own requests, replayed", "",
-                  "`bench.replay`: what Claude Code, the Codex CLI and opencode sent "
-                  "(bench/fixtures/agents, recorded by `make agents`), sent again to "
-                  "statecache and llama-server side by side: fresh servers each repeat, "
-                  "the same model, threads and batch, the two taking turns request by "
-                  "request; each request greedy with a reply of one token.", ""] \
-            + replay_table(res.replay) + [""]
+        from bench.replay_report import section as replay_section
+        lines += replay_section(res.replay)
     if res.batching:
         lines += ["## Batched steps under load", ""] + _batching(res.batching) + [""]
     if res.subagents:

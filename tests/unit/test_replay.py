@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from bench.replay import _first_output, _usage, for_llama_server, greedy_one_token, kinds, load
-from bench.replay_report import ratios, table
+from bench.replay_report import TITLE, into_doc, ratios, table
 from tools.recorder import SCRATCH_KEY, Recorder, read_records, write_records
 
 
@@ -156,6 +156,27 @@ def test_ratios_pair_each_request_with_itself_in_the_same_repeat() -> None:
                             "fixtures": {"codex-smollm2": {"agent": "codex",
                                                            "model": "smollm2"}}}))
     assert "0.750 (0.50–1.00 (range)), n=2" in text
+
+
+def test_the_replay_section_of_the_benchmarks_page_is_replaced_in_place(tmp_path: Path
+                                                                       ) -> None:
+    rows = [_row("statecache", 0, 1, "cold", 2.0), _row("llama-server", 0, 1, "cold", 4.0)]
+    data = {"results": rows, "systems": ["statecache", "llama-server"], "repeats": 1,
+            "lanes": 1, "threads": 2, "seconds": 60.0,
+            "fixtures": {"codex-smollm2": {"agent": "codex", "model": "smollm2"}}}
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# statecache benchmark (full)\n\n## gemma\n\nkept\n\n"
+                   "## Batched steps under load\n\nalso kept\n")
+    into_doc(doc, data, "python -m bench.replay")
+    first = doc.read_text()
+    assert first.index("kept") < first.index(TITLE) < first.index("## Batched")
+    assert "0.500" in first and "also kept" in first
+    rows[0]["ttft_s"] = 3.0  # a later run: its own figures, in the same place, once
+    into_doc(doc, data, "python -m bench.replay")
+    again = doc.read_text()
+    assert again.count(TITLE) == 1 and "0.750" in again and "0.500" not in again
+    assert again.index("kept") < again.index(TITLE) < again.index("## Batched")
+    assert again.endswith("also kept\n")
 
 
 def test_llama_server_gets_codex_namespace_tools_as_the_functions_they_hold() -> None:
