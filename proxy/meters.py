@@ -19,6 +19,8 @@ _COUNTS = {
     "handoffs": "Lane states handed to the pool to free a lane.",
     "owed_checkpoints": "Checkpoints a prefill passed without stopping (a lane cut back "
                         "anywhere), taken from the lane when it was cut back or replaced.",
+    "share_points_on_grid": "A hybrid's first-turn and share points moved down to a step's "
+                            "end (cache.share_grid_tokens), or dropped there.",
     "replaced_replies": "Lane states cut back unsaved: the request held the last one's "
                         "history and replaced its turn.",
     "replies_spliced": "Replies whose generated ids were spliced in.",

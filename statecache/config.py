@@ -150,6 +150,10 @@ class CacheConfig:
     # for new conversations that share instructions, tools and environment (largest gaps
     # first); 0: none
     share_points: int = 4
+    # on a hybrid, the first turn's end and its share points at most this many tokens
+    # past the end of a prefill step move down to it, where they cut no step short (the
+    # reuse a new conversation gives up there: python -m bench.share_grid); 0: none
+    share_grid_tokens: int = 0
     splice_generated: bool = False
     tenant: str = ""
     # zstd level for what goes to disk and to the shared tier (statecache/codec.py: a
@@ -277,6 +281,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("cache.page_size", 1, None),
     ("cache.periodic_pages", 0, None),
     ("cache.share_points", 0, 64),
+    ("cache.share_grid_tokens", 0, None),
     ("sampling.temperature", 0, None),
     ("sampling.top_k", 0, None),
     ("sampling.top_p", 0, 1),

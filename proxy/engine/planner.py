@@ -298,3 +298,60 @@ def periodic_points(fixed: Sequence[int], *, reuse: int, limit: int, every: int,
         if pos - last >= every:
             out.append(pos)
             last = pos
+
+
+def choose_share_points(cands: Sequence[int], anchors: Sequence[int], *, k: int,
+                        page: int) -> list[int]:
+    """At most ``k`` of ``cands`` (sorted, each past the first anchor), largest gap first:
+    a point's gap is how far it lies past the nearest anchor (a FULL state) at or before
+    it, what a conversation that parts there would prefill again without it. A chosen
+    point is an anchor for the rest; none within a page of an anchor is taken."""
+    have = list(anchors)
+    todo = list(cands)
+    chosen: list[int] = []
+
+    def gap(n: int) -> int:
+        return n - max(a for a in have if a <= n)
+
+    while todo and len(chosen) < k:
+        best = max(todo, key=gap)
+        if gap(best) < page:
+            break
+        todo.remove(best)
+        have.append(best)
+        chosen.append(best)
+    return chosen
+
+
+def step_ends(cuts: Sequence[int], *, reuse: int, end: int, chunk: int) -> list[int]:
+    """Where a prefill from ``reuse`` to ``end`` ends its steps: ``chunk`` tokens each,
+    and a step cut short at each of ``cuts`` (the checkpoints a hybrid saves as it
+    passes them). Their number is the prefill's steps."""
+    out: list[int] = []
+    pos = reuse
+    for cut in sorted({c for c in cuts if reuse < c < end} | ({end} if end > reuse else set())):
+        while pos + chunk < cut:
+            pos += chunk
+            out.append(pos)
+        pos = cut
+        out.append(pos)
+    return out
+
+
+def onto_grid(points: Sequence[int], kept: Sequence[int], *, reuse: int, chunk: int,
+              within: int) -> dict[int, int]:
+    """Each of ``points`` that lies at most ``within`` tokens past the end of the step
+    it falls in, moved down to that end (a prefill whose steps stop only at ``kept``, the
+    points that stay, and at these once moved); a point that would reach ``reuse`` or a
+    kept point is dropped (0). The others are not in the answer."""
+    out: dict[int, int] = {}
+    stays = sorted({reuse, *kept})
+    for n in sorted(set(points)):
+        base = max(s for s in stays if s <= n)
+        g = base + (n - base) // chunk * chunk
+        if n - g > within:
+            stays.append(n)
+            stays.sort()
+            continue
+        out[n] = g if g > base else 0
+    return out

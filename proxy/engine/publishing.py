@@ -33,7 +33,13 @@ from proxy.engine.binding import FLAGS_FULL, FLAGS_PARTIAL, MemoryKind
 from proxy.engine.build import Parts
 from proxy.engine.job import Job
 from proxy.engine.lanes import Lane
-from proxy.engine.planner import can_truncate, periodic_points, publish_points
+from proxy.engine.planner import (
+    can_truncate,
+    choose_share_points,
+    onto_grid,
+    periodic_points,
+    publish_points,
+)
 from statecache.pages import PageChain
 from statecache.records import Kind, Owner, Role
 
@@ -72,11 +78,15 @@ class Publisher:
             out.append((end, Role.REPLAY, Kind.PARTIAL))
         # the first turn's end in FULL: every subagent starts there, in any lane
         at = (first // p.page) * p.page
+        ours = [m for m, _, _ in out]
         if at > job.reuse and at >= 2 * p.page and not self.has_full(job, chain, at):
             self.share_point(job, at, out)
         self._client_breakpoints(job, chain, out)
+        ours += [n for n, _ in job.req.breakpoints]
         for n in self._share_points(job, chain, out):
             full_at(out, n)
+        if kind is Kind.PARTIAL:
+            self._onto_grid(job, out, [m for m, _, _ in out if m not in ours])
         self._periodic(job, chain, out, first)
         if kind is Kind.FULL:
             # a live lane is cut back with seq_rm (attention; SWA, whose live lane keeps
@@ -97,7 +107,7 @@ class Publisher:
         p = self.p
         kind = self.kind()
         every = p.cfg.cache.periodic_pages * p.page
-        chunk = min(p.cfg.engine.prefill_chunk or p.step_tokens, p.step_tokens)
+        chunk = self.chunk()
         taken = {m for m, _, _ in points}
         for n in periodic_points(sorted(taken), reuse=job.reuse, limit=len(job.prompt) - 1,
                                  every=every, chunk=chunk):
@@ -109,6 +119,27 @@ class Publisher:
             elif kind is not Kind.FULL:
                 points.append((n, Role.PERIODIC, kind))
         points.sort(key=lambda pt: pt[0])
+
+    def _onto_grid(self, job: Job, points: Points, movable: list[int]) -> None:
+        """``cache.share_grid_tokens``: on a hybrid, each of ``movable`` (the first turn's
+        end, its share points) at most that far past the end of the step it falls in goes
+        down to that end, where it cuts no step short (bench.share_grid measures the steps
+        saved and the reuse given up)."""
+        within = self.p.cfg.cache.share_grid_tokens
+        if not within or not movable:
+            return
+        kept = [n for n, _, _ in points if n not in movable]
+        moved = onto_grid(movable, kept, reuse=job.reuse, chunk=self.chunk(), within=within)
+        points[:] = [pt for pt in points if pt[0] not in moved]
+        for g in moved.values():
+            if g:
+                full_at(points, g)
+        self.p.meter.count("share_points_on_grid", len(moved))
+
+    def chunk(self) -> int:
+        """Prompt tokens of one lane per step: where a prefill's steps end."""
+        cfg = self.p.cfg
+        return min(cfg.engine.prefill_chunk or self.p.step_tokens, self.p.step_tokens)
 
     def _client_breakpoints(self, job: Job, chain: PageChain | None, points: Points) -> None:
         """A client's cache breakpoints: a FULL checkpoint at each one this request
@@ -142,16 +173,7 @@ class Publisher:
         todo: list[int] = []
         for n in cands:
             (anchors if self.has_full(job, chain, n) else todo).append(n)
-        chosen: list[int] = []
-        while todo and len(chosen) < k:
-            def gap(n: int) -> int:
-                return n - max(a for a in anchors if a <= n)
-            best = max(todo, key=gap)
-            if gap(best) < p.page:
-                break
-            todo.remove(best)
-            anchors.append(best)
-            chosen.append(best)
+        chosen = choose_share_points(todo, anchors, k=k, page=p.page)
         p.meter.share_points.inc(by=len(chosen))
         return chosen
 

@@ -57,3 +57,36 @@ def test_periodic_points_cost_no_step(hybrid_path: Path, tmp_path: Path) -> None
     finally:
         eng.close()
         cold.close()
+
+
+def test_share_points_onto_the_grid_save_a_step(hybrid_path: Path) -> None:
+    """cache.share_grid_tokens: a share point 76 tokens past a step's end moves there; the
+    prefill takes the steps it would take without it, and a new conversation that parts
+    at the share point restores those 76 tokens fewer (bench.share_grid counts both on
+    the agents' requests) and answers as served cold."""
+    settings = {"model.path": str(hybrid_path), "model.n_ctx": 4096, "server.lanes": 1,
+                "cache.disk_enabled": False, "speculative.source": "off"}
+    cold = Engine(load_config(None, {**settings, "cache.enabled": False}), hybrid_path)
+    try:
+        for within, steps, reused in ((0, 6, 1100), (128, 5, 1024)):
+            eng = Engine(load_config(None, {**settings, "engine.sanity_checks": True,
+                                            "cache.share_grid_tokens": within}), hybrid_path)
+            try:
+                a = eng.model.tokenize("the instructions every session shares " * 80)[:2060]
+                assert len(a) == 2060
+                _, _, fin = generate(eng, _req(a, share_points=(1100,)))
+                # steps end at 512, 1,024, the share point, every 512 after it and the
+                # replay point (2,048); on the grid, the share point ends none early
+                assert fin.stats.prefill_steps == steps
+                assert eng.pool is not None
+                fulls = sorted(r["n"] for r in eng.pool.describe() if r["kind"] == "full")
+                assert fulls == [reused]
+                assert eng.meter.get("share_points_on_grid") == (1 if within else 0)
+                b = a[:1100] + eng.model.tokenize(" and now another conversation " * 4)
+                got, _, fin = generate(eng, _req(b))
+                assert fin.usage.cached_tokens == reused
+                assert_as_cold(cold, _req(b), got, near_tie=0.05)
+            finally:
+                eng.close()
+    finally:
+        cold.close()

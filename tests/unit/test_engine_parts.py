@@ -9,7 +9,14 @@ import pytest
 from proxy.engine.binding import MemoryInfo, MemoryKind
 from proxy.engine.detok import TextStream
 from proxy.engine.lanes import Lane
-from proxy.engine.planner import can_truncate, periodic_points, publish_points
+from proxy.engine.planner import (
+    can_truncate,
+    choose_share_points,
+    onto_grid,
+    periodic_points,
+    publish_points,
+    step_ends,
+)
 from proxy.engine.splice import aligned_replies, tokenize_spliced
 from statecache.records import Kind, Role
 from tests.unit.conftest import PoolFactory, put
@@ -63,6 +70,29 @@ def test_periodic_points_go_where_the_steps_end_anyway() -> None:
     # points asked for more often than steps end go where asked (cutting steps)
     assert periodic_points([200], reuse=100, limit=600, every=128, chunk=512) == \
         [128, 256, 384, 512]
+
+
+def test_share_points_onto_the_step_grid() -> None:
+    # a prefill of 2,060 tokens ends steps every 512 and at its cuts: a share point at
+    # 1,100 ends one early, a step more than without it
+    assert step_ends([2048], reuse=0, end=2060, chunk=512) == [512, 1024, 1536, 2048, 2060]
+    assert step_ends([1100, 2048], reuse=0, end=2060, chunk=512) == \
+        [512, 1024, 1100, 1612, 2048, 2060]
+    assert len(step_ends([], reuse=1000, end=1000, chunk=512)) == 0
+    for fixed in ([3739, 4245], [100, 7000, 8880]):  # as _steps counts them
+        assert len(step_ends(fixed, reuse=0, end=8881, chunk=512)) == _steps(fixed, 8881, 512)
+    # moved down to the end of the step it falls in, where it is at most ``within`` past
+    assert onto_grid([1100], [2048, 2060], reuse=0, chunk=512, within=128) == {1100: 1024}
+    assert onto_grid([1100], [2048, 2060], reuse=0, chunk=512, within=64) == {}
+    # one that stays shifts the grid of the next; one that would reach the start or a
+    # kept point is dropped
+    assert onto_grid([700, 1300], [], reuse=0, chunk=512, within=100) == {1300: 1212}
+    assert onto_grid([40, 2100], [2080], reuse=0, chunk=512, within=64) == {40: 0, 2100: 0}
+    assert onto_grid([1600], [], reuse=1000, chunk=512, within=100) == {1600: 1512}
+    # the share points, largest gap first, each an anchor for the rest, none within a page
+    assert choose_share_points([100, 200, 900], [0], k=2, page=32) == [900, 200]
+    assert choose_share_points([100, 200, 900], [0, 880], k=4, page=32) == [200, 100]
+    assert choose_share_points([10, 20], [0], k=4, page=32) == []
 
 
 def _steps(cuts: list[int], n: int, chunk: int) -> int:
