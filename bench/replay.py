@@ -394,8 +394,10 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             results += run_fixture(fx, names, opts, root)
     a.json.parent.mkdir(parents=True, exist_ok=True)
+    said = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python -m bench.replay", *said])
     a.json.write_text(json.dumps({
-        "systems": names, "repeats": opts.repeats, "lanes": opts.lanes,
+        "command": command, "systems": names, "repeats": opts.repeats, "lanes": opts.lanes,
         "threads": opts.threads, "seconds": round(time.monotonic() - t0, 1),
         "fixtures": {fx.name: {"agent": fx.agent,
                                "model": a.model.stem if a.model is not None else fx.model,
@@ -404,8 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.replay_report import into_doc, table
     data = json.loads(a.json.read_text())
     if a.docs is not None:
-        said = sys.argv[1:] if argv is None else argv
-        into_doc(a.docs, data, " ".join(["python -m bench.replay", *said]))
+        into_doc(a.docs, data, command)
     print("\n".join(table(data)))
     return 0
 

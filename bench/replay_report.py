@@ -161,17 +161,17 @@ INTRO = ("`bench.replay`: what Claude Code, the Codex CLI and opencode sent "
          "request; each request greedy with a reply of one token.")
 
 
-def section(data: dict[str, Any], command: str = "") -> list[str]:
+def section(data: dict[str, Any], command: str = "", note: str = "") -> list[str]:
     """The replay's section of docs/benchmarks.md (and of bench.run's report)."""
     said = f" `{command}`, {data.get('seconds', 0) / 60:.0f} min." if command else ""
-    return [TITLE, "", INTRO + said, "", *table(data), ""]
+    return [TITLE, "", INTRO + said, "", *([note, ""] if note else []), *table(data), ""]
 
 
-def into_doc(doc: Path, data: dict[str, Any], command: str) -> None:
+def into_doc(doc: Path, data: dict[str, Any], command: str, note: str = "") -> None:
     """Write the replay's section into ``doc`` in place of the one there (the rest of
     the page is ``make bench``'s): before "Batched steps under load", else the end."""
     lines = doc.read_text().splitlines() if doc.exists() else []
-    new = section(data, command) + [f"_Written by `{command}` on "
+    new = section(data, command, note) + [f"_Written by `{command}` on "
                                     f"{time.strftime('%Y-%m-%d %H:%M %Z')}._", ""]
     heads = [i for i, ln in enumerate(lines) if ln.startswith("## ")]
     if TITLE in lines:
@@ -191,10 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("json", type=Path, help="what bench.replay --json wrote")
     ap.add_argument("--docs", type=Path, help="write the section into this page "
                     "(docs/benchmarks.md) in place of the one there")
+    ap.add_argument("--note", default="", help="a line said before the tables (--docs)")
     a = ap.parse_args(argv)
     data = json.loads(a.json.read_text())
     if a.docs is not None:
-        into_doc(a.docs, data, "python -m bench.replay_report " + str(a.json))
+        into_doc(a.docs, data, str(data.get("command", "python -m bench.replay")), a.note)
     print("\n".join(table(data)))
     return 0
 
