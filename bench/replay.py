@@ -299,6 +299,7 @@ class Options:
     threads: int
     log_dir: Path
     model: Path | None = None  # every fixture on this GGUF instead of its own model
+    n_ctx: int = 0  # tokens per lane instead of the recorded context
 
 
 def _spec(model: str, other: Path | None = None) -> ModelSpec:
@@ -312,7 +313,8 @@ def _spec(model: str, other: Path | None = None) -> ModelSpec:
 @contextlib.contextmanager
 def _systems(names: list[str], fx: Fixture, opts: Options, root: Path | None,
              repeat: int) -> Iterator[dict[str, Server]]:
-    n_ctx = MODELS[fx.model][0] if opts.model is None else max(v[0] for v in MODELS.values())
+    n_ctx = opts.n_ctx or (MODELS[fx.model][0] if opts.model is None
+                           else max(v[0] for v in MODELS.values()))
     spec = _spec(fx.model, opts.model)
     with contextlib.ExitStack() as stack:
         out: dict[str, Server] = {}
@@ -366,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, help="replay every fixture on this GGUF (its own "
                     "template, the largest recorded context) instead of its own model: a "
                     "hybrid's checkpoints, say")
+    ap.add_argument("--n-ctx", type=int, default=0, help="tokens per lane instead of the "
+                    "recorded context, within the model's training context (statecache "
+                    "caps it there)")
     ap.add_argument("--json", type=Path, default=ROOT / "results" / "replay.json")
     ap.add_argument("--log-dir", type=Path, default=ROOT / "results" / "logs")
     ap.add_argument("--docs", type=Path, help="write the tables into this page "
@@ -381,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     if not fxs:
         print(f"bench.replay: no fixtures in {a.fixtures}", file=sys.stderr)
         return 2
-    opts = Options(a.repeats, a.lanes, a.threads, a.log_dir, a.model)
+    opts = Options(a.repeats, a.lanes, a.threads, a.log_dir, a.model, a.n_ctx)
     results: list[Result] = []
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
