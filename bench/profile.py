@@ -38,6 +38,7 @@ class Profile:
     remote_args: tuple[str, ...] = ()  # bench.remote (the shared tier), on load_model
     speculative_args: tuple[str, ...] = ()  # bench.speculative (its own models)
     pages_args: tuple[tuple[str, ...], ...] = ()  # bench.pages, one process per model
+    replay_args: tuple[str, ...] = ()  # bench.replay (the agents' own requests)
 
 
 @dataclass(slots=True)
@@ -51,4 +52,5 @@ class Results:
     remote: dict[str, Any] | None = None  # bench.remote
     speculative: dict[str, Any] | None = None  # bench.speculative
     pages: list[dict[str, Any]] = field(default_factory=list)  # bench.pages
+    replay: dict[str, Any] | None = None  # bench.replay
     llama_server: str = ""

@@ -387,6 +387,9 @@ def write(out_dir: Path, prof: Profile, systems: tuple[str, ...], res: Results) 
         lines += ["", "### Variants", ""]
         lines += _variants(res.records, model, systems)
         lines.append("")
+    if res.replay:
+        from bench.replay_report import section as replay_section
+        lines += replay_section(res.replay)
     if res.batching:
         lines += ["## Batched steps under load", ""] + _batching(res.batching) + [""]
     if res.subagents:

@@ -72,7 +72,9 @@ def profiles(quick: bool) -> Profile:
                                     "--state-mib", "16"),
                        speculative_args=("--quick", "--repeats", "1"),
                        pages_args=(("--model", str(tiny.path), "--tokens", "8192",
-                                    "--repeats", "1"),))
+                                    "--repeats", "1"),),
+                       replay_args=("--agents", "codex", "--models", "smollm2",
+                                    "--repeats", "1"))
     gemma = _gemma()
     bench = ModelSpec("hybrid-0.8B", models / "hybrid-bench.gguf", is_gemma=False)
     return Profile("full", (Part(bench, 0.05), Part(ModelSpec("gemma-3-270m", gemma, True), 0.25)),
@@ -91,7 +93,8 @@ def profiles(quick: bool) -> Profile:
                    pages_args=(("--model", str(bench.path), "--tokens", "16384"),
                                ("--model", str(gemma), "--tokens", "16384"),
                                ("--model", str(models / "hybrid-tiny.gguf"),
-                                "--tokens", "77774")))
+                                "--tokens", "77774")),
+                   replay_args=("--repeats", "6"))
 
 
 def _attach_server_facts(server: Server, agents: list[Agent], sequential: bool) -> None:
@@ -279,6 +282,22 @@ def _pages(prof: Profile, res: Results, out_dir: Path) -> None:
     res.timings["pages"] = time.monotonic() - t0
 
 
+def _replay(prof: Profile, res: Results, out_dir: Path, systems: tuple[str, ...]) -> None:
+    """bench.replay: the agents' recorded requests, statecache against llama-server."""
+    path = out_dir / "replay.json"
+    peers = ",".join(s for s in ("statecache", "llama-server") if s in systems)
+    cmd = [sys.executable, "-m", "bench.replay", "--json", str(path), "--log-dir",
+           str(out_dir / "logs"), "--systems", peers, *prof.replay_args]
+    t0 = time.monotonic()
+    try:
+        subprocess.run(cmd, cwd=ROOT, check=True)
+        res.replay = json.loads(path.read_text())
+    except Exception as e:
+        traceback.print_exc()
+        res.notes.append(f"replay failed: {e}")
+    res.timings["replay"] = time.monotonic() - t0
+
+
 def run(prof: Profile, out_dir: Path, systems: tuple[str, ...], *,
         sessions_only: bool = False) -> Results:
     res = Results()
@@ -304,6 +323,8 @@ def run(prof: Profile, out_dir: Path, systems: tuple[str, ...], *,
             res.notes.append(f"{part.model.label} / ideal: failed: {e}")
     if sessions_only:
         return res
+    if "statecache" in systems and prof.replay_args:
+        _replay(prof, res, out_dir, systems)
     _load_parts(prof, res, out_dir, systems)
     if "statecache" in systems and prof.remote_args:
         _remote(prof, res, out_dir)

@@ -142,16 +142,92 @@ def _command(system: str, model: ModelSpec, port: int, n_ctx: int, lanes: int,
 _MAP_TOJSON = "(tools | map('tojson') | join('\\n'))"
 
 
+# What statecache does to a conversation before Gemma 3's template sees it
+# (proxy/api/inner.py), written in the template for llama-server, which would refuse the
+# agents' requests ("System messages are only supported at the start of the
+# conversation.", "Conversation roles must alternate"): a system message after the first
+# joins the first where only system messages came before it, else becomes user text
+# marked <system>...</system> (appended to the user message before it, else put before
+# the user message after it, else a user message of its own); then messages of one role
+# in a row are merged. A message's parts are its text joined by a line, as statecache
+# joins them, and every message comes out as its role, its text and its tool calls.
+_FOLD = """\
+{%- macro raw_text(content) -%}
+    {%- if content is string -%}{{- content -}}
+    {%- elif content is iterable and content is not mapping -%}
+        {%- for item in content -%}
+            {%- if not loop.first -%}{{- '\\n' -}}{%- endif -%}{{- item.text -}}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- set fold = namespace(out=[], carry='', only_system=true) -%}
+{%- for m in messages -%}
+    {%- if m.role == 'system' and not loop.first -%}
+        {%- set text = raw_text(m.content) -%}
+        {%- if fold.only_system -%}
+            {%- set head = raw_text(fold.out[0].content) -%}
+            {%- set fold.out = [{'role': 'system',
+                                 'content': (head + '\\n\\n' + text) if head else text}] -%}
+        {%- elif fold.out and fold.out[-1].role == 'user' and not fold.carry -%}
+            {%- set before = raw_text(fold.out[-1].content) -%}
+            {%- set marked = '<system>\\n' + text + '\\n</system>' -%}
+            {%- set fold.out = fold.out[:-1] + [{'role': 'user',
+                'content': (before + '\\n\\n' + marked) if before else marked}] -%}
+        {%- else -%}
+            {%- set marked = '<system>\\n' + text + '\\n</system>' -%}
+            {%- set fold.carry = (fold.carry + '\\n\\n' + marked) if fold.carry else marked -%}
+        {%- endif -%}
+    {%- else -%}
+        {%- set one = {'role': m.role, 'content': raw_text(m.content),
+                       'tool_calls': m.tool_calls or []} -%}
+        {%- if fold.carry and m.role == 'user' -%}
+            {%- set fold.out = fold.out + [{'role': 'user',
+                'content': fold.carry + '\\n\\n' + one.content}] -%}
+        {%- else -%}
+            {%- if fold.carry -%}
+                {%- set fold.out = fold.out + [{'role': 'user', 'content': fold.carry}] -%}
+            {%- endif -%}
+            {%- set fold.out = fold.out + [one] -%}
+        {%- endif -%}
+        {%- set fold.carry = '' -%}
+        {%- if m.role != 'system' -%}{%- set fold.only_system = false -%}{%- endif -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if fold.carry -%}
+    {%- set fold.out = fold.out + [{'role': 'user', 'content': fold.carry}] -%}
+{%- endif -%}
+{%- set runs = namespace(out=[]) -%}
+{%- for m in fold.out -%}
+    {%- set prev = runs.out[-1] if runs.out else none -%}
+    {%- if prev and prev.role == 'user' and m.role == 'user' -%}
+        {%- set pt = prev.content -%}
+        {%- set runs.out = runs.out[:-1] + [{'role': 'user',
+            'content': (pt + '\\n\\n' + m.content) if pt else m.content}] -%}
+    {%- elif prev and prev.role == 'assistant' and m.role == 'assistant' -%}
+        {%- set runs.out = runs.out[:-1] + [{'role': 'assistant',
+            'content': prev.content + m.content,
+            'tool_calls': prev.tool_calls + m.tool_calls}] -%}
+    {%- else -%}
+        {%- set runs.out = runs.out + [m] -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- set messages = runs.out -%}
+"""
+
+
 def _gemma_template_for_llama_server(scratch: Path) -> Path:
-    """The vendored Gemma 3 template without ``map('tojson')``, which llama.cpp's
-    Jinja engine rejects ("filter-mapping not implemented"); same output."""
+    """The vendored Gemma 3 template as llama.cpp's Jinja engine takes it and with the
+    conversation as statecache hands it over: the tools written without
+    ``map('tojson')``, which it rejects ("filter-mapping not implemented"; same output);
+    system messages after the first folded and runs merged first (``_FOLD``)."""
     text = GEMMA_TEMPLATE.read_text()
-    if _MAP_TOJSON not in text:
+    if _MAP_TOJSON not in text or "{{- bos_token -}}" not in text:
         raise RuntimeError(f"{GEMMA_TEMPLATE} changed: update bench/servers.py")
     loop = ("{%- set tl = namespace(s='') -%}{%- for t in tools -%}"
             "{%- set tl.s = tl.s + ('' if loop.first else '\\n') + (t | tojson) -%}"
             "{%- endfor -%}\n")
     text = text.replace("{%- if tools -%}\n", "{%- if tools -%}\n" + loop, 1)
+    text = text.replace("{{- bos_token -}}", _FOLD + "{{- bos_token -}}", 1)
     out = scratch / "gemma3-llama-server.jinja"
     out.write_text(text.replace(_MAP_TOJSON, "tl.s"))
     return out

@@ -78,6 +78,14 @@ class EngineMeter:
                                         "Checkpoint restores that failed (fell back cold).")
         self.handoffs = Counter("statecache_handoffs_total",
                                 "Lane states handed to the pool to free a lane.")
+        self.owed_checkpoints = Counter(
+            "statecache_owed_checkpoints_total",
+            "Checkpoints a prefill passed without stopping (a lane cut back anywhere), taken "
+            "from the lane when it was cut back or replaced.")
+        self.share_points_on_grid = Counter(
+            "statecache_share_points_on_grid_total",
+            "A hybrid's first-turn and share points moved down to a step's end "
+            "(cache.share_grid_tokens), or dropped there.")
         self.replaced_replies = Counter("statecache_replaced_replies_total",
                                         "Lane states cut back unsaved: the request held the last "
                                         "one's history and replaced its turn.")

@@ -24,10 +24,15 @@ they make.
    made, by agent, model and turn: status, prompt, cached and prefilled tokens, output,
    TTFT and the miss reason or error; then what each turn 2 and new session reused.
 
+With ``--record DIR`` every request goes through a recording proxy (tools/recorder.py)
+and each agent's requests on each model are written to ``DIR/<agent>-<model>.jsonl.zst``:
+the fixtures ``bench.replay`` sends again.
+
 Exit status 1 when a request got a non-2xx status (the server's reason is printed) or a
 turn reached no server, after the whole table.
 
     python -m tools.agents [--agents claude,codex,opencode] [--models smollm2,gemma3]
+                           [--record DIR]
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.models import default_model_path, gemma_model_path
+from tools.recorder import Recorder, write_records
 
 ROOT = Path(__file__).resolve().parents[1]
 Request = dict[str, Any]
@@ -323,7 +329,8 @@ def base_env(home: Path) -> dict[str, str]:
             "no_proxy": "127.0.0.1,localhost"}
 
 
-def claude_env(home: Path, port: int, max_output: int) -> dict[str, str]:
+def claude_env(home: Path, port: int, max_output: int, timeout: float = 900.0
+               ) -> dict[str, str]:
     return {
         **base_env(home),
         "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}",
@@ -335,6 +342,9 @@ def claude_env(home: Path, port: int, max_output: int) -> dict[str, str]:
         "DISABLE_ERROR_REPORTING": "1",
         "DO_NOT_TRACK": "1",
         "CLAUDE_CODE_MAX_RETRIES": "2",  # default 10, with backoff
+        # a request may take as long as the turn (default 600 s): a long cold prompt on a
+        # busy machine
+        "API_TIMEOUT_MS": str(int(timeout * 1000)),
         # default 64,000; a reply cut there is continued (3 times), then the turn ends
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_output),
     }
@@ -348,7 +358,7 @@ def claude_argvs(exe: Path, model: str, max_turns: int) -> dict[str, list[str]]:
             "new session": [*base, PROMPTS["new session"]]}
 
 
-def codex_config(port: int) -> str:
+def codex_config(port: int, timeout: float = 900.0) -> str:
     """Codex's defaults (its web_search tool included) but for the provider, telemetry,
     update checks and the features that reach the network at start (a git clone of
     openai/plugins, api.github.com, chatgpt.com; the request is the same without them)."""
@@ -375,13 +385,14 @@ apps = false
 name = "statecache"
 base_url = "http://127.0.0.1:{port}/v1"
 wire_api = "responses"
+stream_idle_timeout_ms = {int(timeout * 1000)}
 """
 
 
-def codex_env(home: Path, port: int) -> dict[str, str]:
+def codex_env(home: Path, port: int, timeout: float = 900.0) -> dict[str, str]:
     codex_home = home / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)
-    (codex_home / "config.toml").write_text(codex_config(port))
+    (codex_home / "config.toml").write_text(codex_config(port, timeout))
     return {**base_env(home), "CODEX_HOME": str(codex_home)}
 
 
@@ -502,7 +513,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_config(spec: ModelSpec, cache: Path, max_tokens: int) -> str:
+def server_config(spec: ModelSpec, cache: Path, max_tokens: int, timeout: float = 900.0
+                  ) -> str:
     return f"""\
 # written by tools/agents.py
 [model]
@@ -511,6 +523,7 @@ n_ctx = {spec.n_ctx}
 [server]
 lanes = 2
 max_tokens_default = {max_tokens}
+request_timeout = {timeout}
 
 # Claude Code's first system block is a billing line whose suffix changes with each
 # session's first prompt: the rule of configs/hybrid-agent.toml (docs/cache.md, "Text
@@ -549,13 +562,15 @@ def _wait_ready(server: Server, limit: float) -> None:
 
 
 @contextmanager
-def serving(spec: ModelSpec, model: Path, workdir: Path, max_tokens: int) -> Iterator[Server]:
-    """``statecache serve`` on a free port with an empty checkpoint directory of its own."""
+def serving(spec: ModelSpec, model: Path, workdir: Path, max_tokens: int,
+            timeout: float = 900.0) -> Iterator[Server]:
+    """``statecache serve`` on a free port with an empty checkpoint directory of its own;
+    a request may take ``timeout`` seconds, as an agent's turn may."""
     cache = workdir / "cache"
     shutil.rmtree(workdir, ignore_errors=True)
     cache.mkdir(parents=True, mode=0o700)
     config = workdir / "config.toml"
-    config.write_text(server_config(spec, cache, max_tokens))
+    config.write_text(server_config(spec, cache, max_tokens, timeout))
     port = free_port()
     log = workdir / "server.log"
     argv = [*statecache_command(), "serve", "--config", str(config), "--model", str(model),
@@ -586,16 +601,17 @@ class Options:
     max_turns: int
     claude_model: str
     claude_min_ctx: int
+    record: Path | None = None  # write each agent's requests there (tools/recorder.py)
 
 
 def agent_plan(agent: str, exe: Path, home: Path, port: int, n_ctx: int, opts: Options
                ) -> tuple[dict[str, str], dict[str, list[str]]]:
     if agent == CLAUDE.name:
-        return (claude_env(home, port, opts.max_output),
+        return (claude_env(home, port, opts.max_output, opts.timeout),
                 claude_argvs(exe, opts.claude_model, opts.max_turns))
     if agent == OPENCODE.name:
         return opencode_env(home, port, n_ctx, opts.max_output), opencode_argvs(exe)
-    return codex_env(home, port), codex_argvs(exe)
+    return codex_env(home, port, opts.timeout), codex_argvs(exe)
 
 
 def doesnt_fit(step: Step, requests: Sequence[Request]) -> str | None:
@@ -608,13 +624,32 @@ def doesnt_fit(step: Step, requests: Sequence[Request]) -> str | None:
 
 def run_session(agent: str, exe: Path, spec: ModelSpec, server: Server, opts: Options,
                 run: ServerRun) -> None:
-    """Turn 1, turn 2 and a new session of one agent against one server."""
+    """Turn 1, turn 2 and a new session of one agent against one server; with
+    ``opts.record``, through a recording proxy whose file goes there."""
+    if opts.record is None:
+        _session(agent, exe, spec, server, opts, run, server.port, None)
+        return
+    recorder = Recorder(server.url)
+    port = recorder.start()
+    try:
+        _session(agent, exe, spec, server, opts, run, port, recorder)
+    finally:
+        recorder.stop()
+    path = opts.record / f"{agent}-{spec.name}.jsonl.zst"
+    write_records(path, recorder.records)
+    print(f"  recorded {len(recorder.records)} requests: {path}", flush=True)
+
+
+def _session(agent: str, exe: Path, spec: ModelSpec, server: Server, opts: Options,
+             run: ServerRun, port: int, recorder: Recorder | None) -> None:
     where = opts.scratch / "runs" / f"{agent}-{spec.name}"
     shutil.rmtree(where, ignore_errors=True)
     repo = make_repo(where / "repo")
-    env, argvs = agent_plan(agent, exe, where / "home", server.port, spec.n_ctx, opts)
+    env, argvs = agent_plan(agent, exe, where / "home", port, spec.n_ctx, opts)
     log = where / "agent.log"
     for turn, argv in argvs.items():
+        if recorder is not None:
+            recorder.label = turn
         start = time.time()
         code, timed_out = run_agent(argv, repo, env, opts.timeout, log)
         step = Step(agent, spec.name, turn, start, time.time(), code, timed_out,
@@ -639,7 +674,7 @@ def run_model(spec: ModelSpec, agents: Sequence[str], exes: dict[str, Path],
     print(f"\n== {spec.name}: {model} ({spec.n_ctx:,} tokens)", flush=True)
     workdir = opts.scratch / "servers" / spec.name
     try:
-        with serving(spec, model, workdir, opts.max_output) as server:
+        with serving(spec, model, workdir, opts.max_output, opts.timeout) as server:
             print(f"  statecache on {server.url}, log {server.log}", flush=True)
             for agent in agents:
                 if agent == CLAUDE.name and spec.n_ctx < opts.claude_min_ctx:
@@ -684,13 +719,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="claude --model ('' for Claude Code's own choice)")
     ap.add_argument("--claude-min-ctx", type=int, default=CLAUDE_MIN_CTX,
                     help="Claude Code runs only on models with at least this context")
+    ap.add_argument("--record", type=Path, default=None, metavar="DIR",
+                    help="write every request each agent sends, in order, to "
+                         "DIR/<agent>-<model>.jsonl.zst (bench.replay sends them again)")
     return ap.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     opts = Options(args.scratch.resolve(), args.timeout, args.max_output, args.max_turns,
-                   args.claude_model, args.claude_min_ctx)
+                   args.claude_model, args.claude_min_ctx,
+                   args.record.resolve() if args.record is not None else None)
     try:
         exes = install_clis(opts.scratch / "npm", [CLIS[a] for a in args.agents])
     except (OSError, subprocess.CalledProcessError, RuntimeError) as e:

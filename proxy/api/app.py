@@ -56,6 +56,7 @@ from proxy.api.appstate import (
     HOSTED_TOOLS,
     LIMITS,
     METER,
+    PROMPTS,
     PROXY_HEADER,
     RECENT,
     RESPONSES,
@@ -72,6 +73,7 @@ from proxy.api.auth import Access
 from proxy.api.errors import auth, errors
 from proxy.api.intake import BODY_LIMIT, SLOTS
 from proxy.api.misses import SeenConversations
+from proxy.api.prompt_memo import PromptMemo
 from proxy.api.render import load_chat_template
 from proxy.api.response_store import ResponseStore
 from proxy.api.ui import add_ui
@@ -121,6 +123,7 @@ def create_app(engine: EngineLike, *, admin: bool = True,
     recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_RECENT)
     app[RECENT] = recent
     app[RESPONSES] = ResponseStore()
+    app[PROMPTS] = PromptMemo()
     model = engine.tokenizer.model
     app[SEEN] = SeenConversations(page=page_size,
                                   text=lambda ids: model.detokenize(ids.tolist()))

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from proxy.api.auth import Access
 from proxy.api.misses import Conversation, SeenConversations
+from proxy.api.prompt_memo import PromptMemo
 from proxy.api.render import ChatTemplate
 from proxy.api.response_store import ResponseStore
 from proxy.api.ui_tree import TreeView
@@ -72,6 +73,7 @@ class Limits:
 
 ENGINE = web.AppKey("engine", EngineLike)
 TEMPLATE = web.AppKey("template", ChatTemplate)
+PROMPTS = web.AppKey("prompts", PromptMemo)  # what earlier prompts showed: follow-ups
 RESPONSES = web.AppKey("responses", ResponseStore)
 STARTED = web.AppKey("started", int)
 SEEN = web.AppKey("seen", SeenConversations)  # what was rendered: why a request missed

@@ -31,7 +31,7 @@ from proxy.api.auth import AuthError, identify
 from proxy.api.fields import ApiError
 from proxy.api.intake import release
 from proxy.api.openai_events import error_body
-from proxy.engine.types import QueueFull
+from proxy.engine.types import QueueFull, RequestStats
 
 log = logging.getLogger(APP_LOG)
 
@@ -117,8 +117,25 @@ def _record(request: web.Request, status: int) -> dict[str, Any]:
                    decode_tps=round(fin.stats.decode_tps, 2),
                    drafted=fin.stats.drafted, accepted=fin.stats.accepted,
                    miss=fin.stats.miss or None,
-                   shared=fin.stats.shared if fin.stats.shared >= 0 else None)
+                   shared=fin.stats.shared if fin.stats.shared >= 0 else None,
+                   # where the TTFT went, in ms: outside_ms is all but llama_decode's part
+                   outside_ms=_ms(fin.stats.outside_s), phases_ms=_phases(fin.stats))
     return out
+
+
+def _ms(seconds: float) -> float:
+    return round(1000 * seconds, 2)
+
+
+def _phases(s: RequestStats) -> dict[str, float | int]:
+    """A request's TTFT by part (``GET /admin/requests``): the HTTP side (body, render,
+    tokenize), the queue, the plan (hand-off and restore in it), the prefill (its steps,
+    the time inside llama_decode, the checkpoints saved)."""
+    return {"http": _ms(s.http_s), "render": _ms(s.render_s), "tokenize": _ms(s.tokenize_s),
+            "queue": _ms(s.queue_s), "plan": _ms(s.plan_s), "hand-off": _ms(s.handoff_s),
+            "restore": _ms(s.restore_s), "prefill": _ms(s.prefill_s),
+            "prefill_steps": s.prefill_steps, "llama_decode": _ms(s.decode_s),
+            "checkpoints": _ms(s.publish_s)}
 
 
 def _rejected(request: web.Request, resp: web.Response) -> web.Response:

@@ -21,6 +21,7 @@ import logging
 import secrets
 from collections.abc import Sequence
 
+import numpy as np
 from aiohttp import web
 
 from proxy.api.appstate import (
@@ -45,9 +46,10 @@ from proxy.api.fields import ApiError
 from proxy.api.intake import release
 from proxy.api.misses import Conversation, chat_conversation
 from proxy.api.prompt import Prompt, chat_prompt
+from proxy.api.prompt_memo import PromptMemo
 from proxy.api.render import ChatTemplate
 from proxy.api.sampling import to_params
-from proxy.engine.types import GenerationRequest, SamplingParams
+from proxy.engine.types import GenerationRequest, Intake, SamplingParams
 
 log = logging.getLogger(APP_LOG)
 
@@ -85,14 +87,15 @@ def note_ignored_tools(request: web.Request, kinds: Sequence[str]) -> None:
 
 
 def tokenize_chat(engine: EngineLike, template: ChatTemplate, req: ChatRequest,
-                  tenant: str) -> Prompt:
+                  tenant: str, memo: PromptMemo | None = None) -> Prompt:
     """The prompt, its tokens, the tokens of the history before the generation prompt,
     and where it may be shared or kept.
 
     Client text stays text, a prompt past the context is refused before it is
-    tokenized, and it is tokenized once (proxy/api/prompt.py).
+    tokenized, and it is tokenized once (proxy/api/prompt.py); with ``memo``, what the
+    prompts before it showed is not rendered or placed again.
     """
-    return chat_prompt(engine.tokenizer, template, req, tenant, engine.n_ctx)
+    return chat_prompt(engine.tokenizer, template, req, tenant, engine.n_ctx, memo)
 
 
 def max_tokens_for(n_ctx: int, n_prompt: int, asked: int | None, param: str,
@@ -127,23 +130,29 @@ def fit_max_tokens(asked: int | None, n_ctx: int, n_prompt: int) -> int | None:
 
 
 def chat_generation(request: web.Request, p: Prompt, req: ChatRequest, asked: int | None,
-                    prefix: str, param: str, tenant: str) -> GenerationRequest:
-    """A tokenized chat request for the engine; ``asked``: its ``max_tokens``."""
+                    prefix: str, param: str, tenant: str,
+                    t_arrival: float | None = None) -> GenerationRequest:
+    """A tokenized chat request for the engine; ``asked``: its ``max_tokens``;
+    ``t_arrival``: when its handler began (``time.perf_counter``)."""
     session = session_of(request, req.session)
+    intake = None if t_arrival is None else Intake(t_arrival, p.render_s, p.tokenize_s,
+                                                     p.points_s)
     return generation(request, p.tokens, req.sampling, asked, prefix, param, tenant,
                       p.history,
                       chat_conversation(tenant, req, p.tokens, p.text, p.history, session,
-                                        request.app[TEMPLATE].syntax),
+                                       request.app[TEMPLATE].syntax, p.tools_json),
                       share_points=p.share_points, breakpoints=p.breakpoints,
-                      session=session)
+                      session=session, intake=intake)
 
 
-def generation(request: web.Request, tokens: list[int], sampling: SamplingParams,
+def generation(request: web.Request, tokens: Sequence[int] | np.ndarray,
+               sampling: SamplingParams,
                asked: int | None, prefix: str, param: str, tenant: str,
                history: int | None = None,
                seen: Conversation | None = None, *, share_points: tuple[int, ...] = (),
                breakpoints: tuple[tuple[int, float], ...] = (),
-               session: str | None = None) -> GenerationRequest:
+               session: str | None = None, intake: Intake | None = None
+               ) -> GenerationRequest:
     """The engine's request: ids prefixed ``prefix``; a context-length error names
     ``param``; ``seen``: the conversation, remembered once replied (miss reasons)."""
     release(request)  # the prompt is tokenized: the next request may be parsed
@@ -154,10 +163,11 @@ def generation(request: web.Request, tokens: list[int], sampling: SamplingParams
         divergence = request.app[SEEN].divergence(seen)
         request[CONVERSATION] = seen
     gen = GenerationRequest(request_id=f"{prefix}-{secrets.token_hex(12)}",
-                            prompt_tokens=tuple(tokens), sampling=to_params(sampling, max_tokens),
+                            prompt_tokens=tokens if isinstance(tokens, np.ndarray)
+                            else tuple(tokens), sampling=to_params(sampling, max_tokens),
                             tenant=tenant, history_tokens=history, divergence=divergence,
                             share_points=share_points, breakpoints=breakpoints,
-                            session=session)
+                            session=session, intake=intake)
     if divergence is not None:
         log.debug("%s: %s", gen.request_id, divergence.describe())
     return gen

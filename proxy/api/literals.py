@@ -17,6 +17,7 @@ the same pieces, so it tokenizes to the same ids every turn and cache hits stay 
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -34,22 +35,46 @@ class Literals:
     ``special_re`` matches the vocabulary's special-token texts (``Tokenizer.special_re``).
     """
 
-    def __init__(self, special_re: re.Pattern[str] | None) -> None:
+    def __init__(self, special_re: re.Pattern[str] | None,
+                 json_re: re.Pattern[str] | None = None) -> None:
         self._special_re = special_re
+        self._json_re = json_re
         self._by_text: dict[str, str] = {}
         self._by_char: dict[str, str] = {}
+        self._clean: set[int] = set()  # ids of values known to hold nothing to escape
 
     def __len__(self) -> int:
         return len(self._by_char)
 
+    def trust(self, value: object) -> None:
+        """``value`` is known to hold no special-token text and no character of the
+        placeholders' area (proxy/api/prompt_memo.py checked it): ``escape`` returns it."""
+        self._clean.add(id(value))
+
     def escape(self, value: Any) -> Any:
-        """``value`` with every string in it (keys too, nested) escaped."""
+        """``value`` with every string in it (keys too, nested) escaped. A list or dict
+        whose JSON text holds no special-token text (``json_re``: each as it stands in
+        JSON) and no character of the placeholders' area comes back as it is: one search
+        of its JSON in C, not a walk of every string in Python (an agent's tools)."""
+        if id(value) in self._clean:
+            return value
+        if isinstance(value, dict | list | tuple) and self._json_re is not None:
+            try:
+                blob = json.dumps(value, ensure_ascii=False)
+            except (TypeError, ValueError):
+                blob = None
+            if blob is not None and AREA_RE.search(blob) is None \
+                    and self._json_re.search(blob) is None:
+                return value
+        return self._escape(value)
+
+    def _escape(self, value: Any) -> Any:
         if isinstance(value, str):
             return self._escape_str(value)
         if isinstance(value, dict):
-            return {self.escape(k): self.escape(v) for k, v in value.items()}
+            return {self._escape(k): self._escape(v) for k, v in value.items()}
         if isinstance(value, list | tuple):
-            return type(value)(self.escape(v) for v in value)
+            return type(value)(self._escape(v) for v in value)
         return value
 
     def _escape_str(self, s: str) -> str:

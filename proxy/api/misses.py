@@ -113,12 +113,14 @@ class Conversation:
     syntax: Syntax = HERMES  # the template's, to read the reply back into a message
 
 
-def chat_conversation(tenant: str, req: ChatRequest, tokens: Sequence[int], rendered: str,
-                      history: int | None, session: str | None = None,
-                      syntax: Syntax = HERMES) -> Conversation:
+def chat_conversation(tenant: str, req: ChatRequest, tokens: Sequence[int] | np.ndarray,
+                      rendered: str, history: int | None, session: str | None = None,
+                      syntax: Syntax = HERMES, tools_json: str | None = None) -> Conversation:
+    """``tools_json``: the tools' canonical JSON where it is known already."""
     ids = np.asarray(tokens, dtype=np.int32)
-    return Conversation(tenant, tuple(turn_of(m) for m in req.messages),
-                        _canonical(list(req.tools)) if req.tools else "",
+    if tools_json is None:
+        tools_json = _canonical(list(req.tools)) if req.tools else ""
+    return Conversation(tenant, tuple(turn_of(m) for m in req.messages), tools_json,
                         _canonical(dict(req.template_kwargs)), ids,
                         len(ids) if history is None else history,
                         starts_in_reasoning(rendered, syntax), req.parse_tools, session,

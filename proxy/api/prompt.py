@@ -18,7 +18,10 @@ These functions block (tokenizing a long prompt takes a while): call them off th
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +31,7 @@ from proxy.api.chat import ChatRequest
 from proxy.api.fields import ApiError
 from proxy.api.hints import marks_to_place, place
 from proxy.api.literals import AREA_RE, Literals
+from proxy.api.prompt_memo import PromptMemo
 from proxy.api.render import ChatTemplate, render_chat
 from proxy.engine.tokens import Tokenizer
 
@@ -37,10 +41,14 @@ CONTEXT_CODE = "context_length_exceeded"
 @dataclass(slots=True, frozen=True)
 class Prompt:
     text: str  # as rendered (client text that holds special-token texts escaped)
-    tokens: list[int]
+    tokens: np.ndarray  # int32, read-only
     history: int | None  # tokens of the history before the generation prompt
     share_points: tuple[int, ...] = ()  # token positions (proxy/api/hints.py)
     breakpoints: tuple[tuple[int, float], ...] = ()  # (token position, seconds to keep)
+    tools_json: str | None = None  # the tools' JSON where the memo had it (misses.py's)
+    render_s: float = 0.0  # what each part took (the Done line, /admin/requests)
+    tokenize_s: float = 0.0
+    points_s: float = 0.0
 
 
 def utf8_len(text: str) -> int:
@@ -78,26 +86,50 @@ def _history_cut(prompt: str, history: str, special_re: re.Pattern[str] | None) 
 
 
 def chat_prompt(tokenizer: Tokenizer, template: ChatTemplate, req: ChatRequest, tenant: str,
-                n_ctx: int) -> Prompt:
-    table = Literals(tokenizer.special_re)
+                n_ctx: int, memo: PromptMemo | None = None) -> Prompt:
+    """``memo``: what earlier prompts showed (proxy/api/prompt_memo.py): then the
+    history is not rendered again where its ending is known, and the first turn's marks
+    are placed once per conversation."""
+    t0 = time.perf_counter()
+    table = Literals(tokenizer.special_re, tokenizer.special_json_re)
+    tools_json = None
+    if memo is not None and req.tools:
+        tools, tools_json, clean = memo.tools(req.tools, tokenizer.special_json_re)
+        req = dataclasses.replace(req, tools=tuple(tools))
+        if clean:
+            table.trust(req.tools)
     text = render_chat(template, req, escape=table.escape)
     check_fits(utf8_len(text), tokenizer.max_token_bytes, n_ctx, req.max_tokens,
                "messages")
-    history = render_chat(template, req, add_generation_prompt=False, escape=table.escape)
-    if template.trailer and history.endswith(template.trailer):
-        history = history[:-len(template.trailer)]  # the next turn's messages go there
+
+    def render_history() -> str:
+        history = render_chat(template, req, add_generation_prompt=False, escape=table.escape)
+        if template.trailer and history.endswith(template.trailer):
+            history = history[:-len(template.trailer)]  # the next turn's messages go there
+        return history
+
+    history = render_history() if memo is None else memo.history(
+        req, text, render_history, _kwargs_key(req))
+    t1 = time.perf_counter()
     cut = _history_cut(text, history, tokenizer.special_re)
     segments, at = table.segments(text, () if cut is None else (cut,))
     tokens, ends = tokenizer.tokenize_segments(segments, tenant)
     n_history = None
     if cut is not None:
         n_history = ends[at[0] - 1] if at[0] > 0 else 0
-    share, keep = _points(tokenizer, template, req, text, tokens, table)
-    return Prompt(text, tokens, n_history or None, share, keep)
+    t2 = time.perf_counter()
+    share, keep = _points(tokenizer, template, req, text, tokens, table, memo)
+    return Prompt(text, tokens, n_history or None, share, keep, render_s=t1 - t0,
+                  tokenize_s=t2 - t1, points_s=time.perf_counter() - t2,
+                  tools_json=tools_json)
+
+
+def _kwargs_key(req: ChatRequest) -> str:
+    return json.dumps(dict(req.template_kwargs), sort_keys=True, default=str)
 
 
 def _points(tokenizer: Tokenizer, template: ChatTemplate, req: ChatRequest, text: str,
-            tokens: Sequence[int], table: Literals
+            tokens: np.ndarray, table: Literals, memo: PromptMemo | None = None
             ) -> tuple[tuple[int, ...], tuple[tuple[int, float], ...]]:
     """Share points and breakpoints as token positions (proxy/api/hints.py)."""
     marks = marks_to_place(req)
@@ -107,18 +139,33 @@ def _points(tokenizer: Tokenizer, template: ChatTemplate, req: ChatRequest, text
     def render(r: ChatRequest) -> str:
         return render_chat(template, r, escape=table.escape)
 
-    placed = place(render, req, text, marks)
-    if not placed:
-        return (), ()
-    byte_at = {c: table.plain_bytes(text[:c]) for c in sorted({c for _, c in placed})}
-    ends = np.cumsum(tokenizer.model.piece_lengths(tokens), dtype=np.int64)
-    pos = {c: int(np.searchsorted(ends, b, side="right")) for c, b in byte_at.items()}
-    share = sorted({pos[c] for m, c in placed if m.ttl == 0 and pos[c] > 0})
+    def positions(chars: Sequence[int], anchor: tuple[int, int] = (0, 0)) -> list[int]:
+        return _positions(tokenizer, tokens, text, table, chars, anchor)
+
+    if memo is None:
+        placed = place(render, req, text, marks)
+        found = list(zip((m for m, _ in placed), positions([c for _, c in placed]),
+                         strict=True))
+    else:
+        found = memo.points(render, req, text, marks, table.escape, tokenizer.special_re,
+                            positions)
+    share = sorted({n for m, n in found if m.ttl == 0 and n > 0})
     keep: dict[int, float] = {}
-    for m, c in placed:
-        if m.ttl > 0 and pos[c] > 0:
-            keep[pos[c]] = max(keep.get(pos[c], 0.0), m.ttl)
+    for m, n in found:
+        if m.ttl > 0 and n > 0:
+            keep[n] = max(keep.get(n, 0.0), m.ttl)
     return tuple(share), tuple(sorted(keep.items()))
+
+
+def _positions(tokenizer: Tokenizer, tokens: np.ndarray, text: str, table: Literals,
+               chars: Sequence[int], anchor: tuple[int, int]) -> list[int]:
+    """How many tokens end at or before each character offset of ``chars`` (their bytes
+    as the tokenizer writes them), counted on from ``anchor``: a character offset and the
+    tokens before it, known to be this prompt's (only the tokens after it are read)."""
+    c0, t0 = anchor
+    ends = np.cumsum(tokenizer.model.piece_lengths(tokens[t0:]), dtype=np.int64)
+    return [t0 + int(np.searchsorted(ends, table.plain_bytes(text[c0:c]), side="right"))
+            for c in chars]
 
 
 def completion_prompt(tokenizer: Tokenizer, text: str, tenant: str, n_ctx: int,

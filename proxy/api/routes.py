@@ -16,6 +16,7 @@ starts with it (the engine's tokenize adds none).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -24,7 +25,7 @@ from aiohttp import web
 
 from proxy.api.anthropic import parse_messages_request
 from proxy.api.anthropic_events import MessageEvents, message_body, new_tool_use_id
-from proxy.api.appstate import ENGINE, HOSTED_TOOLS, RESPONSES, TEMPLATE, VOLATILE
+from proxy.api.appstate import ENGINE, HOSTED_TOOLS, PROMPTS, RESPONSES, TEMPLATE, VOLATILE
 from proxy.api.chat import ChatRequest
 from proxy.api.generation import (
     chat_generation,
@@ -104,6 +105,7 @@ class ChatApi(Generic[R]):
 
 
 async def chat_route(request: web.Request, api: ChatApi[Any]) -> web.StreamResponse:
+    t_arrival = time.perf_counter()  # the request's TTFT counts from here
     # read_json holds a parse slot until generation() (or the end of the request) gives
     # it back
     req = api.parse(await read_json(request), request.app[HOSTED_TOOLS])
@@ -115,10 +117,11 @@ async def chat_route(request: web.Request, api: ChatApi[Any]) -> web.StreamRespo
     chat = with_budget(chat, template.syntax)
     # Rendering and tokenizing a long conversation takes a while: off the event loop.
     p = await asyncio.to_thread(tokenize_chat, engine, request.app[TEMPLATE],
-                                unbounded(chat) if api.fit_max_tokens else chat, tenant)
+                                unbounded(chat) if api.fit_max_tokens else chat, tenant,
+                                request.app[PROMPTS])
     asked = fit_max_tokens(chat.max_tokens, engine.n_ctx, len(p.tokens)) \
         if api.fit_max_tokens else chat.max_tokens
-    gen = chat_generation(request, p, chat, asked, api.prefix, api.param, tenant)
+    gen = chat_generation(request, p, chat, asked, api.prefix, api.param, tenant, t_arrival)
     syntax = request.app[TEMPLATE].syntax
     parser = StreamParser(syntax, starts_in_reasoning=starts_in_reasoning(p.text, syntax),
                           parse_tools=chat.parse_tools, tools=chat.tools, make_id=api.tool_ids)
@@ -268,5 +271,5 @@ async def count_tokens(request: web.Request) -> web.Response:
     req = request.app[VOLATILE].apply(parse_messages_request(
         await read_json(request), count_only=True, hosted_tools=request.app[HOSTED_TOOLS]))
     p = await asyncio.to_thread(tokenize_chat, request.app[ENGINE], request.app[TEMPLATE],
-                                req, tenant_of(request, None))
+                                req, tenant_of(request, None), request.app[PROMPTS])
     return web.json_response({"input_tokens": len(p.tokens)})

@@ -53,9 +53,14 @@ class Accounting:
         completion = len(out.generated) - (1 if out.generated and
                                            self.p.model.is_eog(out.generated[-1]) else 0)
         m = self.p.meter
+        intake = job.req.intake
         if out.t_first:
-            s.ttft_s = out.t_first - job.t_submit
+            # from the HTTP handler's start where there was one: render and tokenize count
+            s.ttft_s = out.t_first - (intake.t_arrival if intake is not None else job.t_submit)
             m.ttft.observe(s.ttft_s)
+        if intake is not None:
+            s.http_s = max(job.t_submit - intake.t_arrival, 0.0)
+            s.render_s, s.tokenize_s = intake.render_s, intake.tokenize_s
         if out.t_first and out.generated:
             decode_s = now - out.t_first
             s.decode_tps = (len(out.generated) - 1) / decode_s if decode_s > 0 else 0.0
@@ -86,18 +91,22 @@ class Accounting:
     def _done_line(self, job: Job, completion: int, miss: Divergence | None) -> None:
         s = job.stats
         log.debug("phases %s · queue %.1f ms · plan %.1f ms (hand-off %.1f, restore %.1f) · "
-                  "prefill %.1f ms in %d steps (checkpoints %.1f ms) · TTFT %.1f ms",
+                  "prefill %.1f ms in %d steps (checkpoints %.1f ms) · TTFT %.1f ms · "
+                  "http %.1f ms (render %.1f, tokenize %.1f) · llama_decode %.1f ms",
                   job.req.request_id, 1000 * s.queue_s, 1000 * s.plan_s, 1000 * s.handoff_s,
                   1000 * s.restore_s, 1000 * s.prefill_s, s.prefill_steps, 1000 * s.publish_s,
-                  1000 * s.ttft_s)
+                  1000 * s.ttft_s, 1000 * s.http_s, 1000 * s.render_s, 1000 * s.tokenize_s,
+                  1000 * s.decode_s)
         handoff = f" · hand-off {round(s.handoff_s * 1000)} ms" if s.handoff_s >= 0.0005 else ""
         spec = (f" · drafted {s.drafted:,}, accepted {s.accepted:,} "
                 f"({100 * s.accepted / s.drafted:.0f}%)") if s.drafted else ""
+        outside = (f" · outside llama_decode {1000 * s.outside_s:.1f} ms "
+                   f"({100 * s.outside_s / s.ttft_s:.1f}%)") if s.ttft_s > 0 else ""
         log.info("Done · input %s · cached %s · prefilled %s · output %s · TTFT %.2f s · "
-                 "restore %d ms%s · checkpoints +%d (%s)%s",
+                 "restore %d ms%s · checkpoints +%d (%s)%s%s",
                  f"{len(job.prompt):,}", f"{job.reuse:,}", f"{s.prefilled:,}", f"{completion:,}",
                  s.ttft_s, round(s.restore_s * 1000), handoff + spec, s.checkpoints_added,
-                 format_size(s.checkpoint_bytes),
+                 format_size(s.checkpoint_bytes), outside,
                  ("" if job.finish_reason in ("stop", "length") else f" · {job.finish_reason}")
                  + (f" · miss: {miss.describe()}" if miss is not None else ""))
 

@@ -217,7 +217,7 @@ class Admission:
         if k.pos == at:  # its lane holds exactly the shared prefix now
             self.publisher.ensure_full(k)
             return False
-        if self.publisher.share_point(k, at) != at:
+        if self.publisher.where.share_point(k, at) != at:
             return False
         job.wait.waiting_for, job.wait.wait_point = k, at
         self.p.meter.waits_for_shared_prefix.inc()

@@ -2,7 +2,8 @@
 (the tests turn it on; it costs a pass over every lane's tokens a step):
 
 - every lane's tokens are exactly what its llama.cpp sequence holds (its last position
-  is its token count less one; an empty lane holds none);
+  is its token count less one; an empty lane holds none), and the checkpoints it owes
+  lie within them, in order (only where a live lane can be cut back anywhere);
 - the busy lanes are the lanes of the running requests, one each;
 - nothing rejected was committed: a prefilling request's lane holds its prompt so far;
   a decoding one's holds its prompt and every generated token but the one not yet
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from proxy.engine.binding import MemoryKind
 from proxy.engine.build import Parts
 from proxy.engine.job import Job
 
@@ -28,6 +30,12 @@ def sanity_check(p: Parts, active: Sequence[Job]) -> None:
         if p.ctx.pos_max(lane.id) != lane.n - 1:
             raise RuntimeError(f"lane {lane.id} holds {lane.n} tokens but its sequence ends "
                                f"at position {p.ctx.pos_max(lane.id)}")
+        owed = [n for n, _, _ in lane.owed]
+        if owed != sorted(owed) or (owed and not (owed[0] > 0 and owed[-1] <= lane.n)) or \
+                (owed and p.memory.needs_partial and p.memory.kind is not MemoryKind.SWA):
+            raise RuntimeError(f"lane {lane.id} ({lane.n} tokens) owes checkpoints at "
+                               f"{owed}: not within it, not in order, or on a memory that "
+                               "cannot cut a live lane back")
     running = [job for job in active if not job.done]
     lanes = [job.lane.id for job in running if job.lane is not None]
     if len(lanes) != len(set(lanes)):

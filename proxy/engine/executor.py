@@ -91,7 +91,12 @@ class Executor:
                 first = len(job.spec.replay)
                 row = batch.add(lane.id, toks, w.pos0, logits_last=True, logits_from=first)
                 w.row = row - (len(toks) - 1 - first)
+        t0 = time.perf_counter()
         self.p.ctx.decode()
+        dt = time.perf_counter() - t0
+        for w in works:  # what the requests before their first token waited in llama_decode
+            if not w.job.out.t_first:
+                w.job.stats.decode_s += dt
         for w in works:
             try:
                 self._commit(w)
@@ -147,6 +152,8 @@ class Executor:
             job.stats.prefilled += w.n
             job.stats.prefill_steps += 1
             job.pos += w.n
+            while job.owed and job.owed[0][0] <= job.pos:  # passed: the lane owes them
+                lane.owed.append(job.owed.pop(0))
             if not job.prefilling:  # 1 MiB at Gemma 3's vocabulary: a copy is cheap
                 lane.keep_logits(self.p.ctx.logits_view(w.row).copy())
             if job.publish and job.publish[0][0] == job.pos:

@@ -103,6 +103,9 @@ class Job:
     reuse: int = 0
     estimate: str = ""  # why the plan read a state from where it did (the Started line)
     publish: list[tuple[int, Role, Kind]] = field(default_factory=list)
+    # FULL checkpoints its prefill passes without stopping (a lane that can be cut back
+    # anywhere): owed by the lane once passed (Lane.owed), sorted
+    owed: list[tuple[int, Role, float]] = field(default_factory=list)
     # seconds a FULL checkpoint published at a position is kept above ordinary ones
     # (a client's cache breakpoint there)
     keep: dict[int, float] = field(default_factory=dict)

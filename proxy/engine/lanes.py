@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from statecache.pages import common_prefix
+from statecache.records import Role
 
 
 @dataclass(slots=True)
@@ -43,6 +44,11 @@ class Lane:
     # first token from them, with nothing decoded again
     logits: np.ndarray | None = None
     logits_n: int = 0
+    # FULL checkpoints the live state owes the pool: (position, role, seconds a client
+    # asked to keep it), sorted, each within what the lane holds. Where a live lane can
+    # be cut back anywhere (attention, SWA), a prefill does not stop at its checkpoints:
+    # they are taken from the lane when it is cut back or replaced (publishing.py)
+    owed: list[tuple[int, Role, float]] = field(default_factory=list)
 
     @property
     def n(self) -> int:
@@ -87,6 +93,7 @@ class Lane:
         self._n = int(arr.size)
         self.tenant = tenant
         self.history_n = 0
+        self.owed = []
         self._drop_logits()
         self._changed()
 
@@ -115,12 +122,14 @@ class Lane:
             self.history_n = min(self.history_n, n)
             if n < self.logits_n:
                 self._drop_logits()
+            self.owed = [o for o in self.owed if o[0] <= n]
             self._changed()
 
     def clear(self) -> None:
         self._n = 0
         self.floor = 0
         self.history_n = 0
+        self.owed = []
         self._drop_logits()
         self._changed()
 

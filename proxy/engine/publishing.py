@@ -1,5 +1,5 @@
-"""Where and what to checkpoint: the points a prefill publishes, saving a lane's state,
-handing a lane's state to the pool before it is cut back or replaced, idle saves.
+"""What to checkpoint and when: saving a lane's state, handing it to the pool before the
+lane is cut back or replaced, idle saves (where a prefill publishes: points.py).
 
 Checkpoint policy by memory kind (docs/design.md facts 5-9):
 
@@ -27,138 +27,22 @@ from __future__ import annotations
 import mmap
 import time
 
-import numpy as np
-
 from proxy.engine.binding import FLAGS_FULL, FLAGS_PARTIAL, MemoryKind
 from proxy.engine.build import Parts
 from proxy.engine.job import Job
 from proxy.engine.lanes import Lane
-from proxy.engine.planner import publish_points
-from statecache.pages import PageChain
+from proxy.engine.planner import can_truncate
+from proxy.engine.points import PointPicker
 from statecache.records import Kind, Owner, Role
 
 PREVIEW_TOKENS = 24
-Points = list[tuple[int, Role, Kind]]
 
 
 class Publisher:
     def __init__(self, parts: Parts) -> None:
         self.p = parts
+        self.where = PointPicker(parts, self.kind)  # where a prefill publishes
 
-    # -- where a prefill publishes ---------------------------------------------------
-
-    def points(self, job: Job, match_depth: int, chain: PageChain | None) -> Points:
-        """Where ``job``'s prefill publishes, and what (after it started from
-        ``job.reuse`` tokens; ``match_depth``: the deepest prefix cached anywhere)."""
-        p = self.p
-        limit = len(job.prompt) - 1
-        replay_at = job.req.history_tokens if job.req.history_tokens is not None else limit
-        d = job.req.divergence
-        if d is not None and d.replayed:
-            # this client sent the last reply back as generated: its next turn continues
-            # from the reply's end, not from before the generation prompt. No cut there
-            # (a cut costs a step, about a pass over the weights)
-            replay_at = 0
-        points = publish_points(reuse=job.reuse, limit=limit, replay_at=replay_at,
-                                match_depth=match_depth, page=p.page,
-                                every_pages=p.cfg.cache.periodic_pages)
-        kind = self.kind()
-        first = self._first_turn_end(job)
-        out: Points = []
-        for n, r in points:
-            if r is Role.PERIODIC and n <= first:
-                # inside the first turn (an agent's system prompt), periodic points are
-                # FULL: a prompt edited further on starts here in any lane
-                if not self.has_full(job, chain, n):
-                    out.append((n, r, Kind.FULL))
-            elif r is Role.BRANCH:
-                out.append((n, r, Kind.FULL))
-            elif not (kind is Kind.FULL and r is Role.PERIODIC):  # full states grow: skip
-                out.append((n, r, kind))
-        end = len(job.prompt)
-        if kind is Kind.PARTIAL and end > job.reuse and (not out or out[-1][0] < end):
-            # a lane that cannot roll back keeps the state at the prompt's end too, with
-            # the logits of its last row, so a repeated or regenerated request reuses all
-            # of it and decodes nothing again (the prompt's last chunk ends there anyway)
-            out.append((end, Role.REPLAY, Kind.PARTIAL))
-        # the first turn's end in FULL: every subagent starts there, in any lane
-        at = (first // p.page) * p.page
-        if at > job.reuse and at >= 2 * p.page and not self.has_full(job, chain, at):
-            self.share_point(job, at, out)
-        self._client_breakpoints(job, chain, out)
-        for n in self._share_points(job, chain, out):
-            full_at(out, n)
-        if job.prewarm and len(job.prompt) > job.reuse:
-            full_at(out, len(job.prompt))  # what comes next starts from the prompt
-        return out
-
-    def _client_breakpoints(self, job: Job, chain: PageChain | None, points: Points) -> None:
-        """A client's cache breakpoints: a FULL checkpoint at each one this request
-        prefills, kept for its ttl; one the pool holds already is kept longer."""
-        pool = self.p.pool
-        assert pool is not None and chain is not None
-        for n, ttl in job.req.breakpoints:
-            if n > len(job.prompt) or n < 1:
-                continue
-            if n > job.reuse and (n < len(job.prompt) or job.prewarm):
-                full_at(points, n)
-                job.keep[n] = max(job.keep.get(n, 0.0), ttl)
-            else:
-                pool.keep(chain, n, ttl, tenant=job.req.tenant)
-
-    def _share_points(self, job: Job, chain: PageChain | None, points: Points) -> list[int]:
-        """Where new conversations may share this prompt (its first turn's message and
-        part starts, ``GenerationRequest.share_points``): at most ``cache.share_points``
-        of them get a FULL checkpoint, largest gaps first. The gap of a point is how far
-        it lies past the nearest FULL state at or before it (this request's start, its
-        other FULL checkpoints, the pool's): what a conversation that parts there would
-        prefill again without it. Points within a page of such a state are skipped."""
-        p = self.p
-        k = p.cfg.cache.share_points
-        limit = len(job.prompt) - 1
-        cands = sorted({n for n in job.req.share_points
-                        if job.reuse < n <= limit and n >= 2 * p.page})
-        if not k or not cands:
-            return []
-        anchors = [job.reuse] + [n for n, _, kind in points if kind is Kind.FULL]
-        todo: list[int] = []
-        for n in cands:
-            (anchors if self.has_full(job, chain, n) else todo).append(n)
-        chosen: list[int] = []
-        while todo and len(chosen) < k:
-            def gap(n: int) -> int:
-                return n - max(a for a in anchors if a <= n)
-            best = max(todo, key=gap)
-            if gap(best) < p.page:
-                break
-            todo.remove(best)
-            anchors.append(best)
-            chosen.append(best)
-        p.meter.share_points.inc(by=len(chosen))
-        return chosen
-
-    def _first_turn_end(self, job: Job) -> int:
-        """Tokens of the prompt's first turn, up to its first end-of-turn token (0: none)."""
-        hits = np.flatnonzero(np.isin(job.prompt[: len(job.prompt) - 1], self.p.eog))
-        return int(hits[0]) + 1 if hits.size else 0
-
-    def has_full(self, job: Job, chain: PageChain | None, n: int) -> bool:
-        """Whether the pool holds the FULL state after the prompt's first ``n`` tokens
-        (its index only: nothing is read)."""
-        assert self.p.pool is not None and chain is not None
-        return self.p.pool.holds(chain, n, tenant=job.req.tenant)
-
-    def share_point(self, job: Job, shared: int, points: Points | None = None) -> int:
-        """Make ``job`` publish a FULL checkpoint at the last whole page of ``shared``
-        tokens, for another request that starts the same way; returns that position
-        (0 when there is none to wait for)."""
-        page = self.p.page
-        pts = job.publish if points is None else points
-        at = (min(shared, len(job.prompt) - 1) // page) * page
-        if at <= job.pos or self.p.pool is None or not job.use_cache:
-            return 0
-        full_at(pts, at)
-        return at
 
     def ensure_full(self, job: Job) -> None:
         """Save the job's lane in FULL now (it holds a prefix another request waits for),
@@ -167,7 +51,7 @@ class Publisher:
         assert job.lane is not None and pool is not None
         # the lane holds the first job.pos tokens of the prompt (it is prefilling)
         chain = pool.chain(job.prompt, job.req.tenant)
-        if not self.has_full(job, chain, job.lane.n):
+        if not self.where.has_full(job, chain, job.lane.n):
             self.publish(job, Role.BRANCH, Kind.FULL)
 
     # -- saving ----------------------------------------------------------------------
@@ -230,7 +114,7 @@ class Publisher:
 
     # -- hand-off --------------------------------------------------------------------
 
-    def hand_off_unless_replaced(self, lane: Lane, job: Job, *,
+    def hand_off_unless_replaced(self, lane: Lane, job: Job, *, cut: int = 0,
                                  convert_replay: bool = True) -> None:
         """Keep the state ``job`` cuts back or replaces, unless all it loses is the turn
         of the lane's last request (its generation prompt and reply) and ``job`` holds
@@ -243,15 +127,17 @@ class Publisher:
         if job.use_cache and lane.replaced_by(job.prompt, job.req.tenant):
             self.p.meter.replaced_replies.inc()
             return
-        self.hand_off_timed(lane, job, convert_replay=convert_replay)
+        self.hand_off_timed(lane, job, cut=cut, convert_replay=convert_replay)
 
-    def hand_off_timed(self, lane: Lane, job: Job, *, convert_replay: bool = True) -> None:
+    def hand_off_timed(self, lane: Lane, job: Job, *, cut: int = 0,
+                       convert_replay: bool = True) -> None:
         t0 = time.perf_counter()
-        self.hand_off(lane, convert_replay=convert_replay)
+        self.hand_off(lane, cut=cut, convert_replay=convert_replay)
         job.stats.handoff_s += time.perf_counter() - t0
 
-    def hand_off(self, lane: Lane, *, convert_replay: bool = True) -> None:
-        """Before a lane's state is cut back or replaced, keep it as a FULL checkpoint.
+    def hand_off(self, lane: Lane, *, cut: int = 0, convert_replay: bool = True) -> None:
+        """Before a lane's state is cut back to ``cut`` tokens or replaced (0), keep it as
+        a FULL checkpoint, and take the checkpoints it owes above ``cut``.
 
         On a hybrid, the lane's replay points (partial checkpoints: the history's end
         and the prompt's end, with its logits) become FULL ones too: restore each,
@@ -264,6 +150,7 @@ class Publisher:
             p.meter.handoffs.inc()
             # a lane ends where its last request's reply ended
             self.save(lane, Role.END_OF_REPLY, Kind.FULL)
+        self._pay_owed(lane, cut)
         if not convert_replay or lane.replay_saved or self.kind() is not Kind.PARTIAL:
             return
         limit, converted = lane.n - 1, 0
@@ -290,6 +177,27 @@ class Publisher:
             limit = n - 1
         lane.replay_saved = True
 
+    def _pay_owed(self, lane: Lane, cut: int) -> None:
+        """The FULL checkpoints the lane owes above ``cut`` (Lane.owed), deepest first:
+        the live lane cut back to each and saved there. Nothing is prefilled again; the
+        lane ends cut back to the shallowest of them. One within a page above the cut is
+        left: the lane keeps the state at the cut live, a page short of it."""
+        p = self.p
+        due = [o for o in lane.owed if cut + (p.page if cut else 0) <= o[0] < lane.n]
+        if not due or p.pool is None:
+            return
+        chain = p.pool.chain(lane.tokens, lane.tenant)
+        for n, role, keep_s in reversed(due):
+            if p.pool.holds(chain, n, tenant=lane.tenant) or \
+                    not can_truncate(p.memory, lane, n, p.ctx.pos_min):
+                continue
+            if not p.ctx.seq_rm(lane.id, n, -1):
+                self.clear(lane)  # the lane no longer holds what it says: nothing of it
+                return
+            lane.truncate(n)
+            self.save(lane, role, Kind.FULL, keep_s, older=True)
+            p.meter.owed_checkpoints.inc()
+
     def idle_save(self, lane: Lane) -> None:
         """Keep an idle lane's live state as a FULL checkpoint without cutting it back,
         so a crash loses no conversation (the pool writes full states to disk)."""
@@ -303,13 +211,3 @@ class Publisher:
             if not lane.busy:
                 self.hand_off(lane)
 
-
-def full_at(points: Points, n: int) -> None:
-    """A FULL checkpoint at ``n`` in ``points`` (kept sorted)."""
-    for i, (m, _role, kind) in enumerate(points):
-        if m == n:
-            if kind is not Kind.FULL:
-                points[i] = (n, Role.BRANCH, Kind.FULL)
-            return
-    points.append((n, Role.BRANCH, Kind.FULL))
-    points.sort(key=lambda p: p[0])

@@ -23,6 +23,7 @@ from proxy.engine.lanes import Lane
 from proxy.engine.placement import Placement
 from proxy.engine.planner import Plan, Source, cold_lane, make_plan
 from proxy.engine.publishing import Publisher
+from statecache.pages import PageChain, common_prefix
 from statecache.pool import Offer
 from statecache.pool.lease import Lease
 
@@ -36,6 +37,7 @@ class Restorer:
         self.publisher = publisher
         self.placement = placement
         self.emitter = emitter
+        self._chains: list[PageChain] = []  # recent prompts' page hashes, newest first
 
     def plan(self, job: Job, *, held: Lease | None = None, defer_reads: bool = False
              ) -> Plan | Offer:
@@ -54,7 +56,7 @@ class Restorer:
                 held.close()
             plan = Plan(cold_lane(free, job.req.session), Source.COLD, 0)
         else:
-            chain = p.pool.chain(job.prompt, tenant)
+            chain = self._chain(job.prompt, tenant)
             plan = make_plan(job.prompt, chain, free, tenant=tenant, memory=p.memory,
                              pool=p.pool, pos_min=p.ctx.pos_min, all_lanes=p.lanes.lanes,
                              held=held, defer_reads=defer_reads, session=job.req.session)
@@ -65,6 +67,19 @@ class Restorer:
             plan.match_depth = max(plan.match_depth, p.pool.match_depth(chain))
         plan.plan_s = time.perf_counter() - t0
         return plan
+
+    def _chain(self, prompt: np.ndarray, tenant: str) -> PageChain:
+        """The prompt's page hashes, from the recent chain that shares most with it: a
+        follow-up hashes only its new pages."""
+        pool = self.p.pool
+        assert pool is not None
+        prev = max(self._chains, key=lambda c: common_prefix(c.tokens, prompt), default=None)
+        chain = pool.chain(prompt, tenant, prev)
+        if prev is not None and common_prefix(prev.tokens, prompt) == len(prev):
+            self._chains.remove(prev)  # the prompt goes on from it: it stands for both
+        self._chains.insert(0, chain)
+        del self._chains[len(self.p.lanes) + 2:]
+        return chain
 
     def start(self, job: Job, plan: Plan) -> None:
         """Carry ``plan`` out: the job's lane holds the prefix it starts from, its
@@ -91,7 +106,7 @@ class Restorer:
         if not np.array_equal(lane.tokens, job.prompt[: lane.n]):
             raise RuntimeError("lane does not hold the prefix it was planned to")
         if job.use_cache and p.pool is not None:
-            job.publish = self.publisher.points(job, plan.match_depth, plan.chain)
+            job.publish = self.publisher.where.points(job, plan.match_depth, plan.chain)
         self.emitter.prepare(job)
         p.meter.by_source.inc(job.stats.source)
         job.stats.plan_s = plan.plan_s + time.perf_counter() - t0
@@ -123,7 +138,8 @@ class Restorer:
         job.stats.source, job.stats.role = plan.source, plan.role
         if plan.source == Source.LANE:
             if plan.partial is not None or plan.truncate:
-                publisher.hand_off_unless_replaced(lane, job, convert_replay=False)
+                publisher.hand_off_unless_replaced(lane, job, cut=plan.reuse,
+                                                   convert_replay=False)
             if plan.partial is not None and not p.ctx.restore(
                     lane.id, plan.partial.data, FLAGS_PARTIAL):
                 self._fall_back_cold(lane, job, "partial restore failed")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
@@ -81,11 +83,23 @@ class Divergence:
 
 
 @dataclass(slots=True, frozen=True)
+class Intake:
+    """What the HTTP side spent on a request before the engine had it: when its handler
+    began (``time.perf_counter``, the engine's clock) and the seconds of each of its
+    parts. The engine counts a request's TTFT from ``t_arrival``."""
+
+    t_arrival: float
+    render_s: float = 0.0  # the chat template, the prompt and its history
+    tokenize_s: float = 0.0
+    points_s: float = 0.0  # share points and breakpoints placed (proxy/api/hints.py)
+
+
+@dataclass(slots=True, frozen=True, eq=False)
 class GenerationRequest:
     """One generation: the prompt already rendered and tokenized."""
 
     request_id: str
-    prompt_tokens: tuple[int, ...]
+    prompt_tokens: tuple[int, ...] | np.ndarray  # an int32 array goes to the engine as is
     sampling: SamplingParams
     tenant: str = ""
     use_cache: bool = True
@@ -100,6 +114,7 @@ class GenerationRequest:
     # tokens is kept above ordinary ones for that long
     breakpoints: tuple[tuple[int, float], ...] = ()
     session: str | None = None  # the client's name for the conversation: lane affinity
+    intake: Intake | None = None  # the HTTP side's timings (None: not an HTTP request)
 
     @property
     def prewarm(self) -> bool:
@@ -152,7 +167,11 @@ class RequestStats:
     source: str = "cold"  # cold | lane | the tier it was read from (ram, disk, remote)
     role: str = ""  # role of the checkpoint used, if any
     prefilled: int = 0
-    ttft_s: float = 0.0
+    ttft_s: float = 0.0  # from the HTTP handler's start (else from submission) to token one
+    http_s: float = 0.0  # the HTTP side's part of it: body, render, tokenize, points
+    render_s: float = 0.0
+    tokenize_s: float = 0.0
+    decode_s: float = 0.0  # inside llama_decode, of the steps this request was in, to token one
     restore_s: float = 0.0  # restoring or cutting back the state this request starts from
     handoff_s: float = 0.0  # saving the lane's previous conversation before reusing the lane
     queue_s: float = 0.0  # waiting for a lane (or for a shared prefix)
@@ -168,6 +187,11 @@ class RequestStats:
     miss: str = ""  # why it reused less than an earlier request held ("": it did not)
     # prompt tokens an earlier prompt or reply held (what it could reuse; -1: unknown)
     shared: int = -1
+
+    @property
+    def outside_s(self) -> float:
+        """Of the TTFT, the time not spent inside ``llama_decode``: the server's own."""
+        return max(self.ttft_s - self.decode_s, 0.0)
 
 
 @dataclass(slots=True, frozen=True)

@@ -83,6 +83,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("cache.page_size", 1, None),
     ("cache.periodic_pages", 0, None),
     ("cache.share_points", 0, 64),
+    ("cache.share_grid_tokens", 0, None),
     ("sampling.temperature", 0, None),
     ("sampling.top_k", 0, None),
     ("sampling.top_p", 0, 1),

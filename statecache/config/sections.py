@@ -147,6 +147,10 @@ class CacheConfig:
     # for new conversations that share instructions, tools and environment (largest gaps
     # first); 0: none
     share_points: int = 4
+    # on a hybrid, the first turn's end and its share points at most this many tokens
+    # past the end of a prefill step move down to it, where they cut no step short (the
+    # reuse a new conversation gives up there: python -m bench.share_grid); 0: none
+    share_grid_tokens: int = 0
     splice_generated: bool = False
     tenant: str = ""
     # zstd level for what goes to disk and to the shared tier (statecache/formats/codec.py: a

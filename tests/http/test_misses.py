@@ -75,7 +75,8 @@ def prompt_tokens(srv: Server, messages: list[dict[str, Any]], tenant: str = "",
     """The prompt's token ids exactly as the server renders and tokenizes them."""
     engine = srv.app[ENGINE]
     req = parse_chat_request({"model": "x", "messages": messages, **KEEP, **body})
-    return chat_prompt(engine.tokenizer, srv.app[TEMPLATE], req, tenant, engine.n_ctx).tokens
+    return chat_prompt(engine.tokenizer, srv.app[TEMPLATE], req, tenant,
+                       engine.n_ctx).tokens.tolist()
 
 
 def parting(a: list[int], b: list[int]) -> int:

@@ -30,7 +30,7 @@ CASES = {
 def _tokens(srv: Server, messages: list[dict[str, Any]]) -> tuple[list[int], int | None]:
     req = parse_chat_request({"messages": messages})
     p = tokenize_chat(srv.app[ENGINE], srv.app[TEMPLATE], req, "")
-    return p.tokens, p.history
+    return p.tokens.tolist(), p.history
 
 
 def _with_tools(text: str, arg: str) -> ChatRequest:
@@ -68,9 +68,9 @@ async def test_typed_markup_never_becomes_control_tokens(
         assert any(attacked[i:i + len(literal)] == literal for i in range(len(attacked)))
         # the same goes for reasoning, tool calls, their results and tool definitions
         full = tokenize_chat(srv.app[ENGINE], srv.app[TEMPLATE],
-                             _with_tools(attack, end), "").tokens
+                             _with_tools(attack, end), "").tokens.tolist()
         reference = tokenize_chat(srv.app[ENGINE], srv.app[TEMPLATE],
-                                  _with_tools("ok", "ok"), "").tokens
+                                  _with_tools("ok", "ok"), "").tokens.tolist()
         for marker in (start, end):
             assert full.count(_id(srv, marker)) == reference.count(_id(srv, marker))
 
@@ -136,5 +136,12 @@ async def test_a_chat_prompt_is_tokenized_once(hybrid_path: Path, tmp_path: Path
         req = parse_chat_request({"messages": messages})
         prompt = render_chat(srv.app[TEMPLATE], req)  # as a text, typed markup and all
     assert r.usage is not None and r.choices[0].finish_reason == "length"
-    # every character of the prompt went through the tokenizer, each one once
-    assert "".join(seen) == prompt
+    # the prompt is made of the texts that went through the tokenizer, and no more went
+    # through it than the prompt (a piece of template text that recurs, as
+    # "<|im_end|>\n" does, keeps its ids: proxy/engine/tokens.py)
+    assert sum(len(t) for t in seen) <= len(prompt)
+    rest = prompt
+    while rest:
+        piece = max((t for t in seen if t and rest.startswith(t)), key=len, default="")
+        assert piece, f"not tokenized: {rest[:40]!r}"
+        rest = rest[len(piece):]

@@ -4,11 +4,19 @@ splicing generated ids, text streaming, sampling, and the pool calls the planner
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from proxy.engine.binding import MemoryInfo, MemoryKind
 from proxy.engine.detok import TextStream
 from proxy.engine.lanes import Lane
-from proxy.engine.planner import can_truncate, publish_points
+from proxy.engine.planner import (
+    can_truncate,
+    choose_share_points,
+    onto_grid,
+    periodic_points,
+    publish_points,
+    step_ends,
+)
 from proxy.engine.splice import aligned_replies, tokenize_spliced
 from statecache.records import Kind, Role
 from tests.unit.conftest import PoolFactory, put
@@ -23,24 +31,74 @@ def _memory(kind: MemoryKind, n_swa: int = 0) -> MemoryInfo:
 # -- publish points -------------------------------------------------------------------
 
 
-def test_publish_points_replay_branch_periodic() -> None:
+def test_publish_points_replay_and_branch() -> None:
     # A 300-token prompt (limit 299), nothing reused, the history ends at 290, a cached
-    # prompt shared the first 100 tokens: replay at 288, branch at 96, periodic at 128, 256.
-    got = publish_points(reuse=0, limit=299, replay_at=290, match_depth=100, page=32,
-                         every_pages=4)
-    assert got == [(96, Role.BRANCH), (128, Role.PERIODIC), (256, Role.PERIODIC),
-                   (288, Role.REPLAY)]
+    # prompt shared the first 100 tokens: replay at 288, branch at 96.
+    got = publish_points(reuse=0, limit=299, replay_at=290, match_depth=100, page=32)
+    assert got == [(96, Role.BRANCH), (288, Role.REPLAY)]
 
 
 def test_publish_points_skip_what_is_already_reused() -> None:
     # Reusing 200 tokens: only points after it; the branch below is not saved again.
-    got = publish_points(reuse=200, limit=299, replay_at=290, match_depth=100, page=32,
-                         every_pages=4)
-    assert got == [(256, Role.PERIODIC), (288, Role.REPLAY)]
+    got = publish_points(reuse=200, limit=299, replay_at=290, match_depth=100, page=32)
+    assert got == [(288, Role.REPLAY)]
     # A prompt that fully matches what is cached has no branch point.
-    got = publish_points(reuse=0, limit=299, replay_at=0, match_depth=299, page=32,
-                         every_pages=0)
+    got = publish_points(reuse=0, limit=299, replay_at=0, match_depth=299, page=32)
     assert got == []
+
+
+def test_periodic_points_go_where_the_steps_end_anyway() -> None:
+    # Steps of 512 from 0: every 2,048 tokens, as multiples would be.
+    assert periodic_points([], reuse=0, limit=9999, every=2048, chunk=512) == \
+        [2048, 4096, 6144, 8192]
+    # A share point at 3,739 ends a step there, and the steps after it end at
+    # 3,739 + k * 512: the next periodic point is on that grid (5,787), not at 4,096 or
+    # 6,144, each of which would have cut a step of its own
+    got = periodic_points([3739], reuse=0, limit=9999, every=2048, chunk=512)
+    assert got == [2048, 3739 + 4 * 512, 3739 + 8 * 512, 3739 + 12 * 512]
+    # ... and a follow-up that starts from 1,000 tokens counts from there
+    assert periodic_points([], reuse=1000, limit=5000, every=2048, chunk=512) == [3048]
+    # a cold prompt of 8,881 tokens cut at 3,739 and 4,245 (Codex's share points on
+    # Gemma 3) takes 19 steps; multiples of 2,048 would have cut one more (4,096)
+    fixed = [3739, 4245]
+    steps_with = _steps(fixed + periodic_points(fixed, reuse=0, limit=8880, every=2048,
+                                                chunk=512), 8881, 512)
+    assert steps_with == _steps(fixed, 8881, 512)
+    assert steps_with == 19
+    assert _steps(fixed + [2048, 4096, 6144, 8192], 8881, 512) == steps_with + 1
+    assert periodic_points([100], reuse=0, limit=99, every=0, chunk=512) == []
+    # points asked for more often than steps end go where asked (cutting steps)
+    assert periodic_points([200], reuse=100, limit=600, every=128, chunk=512) == \
+        [128, 256, 384, 512]
+
+
+def test_share_points_onto_the_step_grid() -> None:
+    # a prefill of 2,060 tokens ends steps every 512 and at its cuts: a share point at
+    # 1,100 ends one early, a step more than without it
+    assert step_ends([2048], reuse=0, end=2060, chunk=512) == [512, 1024, 1536, 2048, 2060]
+    assert step_ends([1100, 2048], reuse=0, end=2060, chunk=512) == \
+        [512, 1024, 1100, 1612, 2048, 2060]
+    assert len(step_ends([], reuse=1000, end=1000, chunk=512)) == 0
+    for fixed in ([3739, 4245], [100, 7000, 8880]):  # as _steps counts them
+        assert len(step_ends(fixed, reuse=0, end=8881, chunk=512)) == _steps(fixed, 8881, 512)
+    # moved down to the end of the step it falls in, where it is at most ``within`` past
+    assert onto_grid([1100], [2048, 2060], reuse=0, chunk=512, within=128) == {1100: 1024}
+    assert onto_grid([1100], [2048, 2060], reuse=0, chunk=512, within=64) == {}
+    # one that stays shifts the grid of the next; one that would reach the start or a
+    # kept point is dropped
+    assert onto_grid([700, 1300], [], reuse=0, chunk=512, within=100) == {1300: 1212}
+    assert onto_grid([40, 2100], [2080], reuse=0, chunk=512, within=64) == {40: 0, 2100: 0}
+    assert onto_grid([1600], [], reuse=1000, chunk=512, within=100) == {1600: 1512}
+    # the share points, largest gap first, each an anchor for the rest, none within a page
+    assert choose_share_points([100, 200, 900], [0], k=2, page=32) == [900, 200]
+    assert choose_share_points([100, 200, 900], [0, 880], k=4, page=32) == [200, 100]
+    assert choose_share_points([10, 20], [0], k=4, page=32) == []
+
+
+def _steps(cuts: list[int], n: int, chunk: int) -> int:
+    """Steps of a prefill of ``n`` tokens that ends a step at each cut."""
+    bounds = sorted({0, *cuts, n})
+    return sum(-(-(b - a) // chunk) for a, b in zip(bounds, bounds[1:], strict=False))
 
 
 # -- truncation rules -----------------------------------------------------------------
@@ -178,3 +236,41 @@ def test_lane_push_grows_and_marks_the_lane_changed() -> None:
     assert not lane.saved_full and not lane.replay_saved
     lane.extend([9, 10])
     assert lane.tokens[-4:].tolist() == [7, 8, 9, 10]
+
+
+# -- a prompt's page hashes -----------------------------------------------------------
+
+
+def test_a_follow_up_hashes_only_its_new_pages(make_pool: PoolFactory,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import statecache.pages
+    from proxy.engine.restore import Restorer
+
+    pool = make_pool()  # pages of 4 tokens
+    hashed: list[int] = []
+    real = statecache.pages.xxhash.xxh3_128
+
+    def counting(*a: object) -> object:
+        hashed.append(1)
+        return real(*a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(statecache.pages.xxhash, "xxh3_128", counting)
+    restorer = Restorer.__new__(Restorer)
+    restorer.p = types.SimpleNamespace(pool=pool, lanes=[Lane(0), Lane(1)])  # type: ignore[assignment]
+    restorer._chains = []
+    first = np.arange(400, dtype=np.int32)
+    follow = np.concatenate([first, np.arange(1000, 1042, dtype=np.int32)])
+    other = np.arange(5000, 5400, dtype=np.int32)
+    assert restorer._chain(first, "").hashes == pool.chain(first).hashes
+    hashed.clear()
+    got = restorer._chain(follow, "")
+    assert len(hashed) == 10  # 442 tokens: 110 pages, 100 of them the first prompt's
+    assert got.hashes == pool.chain(follow).hashes
+    hashed.clear()
+    restorer._chain(other, "")  # another conversation: all its pages
+    assert len(hashed) == 100
+    hashed.clear()
+    assert restorer._chain(follow, "t2").hashes == pool.chain(follow, "t2").hashes
+    assert len(hashed) > 110  # another tenant hashes from its own namespace: all again

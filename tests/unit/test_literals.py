@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -87,3 +88,16 @@ def test_same_conversation_same_pieces_and_cuts_between_pieces() -> None:
 @pytest.mark.parametrize("value", [None, 3, 2.5, True, [], {}])
 def test_escape_leaves_other_values_alone(value: object) -> None:
     assert Literals(SPECIAL_RE).escape(value) == value
+
+
+def test_a_clean_value_is_searched_in_its_json_not_walked() -> None:
+    # special texts as JSON writes them: one with a quote and a newline looks otherwise
+    specials = ["<|im_start|>", 'say "x"\n']
+    json_re = re.compile(alternation(sorted({json.dumps(t)[1:-1] for t in specials})))
+    special_re = re.compile(alternation(specials))
+    clean = {"tools": [{"name": "f", "description": "no markup at all"}]}
+    assert Literals(special_re, json_re).escape(clean) is clean  # nothing to replace
+    for dirty in ({"d": "a <|im_start|> b"}, {"d": 'we say "x"\n here'},
+                  [{"d": chr(FIRST + 3)}]):  # a character of the placeholders' area
+        got = Literals(special_re, json_re).escape(dirty)
+        assert got != dirty and got == Literals(special_re).escape(dirty)

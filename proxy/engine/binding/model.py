@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -89,15 +90,20 @@ class Model:
         special_attrs = _ll.LLAMA_TOKEN_ATTR_CONTROL | _ll.LLAMA_TOKEN_ATTR_UNKNOWN
         texts: list[bytes] = []
         special: list[bool] = []
+        lstrip = False
         for t in range(self.n_vocab):
             texts.append(_ll.llama_vocab_get_text(self._vocab, t) or b"")
-            special.append(bool(_ll.llama_vocab_get_attr(self._vocab, t) & special_attrs))
+            attr = _ll.llama_vocab_get_attr(self._vocab, t)
+            special.append(bool(attr & special_attrs))
+            lstrip = lstrip or bool(attr & _ll.LLAMA_TOKEN_ATTR_LSTRIP)
         kind = int(_ll.llama_vocab_type(self._vocab))
         if kind == _ll.LLAMA_VOCAB_TYPE_SPM:
-            return spm_facts(texts, special)
-        # BPE falls back to byte tokens without throwing; other kinds have an unknown
-        # token that may cover any run of text, so no length bound holds for them.
-        return other_facts(texts, special, bounded=kind == _ll.LLAMA_VOCAB_TYPE_BPE)
+            facts = spm_facts(texts, special)
+        else:
+            # BPE falls back to byte tokens without throwing; other kinds have an unknown
+            # token that may cover any run of text, so no length bound holds for them.
+            facts = other_facts(texts, special, bounded=kind == _ll.LLAMA_VOCAB_TYPE_BPE)
+        return dataclasses.replace(facts, lstrip=lstrip)
 
     def tokenize(self, text: str, *, add_special: bool = False,
                  parse_special: bool = True) -> list[int]:

@@ -54,6 +54,9 @@ class VocabFacts:
     fallback_bytes: frozenset[int] = frozenset()  # bytes that do have a token
     # matches any special text, leftmost-longest
     special_re: re.Pattern[str] | None = field(default=None, compare=False)
+    # a token split out of the text strips the whitespace before it (llama.cpp's LSTRIP):
+    # then a text cut where a special token starts tokenizes otherwise than whole
+    lstrip: bool = False
 
     def first_unencodable(self, text: str, *, parse_special: bool) -> int | None:
         """The index of the first character the tokenizer cannot encode, or None."""

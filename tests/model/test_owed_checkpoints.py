@@ -1,0 +1,87 @@
+"""Where a live lane can be cut back anywhere (plain attention; SWA with every cell kept),
+a prefill does not stop at its checkpoints: its steps stay whole, as llama-server's
+ubatches are, and the lane owes those checkpoints until it is cut back or replaced; then
+each is taken from the live lane, deepest first (cut back to it, saved), and a request
+that starts from one answers as the same request served cold.
+
+Before this, each share point, breakpoint and replay point ended a step: a cold prompt
+of 1,200 tokens took 6 steps where 512-token steps make 3.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from proxy.engine.engine import Engine
+from proxy.engine.types import GenerationRequest, SamplingParams
+from statecache.config import load_config
+from statecache.records import Kind
+from tests.model.runs import assert_as_cold, generate
+
+STEP = 512
+
+
+def _fulls(eng: Engine) -> set[int]:
+    assert eng.pool is not None
+    return {r["n"] for r in eng.pool.describe() if r["kind"] == Kind.FULL.value}
+
+
+def _req(prompt: list[int], **kw: object) -> GenerationRequest:
+    return GenerationRequest("t", tuple(prompt), SamplingParams(
+        temperature=0.0, max_tokens=6, logprobs=4), **kw)  # type: ignore[arg-type]
+
+
+def _check(path: Path, tmp_path: Path, near_tie: float) -> None:
+    cfg = load_config(None, {"model.path": str(path), "engine.sanity_checks": True,
+                             "model.n_ctx": 4096, "server.lanes": 1,
+                             "cache.disk_enabled": False, "speculative.source": "off"})
+    eng = Engine(cfg, path)
+    cold = Engine(load_config(None, {**{"model.path": str(path)}, "model.n_ctx": 4096,
+                                     "server.lanes": 1, "cache.enabled": False,
+                                     "speculative.source": "off"}), path)
+    try:
+        assert eng.publisher.kind() is Kind.FULL  # a live lane is cut back by seq_rm
+        words = eng.model.tokenize
+        a = words(" ".join(f"rule {i}: every session of this agent shares it;"
+                           for i in range(300)))[:1200]
+        assert len(a) == 1200
+        share, mark, history = 700, 900, 1100
+        req = _req(a, share_points=(share,), breakpoints=((mark, 300.0),),
+                   history_tokens=history)
+        _, _, fin = generate(eng, req)
+        # whole steps, nothing saved before the first token, the points owed
+        assert fin.stats.prefill_steps == math.ceil(len(a) / STEP)
+        assert fin.stats.checkpoints_added == 0 and not _fulls(eng)
+        replay = history // eng.exec.page * eng.exec.page
+        lane = eng.parts.lanes.lanes[0]
+        assert [n for n, _, _ in lane.owed] == [share, mark, replay]
+        # a new conversation parts from the first at the share point, in its lane: the
+        # lane is handed off, its state kept, and what it owes above the cut taken
+        b = a[:share] + words(" ".join(f"a new task {i} about other things"
+                                       for i in range(30)))
+        got, _, fin = generate(eng, _req(b))
+        assert fin.stats.source == "lane" and fin.usage.cached_tokens == share
+        assert {mark, replay} <= _fulls(eng)
+        assert_as_cold(cold, _req(b), got, near_tie)
+        # the first conversation comes back with its reply rendered anew: it restores the
+        # owed replay point from RAM, and answers as it would cold
+        c = a[:history] + words(" ".join(f"and turn {i} that follows" for i in range(12)))
+        got, _, fin = generate(eng, _req(c))
+        assert fin.stats.source == "ram" and fin.usage.cached_tokens == replay
+        assert_as_cold(cold, _req(c), got, near_tie)
+        # the breakpoint's checkpoint is kept for its ttl
+        assert eng.pool is not None
+        kept = [r for r in eng.pool.describe() if r["n"] == mark]
+        assert kept and kept[0].get("kept_until"), kept
+    finally:
+        eng.close()
+        cold.close()
+
+
+def test_plain_attention_owes_its_checkpoints(draft_path: Path, tmp_path: Path) -> None:
+    _check(draft_path, tmp_path, near_tie=0.05)
+
+
+def test_sliding_window_owes_its_checkpoints(gemma_path: Path, tmp_path: Path) -> None:
+    _check(gemma_path, tmp_path, near_tie=0.5)
