@@ -4,7 +4,7 @@ agents' own requests, by kind of request, and where statecache's time went.
 Ratios are paired: a request's time on statecache over the same request's time on the
 other system in the same repeat (seconds apart, the same stretch of the machine's
 drift); the median over requests and repeats, with its 95% confidence interval
-(``bench.batching.median_ci``: order statistics, no assumption on the distribution).
+(``bench.paired.median_ci``: order statistics, no assumption on the distribution).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from bench.batching import median_ci
+from bench.paired import median_ci
 
 KINDS = ("cold", "new session", "follow-up")
 # statecache's phases (GET /admin/requests phases_ms), in the order a request meets them

@@ -401,7 +401,7 @@ def write(out_dir: Path, prof: Profile, systems: tuple[str, ...], res: Results) 
                   "where the target has one) against `source = \"off\"`, their servers "
                   "running side by side; greedy, one stream at a time; decode tokens/s "
                   "from the first token to the last; \"vs off\" is the median of the "
-                  "ratios run by run (its 95% interval: bench.batching.median_ci); "
+                  "ratios run by run (its 95% interval: bench.paired.median_ci); "
                   "acceptance = accepted / drafted. Workloads: a prose "
                   "question (chat), a file re-emitted with one rename (code-edit), and a "
                   "file the assistant wrote two turns earlier asked for again with one "
