@@ -57,7 +57,7 @@ from proxy.api.inner import (
     takes_runs,
 )
 from proxy.api.syntax.forms import derive_form
-from proxy.api.syntax.probe import PROBE_TOOLS, syntax_for
+from proxy.api.syntax.probe import PROBE_TOOLS, grammar_reasoning, syntax_for
 from proxy.api.thinking import switches_of, template_switches
 
 VENDOR_TEMPLATES = Path(__file__).resolve().parents[2] / "vendor" / "templates"
@@ -142,6 +142,7 @@ class ChatTemplate:
         self.merge_runs = not takes_runs(self.render)
         # the family's tool-call and reasoning syntax, from what the template writes
         self.syntax = syntax_for(self.render, tool_format, (eos_token,))
+        self.grammar_reasoning = grammar_reasoning(source, self.syntax)
         # how it writes one call: grammars that force calls write them so
         self.call_form = derive_form(self.render, self.syntax, (eos_token,))
 

@@ -113,7 +113,7 @@ async def chat_route(request: web.Request, api: ChatApi[Any]) -> web.StreamRespo
     engine, tenant = request.app[ENGINE], tenant_of(request, req.user)
     template = request.app[TEMPLATE]
     chat = in_family(request.app[VOLATILE].apply(api.conversation(request, req, tenant)),
-                     template.syntax, template.call_form)
+                     template.syntax, template.call_form, template.grammar_reasoning)
     chat = with_budget(chat, template.syntax)
     # Rendering and tokenizing a long conversation takes a while: off the event loop.
     p = await asyncio.to_thread(tokenize_chat, engine, request.app[TEMPLATE],

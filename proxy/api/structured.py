@@ -165,9 +165,11 @@ def spec(*, json_schema: Mapping[str, Any] | None, json_path: str,
     return Constraint(json_schema, json_path, tools, tool_choice, parallel, params_key)
 
 
-def in_family(chat: ChatRequest, syntax: Syntax, form: CallForm | None) -> ChatRequest:
+def in_family(chat: ChatRequest, syntax: Syntax, form: CallForm | None,
+              reasoning: tuple[str, str] | None = None) -> ChatRequest:
     """``chat`` with its grammar in the template's own syntax: calls as the family writes
-    them, after the reasoning its template opens (lazy, as llama.cpp's grammars are)."""
+    them, after the reasoning its template opens (lazy, as llama.cpp's grammars are);
+    ``reasoning``: the template's (ChatTemplate.grammar_reasoning)."""
     c = chat.constraint
     if c is None:
         return chat
@@ -181,7 +183,7 @@ def in_family(chat: ChatRequest, syntax: Syntax, form: CallForm | None) -> ChatR
                          tool_choice=c.tool_choice, parallel=c.parallel,
                          params_key=c.params_key, form=form if calls else None)
     return dataclasses.replace(chat, sampling=dataclasses.replace(
-        chat.sampling, grammar=grammar, reasoning=syntax.grammar_reasoning))
+        chat.sampling, grammar=grammar, reasoning=reasoning))
 
 
 def _top(path: str) -> str:

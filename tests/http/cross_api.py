@@ -97,9 +97,12 @@ def to_responses(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[
             if m.get("reasoning_content"):
                 out.append({"type": "reasoning", "summary": [], "content": [
                     {"type": "reasoning_text", "text": m["reasoning_content"]}]})
-            if m.get("content"):
+            # an empty reply (a call the token limit cut, dropped) stays an empty message,
+            # as the chat client that got it sends it back: the history is the same turn
+            if m.get("content") or not (m.get("reasoning_content") or m.get("tool_calls")):
                 out.append({"type": "message", "role": "assistant", "content": [
-                    {"type": "output_text", "text": m["content"], "annotations": []}]})
+                    {"type": "output_text", "text": m.get("content") or "",
+                     "annotations": []}]})
             for c in m.get("tool_calls") or ():
                 out.append({"type": "function_call", "call_id": c["id"],
                             "name": c["function"]["name"],

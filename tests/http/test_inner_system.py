@@ -43,7 +43,17 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Gemma 3's first reply here is a tool call the 8-token limit cuts, which the reply drops
+# (as canitoolcall's fixtures ask): the lane rolls those 8 tokens back, and the next
+# turn, 427 tokens from the lane and 32 prefilled, then answers unlike the same prompt
+# served cold (token 0: logprob -3.92 against the cold top -3.79). A defect of exact
+# restores, found here and left to that work; strict, so this fails once it is mended.
+_ROLLBACK = pytest.mark.xfail(strict=True, reason="a Gemma 3 lane rolled back over its "
+                              "reply answers unlike cold (exact restores)")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=_ROLLBACK) if c == "gemma3" else c
+                                  for c in CASES])
 async def test_inner_system_messages_on_each_template(
     case: str, request: pytest.FixtureRequest, tmp_path: Path, done_lines: DoneLines
 ) -> None:

@@ -32,7 +32,8 @@ pytestmark = pytest.mark.http
 PAGE = 32
 KEEP = {"chat_template_kwargs": {"preserve_thinking": True}}
 MISS = re.compile(r"miss: (?P<cause>[a-z -]+?)(?: at token (?P<token>[\d,]+))?"
-                  r"(?: \(message (?P<message>-?\d+), (?P<role>[^)]*)\))?(?:: (?P<text>.*))?$")
+                  r"(?: \(message (?P<message>-?\d+), (?P<role>[^)]*)\))?"
+                  r"(?: by the (?P<family>[\w.-]+) template)?(?:: (?P<text>.*))?$")
 # A long system prompt (about 700 tokens) with a line in its middle that changes.
 SYSTEM_HEAD = ("You are a coding agent working in a Python repository. Read files, run the "
                "tests, and explain every change you make before you make it. ") * 4
@@ -195,8 +196,8 @@ async def test_reasoning_dropped(hybrid_path: Path, tmp_path: Path,
                    {"role": "user", "content": "And now?"}]
         await chat(srv, dropped)
     miss = misses(done_lines)[1]
-    assert (miss["cause"], miss["message"], miss["role"]) == \
-        ("reasoning dropped", "2", "assistant"), done_lines.events
+    assert (miss["cause"], miss["message"], miss["role"], miss["family"]) == \
+        ("reasoning dropped", "2", "assistant", "hermes"), done_lines.events
     assert reply["reasoning_content"][:8] in (miss["text"] or "")
 
 
@@ -219,8 +220,8 @@ async def test_reply_re_rendered_differently(hybrid_path: Path, tmp_path: Path,
         back = {**reply, "reasoning_content": r[:at] + other + r[at + 1:]}
         await chat(srv, [*first, back, {"role": "user", "content": "And now?"}])
     miss = misses(done_lines)[-1]
-    assert (miss["cause"], miss["message"], miss["role"]) == \
-        ("reply re-rendered differently", "2", "assistant"), done_lines.events
+    assert (miss["cause"], miss["message"], miss["role"], miss["family"]) == \
+        ("reply re-rendered differently", "2", "assistant", "hermes"), done_lines.events
 
 
 async def test_other_tenant_without_their_text(hybrid_path: Path, tmp_path: Path,

@@ -118,8 +118,15 @@ async def test_forced_tool_calls_always_validate(hybrid_path: Path, tmp_path: Pa
             r = await srv.client.chat.completions.create(
                 model="x", messages=ASK, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
                 max_tokens=600, seed=seed, temperature=1.0, extra_body=NO_THINK)
-            assert r.choices[0].finish_reason == "tool_calls"
-            counts.append(check_calls(r.choices[0].message, {"get_weather", "get_time"}))
+            # a random model may write call after call until the limit cuts it (3 of 6
+            # seeds with the family's grammar): then it says length and lists the calls
+            # it completed. A call (under 100 tokens) never alone reaches 600.
+            fin = r.choices[0].finish_reason
+            assert fin in ("tool_calls", "length"), r
+            n = check_calls(r.choices[0].message, {"get_weather", "get_time"})
+            if fin == "length":
+                assert r.usage is not None and r.usage.completion_tokens == 600 and n > 1, r
+            counts.append(n)
             one = await srv.client.chat.completions.create(
                 model="x", messages=ASK, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
                 parallel_tool_calls=False, max_tokens=600, seed=seed, extra_body=NO_THINK)

@@ -19,6 +19,7 @@ from proxy.engine.types import (
     SamplingParams,
     TokenLogprob,
 )
+from proxy.meter import Counter
 from statecache.config import load_config
 from statecache.records import Kind, Role
 from tests.busy import THREADS
@@ -65,7 +66,10 @@ def test_a_retry_cuts_the_reply_without_keeping_it(hybrid_path: Path) -> None:
     cold = Engine(load_config(None, {"model.path": str(hybrid_path), "model.threads": THREADS,
                                      "engine.sanity_checks": True, "model.n_ctx": 2048,
                                      "server.lanes": 1, "cache.enabled": False}), hybrid_path)
-    c = eng.meter.get
+    def c(name: str) -> int:
+        counter: Counter = getattr(eng.meter, name)
+        return int(counter.get())
+
     try:
         tok = eng.model.tokenize
         first = tuple(tok("a first question about recurrent state " * 12))

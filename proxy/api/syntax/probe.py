@@ -147,3 +147,15 @@ def syntax_for(render: Render, tool_format: str = "auto", stops: Sequence[str] =
         raise ValueError(f"model.tool_format must be one of {', '.join(TOOL_FORMATS)}, "
                          f"got {tool_format!r}")
     return BY_NAME[tool_format]
+
+
+def grammar_reasoning(source: str, syntax: Syntax) -> tuple[str, str] | None:
+    """The reasoning a grammar lets the model write before what it forces: none where
+    the template never writes the family's reasoning opener (Gemma 3's fallback writes
+    Hermes calls and no reasoning, as Qwen2.5's does). A model trained on such a template
+    does not reason in those tags, and a grammar that let it would let a base model write
+    "<think>" as text and ramble inside it to the token limit."""
+    tags = syntax.grammar_reasoning
+    if tags is None or syntax.lazy is not None:
+        return tags
+    return tags if any(o.strip() in source for o, _ in syntax.reasoning) else None
