@@ -44,6 +44,9 @@ async def test_the_time_outside_llama_decode_is_the_ttft_less_the_decodes(
     for m, rec in zip(done, (cold, again), strict=True):
         assert m is not None
         assert float(m[2]) == pytest.approx(rec["outside_ms"], abs=0.1)
-        # (the record rounds the TTFT to 0.1 ms: a share of a TTFT of a few ms moves)
-        assert float(m[3]) == pytest.approx(100 * rec["outside_ms"] / (1000 * rec["ttft_s"]),
-                                            abs=2.0)
+        # the record rounds the TTFT to 0.1 ms and outside_ms to 0.01 ms, the Done line
+        # the share to 0.1%: within those roundings (a repeat's TTFT is a fraction of a
+        # millisecond, which the record's 0.1 ms moves by a sixth)
+        ttft_ms = 1000 * rec["ttft_s"]
+        assert float(m[3]) == pytest.approx(100 * rec["outside_ms"] / ttft_ms,
+                                            abs=100 * 0.055 / ttft_ms + 0.05)
