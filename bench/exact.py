@@ -18,9 +18,11 @@ default one and gives each kind's median TTFT on both:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -53,19 +55,19 @@ def _text(rng: random.Random, lo: int, hi: int) -> str:
 
 
 def _ask(client: OpenAI, messages: list[dict[str, str]], max_tokens: int
-         ) -> tuple[str, list[tuple[str, float]]]:
+         ) -> tuple[str, list[tuple[str, float]], str]:
     r = client.chat.completions.create(model="m", messages=messages,  # type: ignore[arg-type]
                                        max_tokens=max_tokens, temperature=0, logprobs=True)
     choice = r.choices[0]
     content = choice.logprobs.content if choice.logprobs and choice.logprobs.content else []
-    return choice.message.content or "", [(t.token, t.logprob) for t in content]
+    return choice.message.content or "", [(t.token, t.logprob) for t in content], r.id
 
 
-def _last_record(url: str) -> dict[str, Any]:
+def _record(url: str, request_id: str) -> dict[str, Any]:
+    """The request's record in ``/admin/requests``."""
     with urllib.request.urlopen(url + "/admin/requests", timeout=30) as resp:
-        records = json.loads(resp.read())
-    records = records.get("requests", records) if isinstance(records, dict) else records
-    return next(r for r in reversed(records) if r.get("request_id"))
+        records = json.loads(resp.read())["requests"]
+    return next(r for r in reversed(records) if r.get("request_id") == request_id)
 
 
 def conversations(rng: random.Random, n: int, system_words: int) -> list[list[dict[str, str]]]:
@@ -77,7 +79,8 @@ def conversations(rng: random.Random, n: int, system_words: int) -> list[list[di
 
 def run(url: str, cold_url: str, requests: int, seed: int, tally: Tally, *,
         convs: int = 4, system_words: int = 100, max_tokens: int = 24, max_chars: int = 3000,
-        on_tick: Any = print, compare: bool = True) -> None:
+        on_tick: Any = print, compare: bool = True, verbose: bool = False,
+        cold_lock: Any = None) -> None:
     """``requests`` requests over ``convs`` conversations, picked at random: a follow-up
     (the reply kept, a new user message), an edit (an earlier user message rewritten,
     what came after it dropped) or a regeneration (the same messages again). Each goes
@@ -109,14 +112,15 @@ def run(url: str, cold_url: str, requests: int, seed: int, tally: Tally, *,
         elif last[c] is not None:
             msgs.append({"role": "user", "content": _text(rng, 1, 80)})
         tally.kinds[kind] = tally.kinds.get(kind, 0) + 1
-        text, lps = _ask(ours, msgs, max_tokens)
-        rec = _last_record(url)
+        text, lps, rid = _ask(ours, msgs, max_tokens)
+        rec = _record(url, rid)
         tally.ttft_s.setdefault(kind, []).append(rec.get("ttft_s", 0.0))
-        ctext, clps = _ask(cold, msgs, max_tokens)
+        with cold_lock or contextlib.nullcontext():  # the cold server: one at a time
+            ctext, clps, cold_id = _ask(cold, msgs, max_tokens)
         tally.requests += 1
         if not compare:  # the cost: the other server is the default mode, its TTFT beside
             tally.ttft_s.setdefault(f"{kind}, default", []).append(
-                _last_record(cold_url).get("ttft_s", 0.0))
+                _record(cold_url, cold_id).get("ttft_s", 0.0))
             msgs.append({"role": "assistant", "content": text})
             last[c] = text
             continue
@@ -136,13 +140,13 @@ def run(url: str, cold_url: str, requests: int, seed: int, tally: Tally, *,
                 f"exact path {rec.get('exact')} {rec.get('exact_breaks')}")
         msgs.append({"role": "assistant", "content": text})
         last[c] = text
-        if (i + 1) % 25 == 0:
+        if (i + 1) % 25 == 0 or verbose:
             on_tick(f"{i + 1} requests: {tally.equal} equal, {len(tally.failures)} differ")
 
 
 def check(model: Path, requests: int, *, exact: bool = True, ram_budget: str = "4MiB",
           lanes: int = 2, seed: int = 0, log_dir: Path = ROOT / "results" / "logs",
-          disk: bool = True, on_tick: Any = print, **kw: Any) -> Tally:
+          disk: bool = True, on_tick: Any = print, clients: int = 1, **kw: Any) -> Tally:
     from proxy.models import gemma_model_path
 
     is_gemma = model.resolve() == gemma_model_path().resolve()
@@ -154,7 +158,18 @@ def check(model: Path, requests: int, *, exact: bool = True, ram_budget: str = "
                  extra_config=cfg, threads=1) as srv, \
             running("no-cache", spec, n_ctx=4096, lanes=lanes, log_dir=log_dir,
                     extra_config=common, threads=1) as cold:
-        run(srv.url, cold.url, requests, seed, tally, on_tick=on_tick, **kw)
+        if clients == 1:
+            run(srv.url, cold.url, requests, seed, tally, on_tick=on_tick, **kw)
+        else:  # at once to the exact server, one at a time to the cold one
+            lock = threading.Lock()
+            threads = [threading.Thread(target=run, args=(srv.url, cold.url, requests // clients,
+                                                          seed + k, tally),
+                                        kwargs={"on_tick": on_tick, "cold_lock": lock, **kw})
+                       for k in range(clients)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         tally.kinds["ram_evictions"] = int(srv.metrics().get(
             'statecache_evictions_total{tier="ram"}', 0))
     return tally
@@ -200,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-disk", action="store_true")
     ap.add_argument("--system-words", type=int, default=100)
+    ap.add_argument("--convs", type=int, default=4, help="conversations interleaved")
+    ap.add_argument("--clients", type=int, default=1, help="clients at once, each with "
+                    "its conversations (the cold server still serves one at a time)")
     ap.add_argument("--max-chars", type=int, default=3000, help="a longer conversation "
                     "is replaced by a new one")
     ap.add_argument("--cost", action="store_true", help="no comparison: each request's "
@@ -208,13 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     if args.cost:
         t = cost(args.model, args.requests, seed=args.seed, system_words=args.system_words,
-                 max_chars=args.max_chars)
+                 max_chars=args.max_chars, convs=args.convs, clients=args.clients)
         print(summary(t))
         return 0
     t = check(args.model, args.requests, exact=args.exact == "true",
               ram_budget=args.ram_budget, lanes=args.lanes, seed=args.seed,
               disk=not args.no_disk, system_words=args.system_words,
-              max_chars=args.max_chars)
+              max_chars=args.max_chars, convs=args.convs, clients=args.clients)
     print(summary(t))
     print(f"took {time.monotonic() - t0:.0f} s")
     return 0 if not t.failures and not t.said_exact_but_differ else 1

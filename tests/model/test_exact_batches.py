@@ -1,5 +1,5 @@
 """Why exact mode (``cache.exact``) runs one lane a step: a row's logits depend on the
-other lanes' rows in its ``llama_decode`` (docs/exact.md, "One lane a step").
+other lanes' rows in its ``llama_decode`` (docs/exact.md, "The default mode").
 
 Measured on every memory kind: a decoding lane's row beside another lane's decode row,
 and a prefill chunk beside another lane's decode row, against the same row in a batch of
