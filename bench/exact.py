@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     if args.cost:
         t = cost(args.model, args.requests, seed=args.seed, system_words=args.system_words,
-                 max_chars=args.max_chars, convs=args.convs, clients=args.clients)
+                 max_chars=args.max_chars, convs=args.convs)
         print(summary(t))
         return 0
     t = check(args.model, args.requests, exact=args.exact == "true",

@@ -65,3 +65,27 @@ def test_a_row_beside_another_lanes_is_other_arithmetic(
         f"{which}: a row beside another lane's is bitwise the row alone in both shapes; "
         "exact mode may batch lanes (docs/exact.md)")
 
+
+
+def test_an_swa_state_restored_on_the_grid_past_its_window_is_the_live_lane(
+        gemma_path: Path) -> None:
+    """Why exact mode restores Gemma 3 past its window (docs/exact.md): a state after 1,024
+    tokens prefilled in ubatches of 512 from token 0, restored into another lane, holds
+    fewer SWA cells than the live lane (docs/design.md fact 12), yet the next ubatch gives
+    the live lane's logits bitwise. Off the grid they differ (test_facts.py's
+    test_swa_restore_beyond_window_changes_cell_layout, restored after 699 tokens)."""
+    with Model(gemma_path) as model:
+        toks = model.tokenize(TEXT, add_special=True)[:1324]
+        with Context(model, ContextParams(n_ctx=4096, n_seq_max=2, n_batch=512, n_ubatch=512,
+                                          threads=1)) as ctx:
+            for k in (0, 512):
+                ctx.prefill(0, toks[k:k + 512], k, logits_last=False)
+            assert ctx.restore(1, bytes(ctx.save(0)))
+            assert ctx.pos_min(0) == 0 and ctx.pos_min(1) > 0  # fewer cells
+            rows = []
+            for lane in (0, 1):
+                ctx.batch.clear()
+                r = ctx.batch.add(lane, toks[1024:], 1024, logits_last=True)
+                ctx.decode()
+                rows.append(ctx.logits(r).copy())
+    assert np.array_equal(rows[0], rows[1])
