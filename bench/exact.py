@@ -45,6 +45,7 @@ class Tally:
     exact_path: int = 0  # replies /admin/requests says took the exact path
     cached: int = 0  # requests that reused a state (cached tokens > 0)
     said_exact_but_differ: int = 0  # a reply said exact that the cold one is not: a defect
+    breaks: dict[str, int] = field(default_factory=dict)  # exact_breaks named, how often
     failures: list[str] = field(default_factory=list)
     kinds: dict[str, int] = field(default_factory=dict)
     ttft_s: dict[str, list[float]] = field(default_factory=dict)
@@ -126,6 +127,8 @@ def run(url: str, cold_url: str, requests: int, seed: int, tally: Tally, *,
             continue
         tally.exact_path += bool(rec.get("exact"))
         tally.cached += bool(rec.get("cached_tokens"))
+        for why in rec.get("exact_breaks") or ():
+            tally.breaks[why] = tally.breaks.get(why, 0) + 1
         if (text, lps) == (ctext, clps):
             tally.equal += 1
         else:
@@ -197,6 +200,8 @@ def summary(t: Tally) -> str:
              f"{t.equal} bit-identical to the cache-off server, {t.same_text} more with the "
              f"same text; {t.exact_path} on the exact path ({t.said_exact_but_differ} of them "
              f"not equal), {t.cached} reused a state"]
+    if t.breaks:
+        lines.append("  off the exact path: " + ", ".join(f"{k} {v}" for k, v in t.breaks.items()))
     for kind, xs in t.ttft_s.items():
         xs = sorted(xs)
         lines.append(f"  TTFT {kind}: median {1000 * xs[len(xs) // 2]:.1f} ms over "
