@@ -149,7 +149,8 @@ def run(url: str, cold_url: str, requests: int, seed: int, tally: Tally, *,
 
 def check(model: Path, requests: int, *, exact: bool = True, ram_budget: str = "4MiB",
           lanes: int = 2, seed: int = 0, log_dir: Path = ROOT / "results" / "logs",
-          disk: bool = True, on_tick: Any = print, clients: int = 1, **kw: Any) -> Tally:
+          disk: bool = True, on_tick: Any = print, clients: int = 1,
+          cold_config: str | None = None, **kw: Any) -> Tally:
     from proxy.models import gemma_model_path
 
     is_gemma = model.resolve() == gemma_model_path().resolve()
@@ -160,7 +161,8 @@ def check(model: Path, requests: int, *, exact: bool = True, ram_budget: str = "
     with running("statecache", spec, n_ctx=4096, lanes=lanes, log_dir=log_dir,
                  extra_config=cfg, threads=1) as srv, \
             running("no-cache", spec, n_ctx=4096, lanes=lanes, log_dir=log_dir,
-                    extra_config=common, threads=1) as cold:
+                    extra_config=common if cold_config is None else cold_config,
+                    threads=1) as cold:
         if clients == 1:
             run(srv.url, cold.url, requests, seed, tally, on_tick=on_tick, **kw)
         else:  # at once to the exact server, one at a time to the cold one
@@ -225,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                     "its conversations (the cold server still serves one at a time)")
     ap.add_argument("--max-chars", type=int, default=3000, help="a longer conversation "
                     "is replaced by a new one")
+    ap.add_argument("--cold-default", action="store_true", help="the cache-off server "
+                    "with the default config (speculative decoding on), not exact mode's")
     ap.add_argument("--cost", action="store_true", help="no comparison: each request's "
                     "TTFT in exact mode and in the default mode")
     args = ap.parse_args(argv)
@@ -237,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     t = check(args.model, args.requests, exact=args.exact == "true",
               ram_budget=args.ram_budget, lanes=args.lanes, seed=args.seed,
               disk=not args.no_disk, system_words=args.system_words,
-              max_chars=args.max_chars, convs=args.convs, clients=args.clients)
+              max_chars=args.max_chars, convs=args.convs, clients=args.clients,
+              cold_config="" if args.cold_default else None)
     print(summary(t))
     print(f"took {time.monotonic() - t0:.0f} s")
     return 0 if not t.failures and not t.said_exact_but_differ else 1
