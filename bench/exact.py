@@ -198,18 +198,28 @@ def cost(model: Path, requests: int, *, threads: int = 2, seed: int = 0,
 
 
 def summary(t: Tally) -> str:
+    if not t.equal and not t.failures:  # bench.exact --cost: no comparison, TTFTs alone
+        lines = [f"{t.requests} requests ({', '.join(f'{k} {v}' for k, v in t.kinds.items())})"
+                 ", each to the exact server and then to the default one"]
+        return "\n".join(lines + _ttfts(t))
     lines = [f"{t.requests} requests ({', '.join(f'{k} {v}' for k, v in t.kinds.items())}): "
              f"{t.equal} bit-identical to the cache-off server, {t.same_text} more with the "
              f"same text; {t.exact_path} on the exact path ({t.said_exact_but_differ} of them "
              f"not equal), {t.cached} reused a state"]
     if t.breaks:
         lines.append("  off the exact path: " + ", ".join(f"{k} {v}" for k, v in t.breaks.items()))
-    for kind, xs in t.ttft_s.items():
-        xs = sorted(xs)
-        lines.append(f"  TTFT {kind}: median {1000 * xs[len(xs) // 2]:.1f} ms over "
-                     f"{len(xs)}, mean {1000 * sum(xs) / len(xs):.1f} ms")
+    lines += _ttfts(t)
     lines += [f"  {f}" for f in t.failures[:10]]
     return "\n".join(lines)
+
+
+def _ttfts(t: Tally) -> list[str]:
+    out = []
+    for kind, xs in t.ttft_s.items():
+        xs = sorted(xs)
+        out.append(f"  TTFT {kind}: median {1000 * xs[len(xs) // 2]:.1f} ms over "
+                   f"{len(xs)}, mean {1000 * sum(xs) / len(xs):.1f} ms")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
