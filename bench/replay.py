@@ -19,6 +19,7 @@ each file is replayed against every system in turn, on the model it was recorded
     python -m bench.replay                       # every fixture, 6 repeats
     python -m bench.replay --agents codex --models smollm2 --repeats 1   # a short one
     python -m bench.replay --against main        # statecache at main beside this checkout
+    python -m bench.replay --systems statecache,statecache+exact   # exact mode's cost
     python -m bench.replay --docs docs/benchmarks.md   # and its section of that page
 
 ``bench.replay_report`` makes the tables (``--json`` keeps the records).
@@ -321,6 +322,8 @@ def _systems(names: list[str], fx: Fixture, opts: Options, root: Path | None,
         for name in names:
             extra = STATECACHE_CONFIG if name.startswith("statecache") else ""
             system, _, rev = name.partition("@")  # statecache@REV: that checkout's
+            if system == "statecache+exact":  # cache.exact (docs/exact.md)
+                system, extra = "statecache", "exact = true\n" + extra
             out[name] = stack.enter_context(running(
                 system, spec, n_ctx=n_ctx, lanes=opts.lanes, log_dir=opts.log_dir,
                 extra_config=extra, tag=f"-{fx.name}-r{repeat}" + (f"-{rev}" if rev else ""),

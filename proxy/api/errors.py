@@ -118,6 +118,8 @@ def _record(request: web.Request, status: int) -> dict[str, Any]:
                    drafted=fin.stats.drafted, accepted=fin.stats.accepted,
                    miss=fin.stats.miss or None,
                    shared=fin.stats.shared if fin.stats.shared >= 0 else None,
+                   # the exact path: what a cold server computes, bit for bit (docs/exact.md)
+                   exact=not fin.stats.breaks, exact_breaks=list(fin.stats.breaks),
                    # where the TTFT went, in ms: outside_ms is all but llama_decode's part
                    outside_ms=_ms(fin.stats.outside_s), phases_ms=_phases(fin.stats))
     return out

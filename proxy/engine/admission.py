@@ -200,7 +200,8 @@ class Admission:
         publishes a FULL checkpoint where they meet, and ``job`` starts there."""
         if not job.use_cache or self.p.pool is None:
             return False
-        page = self.p.page
+        exact = self.p.exact  # its points are the grid's and the prompt's end (points.py)
+        page = self.p.grid if exact else self.p.page
         best: tuple[Job, int] | None = None
         for k, _ in self.board.active:
             if k.done or not k.use_cache or k.req.tenant != job.req.tenant:
@@ -215,9 +216,13 @@ class Admission:
         if reuse + page > at:
             return False
         if k.pos == at:  # its lane holds exactly the shared prefix now
-            self.publisher.ensure_full(k)
+            if not exact or (k.lane is not None and k.lane.grid_n == at):
+                self.publisher.ensure_full(k)
             return False
-        if self.publisher.where.share_point(k, at) != at:
+        if exact:
+            if all(n != at for n, _, _ in k.publish):
+                return False
+        elif self.publisher.where.share_point(k, at) != at:
             return False
         job.wait.waiting_for, job.wait.wait_point = k, at
         self.p.meter.waits_for_shared_prefix.inc()

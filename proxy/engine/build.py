@@ -8,6 +8,7 @@ speculation, emit): each reads the same context, lanes, pool and meter.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -59,6 +60,10 @@ class Parts:
     rs_snapshots: bool
     staging: bool
     eog: np.ndarray  # end-of-turn tokens: the first one in a prompt ends its first turn
+    # cache.exact: restores and prefill steps on the grid of ``grid`` tokens (n_ubatch),
+    # one lane a step, no speculation (docs/exact.md)
+    exact: bool = False
+    grid: int = 512
     # when a lane was last used and how long it has been idle (engine.idle_save_s: its
     # save, a pre-warm taking it): a test holds it still or moves it on
     clock: Callable[[], float] = time.monotonic
@@ -84,6 +89,12 @@ def build(cfg: Config, model_path: Path) -> Parts:
     # the verifications; adaptive drafting rests where drafts do not pay, and a resting
     # lane should cost nothing
     rollback = sc.rollback if sc.rollback != "auto" else "staged"
+    exact = cfg.cache.exact
+    if exact and sc.source != "off":
+        # a verification's rows are arithmetic of their own (docs/speculative.md): exact
+        # mode never drafts
+        log.info("cache.exact: speculative decoding is off")
+        sc = dataclasses.replace(sc, source="off")
     drafting_model = sc.source in ("draft", "auto") and bool(mc.draft_path)
     if sc.source != "off" and rollback == "snapshots" and supports_rs_rollback(model):
         # a verification's rejected drafts roll back through the hybrid memory's
@@ -96,7 +107,8 @@ def build(cfg: Config, model_path: Path) -> Parts:
     memory = ctx.describe_memory()
     pool = None
     if cfg.cache.enabled:
-        pool = CheckpointPool(cfg.cache, model.fingerprint, state_format=state_format(params),
+        pool = CheckpointPool(cfg.cache, model.fingerprint,
+                              state_format=state_format(params, exact=exact),
                               kv_sections=memory.kv_sections)
     draft = None
     if drafting_model:
@@ -114,7 +126,8 @@ def build(cfg: Config, model_path: Path) -> Parts:
         rs_snapshots=rs_snapshots,
         staging=memory.needs_partial and memory.kind is not MemoryKind.SWA
         and not rs_snapshots,
-        eog=np.array([t for t in range(model.n_vocab) if model.is_eog(t)], dtype=np.int32))
+        eog=np.array([t for t in range(model.n_vocab) if model.is_eog(t)], dtype=np.int32),
+        exact=exact, grid=mc.n_ubatch)
 
 
 def log_started(p: Parts, name: str) -> None:

@@ -18,9 +18,10 @@ from collections.abc import Callable
 from proxy.engine.build import Parts
 from proxy.engine.emit import Emitter
 from proxy.engine.job import NONE, Job, StepDrafts, Work
-from proxy.engine.lanes import LaneSet
+from proxy.engine.lanes import Lane, LaneSet
 from proxy.engine.publishing import Publisher
 from proxy.engine.speculation import Speculation
+from proxy.engine.types import BATCHED, DRAFTED, OFF_GRID
 from statecache.records import Kind, Role
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class Executor:
         self.publisher = publisher
         self.speculation = speculation
         self.emitter = emitter
+        self._alone = True  # the step being committed carried one lane
 
     @property
     def lanes(self) -> LaneSet:
@@ -51,6 +53,9 @@ class Executor:
             n = len(job.spec.replay) + 1
             room = self.speculation.room(job, n, budget) if job.spec.on else 0
             return Work(job, n + room, lane.n, room=room)
+        if self.p.exact:  # the rest of the grid's ubatch, whole or not at all
+            end = min((job.pos // self.p.grid + 1) * self.p.grid, len(job.prompt))
+            return Work(job, end - job.pos, job.pos) if end - job.pos <= budget else None
         end = min(job.pos + budget, len(job.prompt))
         if job.publish and job.publish[0][0] < end:
             end = job.publish[0][0]  # a chunk ends where a checkpoint is published
@@ -97,7 +102,10 @@ class Executor:
         for w in works:  # what the requests before their first token waited in llama_decode
             if not w.job.out.t_first:
                 w.job.stats.decode_s += dt
+        alone = self._alone = len(works) == 1
         for w in works:
+            if not alone:
+                w.job.stats.not_exact(BATCHED)
             try:
                 self._commit(w)
             except Exception as exc:  # this lane alone
@@ -148,6 +156,7 @@ class Executor:
         job, lane = w.job, w.job.lane
         assert lane is not None
         if job.prefilling:
+            self._grid(w, lane)
             lane.extend(job.prompt[w.pos0: w.pos0 + w.n])
             job.stats.prefilled += w.n
             job.stats.prefill_steps += 1
@@ -168,6 +177,17 @@ class Executor:
             return
         self.speculation.verify(w, self.emitter.take)
 
+    def _grid(self, w: Work, lane: Lane) -> None:
+        """Whether this prefill chunk writes the state a cold prefill writes: the lane's
+        state so far was (``Lane.grid_n``), and the chunk starts on the grid of n_ubatch
+        and ends on it or at the prompt's end; ``run_step`` said whether it ran alone."""
+        end, grid = w.pos0 + w.n, self.p.grid
+        if lane.grid_n == w.pos0 and w.pos0 % grid == 0 and \
+                (end % grid == 0 or end == len(w.job.prompt)) and self._alone:
+            lane.grid_n = end
+        elif lane.grid_n == w.pos0 and self._alone:  # else its start or step said why
+            w.job.stats.not_exact(OFF_GRID)
+
     def finish(self, job: Job) -> None:
         """Publish the end-of-reply state and free the lane.
 
@@ -176,6 +196,8 @@ class Executor:
         lane, spec, publisher = job.lane, job.spec, self.publisher
         if lane is None:
             return
+        if job.stats.drafted:
+            job.stats.not_exact(DRAFTED)
         try:
             if len(spec.replay) and job.finish_reason in ("stop", "length"):
                 # accepted tokens a rollback took out of the state: back in, so the
@@ -186,7 +208,7 @@ class Executor:
             if job.finish_reason == "error":
                 publisher.clear(lane)
             elif (job.use_cache and lane.n > job.reuse and job.finish_reason != "cancelled"
-                    and publisher.kind() is Kind.PARTIAL):
+                    and publisher.kind() is Kind.PARTIAL and not self.p.exact):
                 publisher.publish(job, Role.END_OF_REPLY, Kind.PARTIAL)
             elif not job.use_cache:
                 # a cold-only request leaves nothing reusable behind

@@ -49,6 +49,10 @@ class Lane:
     # be cut back anywhere (attention, SWA), a prefill does not stop at its checkpoints:
     # they are taken from the lane when it is cut back or replaced (publishing.py)
     owed: list[tuple[int, Role, float]] = field(default_factory=list)
+    # The first ``grid_n`` tokens' state was written as a cold prefill writes it: steps of
+    # this lane alone on the grid of n_ubatch from token 0 (or restored from such a
+    # state); a decoded token never counts (docs/exact.md)
+    grid_n: int = 0
 
     @property
     def n(self) -> int:
@@ -94,6 +98,7 @@ class Lane:
         self.tenant = tenant
         self.history_n = 0
         self.owed = []
+        self.grid_n = 0
         self._drop_logits()
         self._changed()
 
@@ -120,6 +125,7 @@ class Lane:
         if n < self._n:
             self._n = n
             self.history_n = min(self.history_n, n)
+            self.grid_n = min(self.grid_n, n)
             if n < self.logits_n:
                 self._drop_logits()
             self.owed = [o for o in self.owed if o[0] <= n]
@@ -127,6 +133,7 @@ class Lane:
 
     def clear(self) -> None:
         self._n = 0
+        self.grid_n = 0
         self.floor = 0
         self.history_n = 0
         self.owed = []

@@ -39,6 +39,8 @@ class Placement:
         stays where the plan put it: the other lane's state may need saving first, and
         its first token is most of what it waits for."""
         busy = [ln.id for ln in self.p.lanes if ln.busy]
+        if self.p.exact:  # one lane a step: no gaps to close, and no copy to prove exact
+            return
         if not busy or job.req.sampling.max_tokens < MIN_TOKENS_TO_MOVE:
             return  # a short reply: its first token first (the other lane may need a save)
         src = plan.lane
@@ -65,7 +67,7 @@ class Placement:
         tokens it may produce (at most 64 counted). Its old lane keeps the state."""
         busy = [ln.id for ln in self.p.lanes if ln.busy]
         gaps = _runs(busy)
-        if gaps < 2 or pass_s <= 0:
+        if gaps < 2 or pass_s <= 0 or self.p.exact:
             return
         free = self.p.lanes.free()
         best: tuple[int, Job, list[Lane]] | None = None  # the cheapest copy

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from proxy.engine.binding import MemoryInfo, MemoryKind
+from proxy.engine.grid import exact_at, exact_offers
 from proxy.engine.lanes import Lane
 from statecache.costs import Costs, Estimate
 from statecache.pages import PageChain
@@ -127,6 +128,23 @@ def _lane_option(
                 logits=lease.logits if n == end else None)
 
 
+def _exact_lane_option(lane: Lane, prompt: np.ndarray, limit: int, tenant: str,
+                       memory: MemoryInfo, grid: int) -> Plan | None:
+    """cache.exact: the live lane as a cold prefill would have left it, or nothing. It
+    holds that state for its first ``Lane.grid_n`` tokens; the prompt starts there on the
+    grid, or is all there with the logits of its last row (a regenerated reply). Only
+    plain attention is cut back in place (docs/exact.md)."""
+    reach, end = min(lane.common(prompt, tenant), lane.grid_n), len(prompt)
+    cut_ok = memory.kind is MemoryKind.ATTENTION
+    if reach >= end > 0 and lane.logits_at(end) is not None and (end == lane.n or cut_ok):
+        return Plan(lane, Source.LANE, end, truncate=end < lane.n, logits=lane.logits_at(end),
+                    role="live")
+    n = min(reach, limit) // grid * grid
+    if n == 0 or (n < lane.n and not cut_ok):
+        return None
+    return Plan(lane, Source.LANE, n, truncate=n < lane.n, role="live")
+
+
 def _with_logits(lease: Lease | None, end: int) -> Lease | None:
     """``lease``, unless it holds the whole prompt (``end`` tokens) without the logits
     that sample its first token (closed then)."""
@@ -149,6 +167,7 @@ def make_plan(
     held: Lease | None = None,
     defer_reads: bool = False,
     session: str | None = None,
+    grid: int = 0,
 ) -> Plan:
     """Choose where a prompt starts from. ``free`` must not be empty.
 
@@ -156,13 +175,16 @@ def make_plan(
     counts as a copy in memory, and the plan takes it over (uses or closes it).
     ``defer_reads``: a plan that would read from disk or the shared store says so in
     ``fetch`` instead of reading (its lane and source are then what it would do now).
-    ``session``: the client's name for the conversation; its lane is taken first."""
+    ``session``: the client's name for the conversation; its lane is taken first.
+    ``grid`` (cache.exact: model.n_ubatch): only states a cold prefill writes, at points
+    where it would be (``exact_at``)."""
     assert free, "make_plan needs a free lane"
     end = len(prompt)  # a state there needs its logits (Plan.logits)
     limit = max(end - 1, 0)
     best: Plan | None = None
     for lane in free:
-        option = _lane_option(lane, prompt, limit, tenant, memory, pool, chain, pos_min)
+        option = _exact_lane_option(lane, prompt, limit, tenant, memory, grid) if grid else \
+            _lane_option(lane, prompt, limit, tenant, memory, pool, chain, pos_min)
         if option is not None and (best is None or option.reuse > best.reuse):
             if best is not None:
                 best.release()
@@ -171,7 +193,8 @@ def make_plan(
             option.release()
     if held is not None:
         n = held.record.n
-        usable = n <= limit or (n == end and held.logits is not None)
+        usable = (n <= limit or (n == end and held.logits is not None)) and \
+            (not grid or exact_at(n, end, grid))
         if n > (best.reuse if best else 0) and usable and held.record.matches(prompt):
             if best is not None:
                 best.release()
@@ -183,8 +206,8 @@ def make_plan(
             held.close()
     if pool is not None and chain is not None and end > (best.reuse if best else 0):
         have = best.reuse if best else 0
-        offers = [o for o in pool.full_offers(prompt, chain, max_n=end, tenant=tenant)
-                  if o.n > have]
+        offers = exact_offers(pool, prompt, chain, have, grid, tenant) if grid else \
+            [o for o in pool.full_offers(prompt, chain, max_n=end, tenant=tenant) if o.n > have]
         current = pool.costs.estimate(best.source if best else Source.COLD, have, 0,
                                       len(prompt))
         for est, offer in rank(offers, pool.costs, len(prompt)):
@@ -196,10 +219,13 @@ def make_plan(
                 best.fetch = offer
                 break
             lease = _with_logits(pool.take(offer, prompt, chain, tenant=tenant), end)
-            if lease is None and offer.n == end and offer.hit is None:
+            if lease is None and offer.n == end and offer.hit is None and not grid:
                 # the state at the prompt's end kept no logits: the deepest one short of it
                 lease = pool.take(dataclasses.replace(offer, n=limit), prompt, chain,
                                   tenant=tenant)
+            if lease is not None and grid and not exact_at(lease.record.n, end, grid):
+                lease.close()  # the offer was evicted since: a shallower state came instead
+                lease = None
             if lease is None:
                 continue  # gone, or refused by its checks: the next option
             if lease.record.n <= have:

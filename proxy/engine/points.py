@@ -27,6 +27,8 @@ class PointPicker:
         """Where ``job``'s prefill publishes, and what (after it started from
         ``job.reuse`` tokens; ``match_depth``: the deepest prefix cached anywhere)."""
         p = self.p
+        if p.exact:
+            return self._exact(job)
         limit = len(job.prompt) - 1
         replay_at = job.req.history_tokens if job.req.history_tokens is not None else limit
         d = job.req.divergence
@@ -66,6 +68,17 @@ class PointPicker:
             out = []
         if job.prewarm and len(job.prompt) > job.reuse:
             full_at(out, len(job.prompt))  # what comes next starts from the prompt
+        return out
+
+    def _exact(self, job: Job) -> Points:
+        """cache.exact: FULL states on the grid, where the prefill's steps end anyway, and
+        at the prompt's end with its logits (a regenerated reply starts there): the
+        states a cold prefill passes through, saved as they stand (docs/exact.md)."""
+        grid, end = self.p.grid, len(job.prompt)
+        out: Points = [(n, Role.PERIODIC, Kind.FULL)
+                       for n in range((job.reuse // grid + 1) * grid, end, grid)]
+        if end > job.reuse:
+            out.append((end, Role.REPLAY, Kind.FULL))
         return out
 
     def _periodic(self, job: Job, chain: PageChain | None, points: Points,

@@ -144,7 +144,7 @@ class Publisher:
         deepest first, cut the tail, save. The lane ends cut back.
         """
         p = self.p
-        if p.pool is None or lane.n == 0:
+        if p.pool is None or lane.n == 0 or p.exact:  # exact: only what prefill wrote
             return
         if not lane.saved_full:
             p.meter.handoffs.inc()
@@ -201,7 +201,7 @@ class Publisher:
     def idle_save(self, lane: Lane) -> None:
         """Keep an idle lane's live state as a FULL checkpoint without cutting it back,
         so a crash loses no conversation (the pool writes full states to disk)."""
-        if not lane.saved_full and lane.n and self.p.pool is not None:
+        if not lane.saved_full and lane.n and self.p.pool is not None and not self.p.exact:
             self.p.meter.idle_saves.inc()
             self.save(lane, Role.END_OF_REPLY, Kind.FULL)
 

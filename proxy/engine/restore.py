@@ -23,6 +23,7 @@ from proxy.engine.lanes import Lane
 from proxy.engine.placement import Placement
 from proxy.engine.planner import Plan, Source, cold_lane, make_plan
 from proxy.engine.publishing import Publisher
+from proxy.engine.types import FROM_DECODE, RESTORED
 from statecache.pages import PageChain, common_prefix
 from statecache.pool import Offer
 from statecache.pool.lease import Lease
@@ -59,7 +60,8 @@ class Restorer:
             chain = self._chain(job.prompt, tenant)
             plan = make_plan(job.prompt, chain, free, tenant=tenant, memory=p.memory,
                              pool=p.pool, pos_min=p.ctx.pos_min, all_lanes=p.lanes.lanes,
-                             held=held, defer_reads=defer_reads, session=job.req.session)
+                             held=held, defer_reads=defer_reads, session=job.req.session,
+                             grid=p.grid if p.exact else 0)
             if plan.fetch is not None:
                 plan.release()
                 return plan.fetch
@@ -103,6 +105,9 @@ class Restorer:
         job.estimate = plan.estimate
         lane.session = job.req.session
         job.reuse = job.pos = lane.n
+        if lane.grid_n < lane.n:  # what it starts from is not what a cold prefill writes
+            job.stats.not_exact(RESTORED if plan.full is not None or plan.partial is not None
+                                else FROM_DECODE)
         if not np.array_equal(lane.tokens, job.prompt[: lane.n]):
             raise RuntimeError("lane does not hold the prefix it was planned to")
         if job.use_cache and p.pool is not None:
@@ -162,6 +167,8 @@ class Restorer:
                 return
             lane.set_tokens(prompt[: plan.reuse], tenant)
             lane.saved_full = True
+            if p.exact:  # an exact-mode pool holds states that grid prefills wrote alone
+                lane.grid_n = plan.reuse
             if p.memory.kind is MemoryKind.SWA:
                 lane.floor = plan.reuse
         else:

@@ -10,9 +10,13 @@ from statecache.budgets import DEFAULT_TRAINING_CONTEXT, lane_context
 from statecache.config import Config
 
 
-def state_format(ctx_params: ContextParams) -> int:
-    """Version of the bytes llama.cpp writes: states of another build never load."""
+def state_format(ctx_params: ContextParams, *, exact: bool = False) -> int:
+    """Version of the bytes llama.cpp writes: states of another build never load. An
+    exact-mode server's states (cache.exact: written by prefill steps on the grid) are a
+    format of their own, so neither mode ever restores the other's."""
     key = f"{LLAMA_CPP_VERSION}|swa_full={ctx_params.swa_full}|kv=f16"
+    if exact:
+        key += f"|exact grid={ctx_params.n_ubatch}"
     if ctx_params.n_rs_seq:  # a hybrid's states then carry its per-token snapshots
         key += f"|n_rs_seq={ctx_params.n_rs_seq}"
     return xxhash.xxh32_intdigest(key.encode()) & 0x7FFFFFFF

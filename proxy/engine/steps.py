@@ -111,6 +111,7 @@ class Stepper:
         self.alone_s = parts.cfg.engine.lone_run_ms / 1000
         self.prefill_chunk = min(parts.cfg.engine.prefill_chunk or parts.step_tokens,
                                  parts.step_tokens)
+        self._turn = 0  # cache.exact: whose step is next
 
     def run(self, active: list[Entry]) -> None:
         """One step of the active requests (or a lone stream's run of them)."""
@@ -129,9 +130,14 @@ class Stepper:
         # drafts weigh against what the step yields without them (proxy/engine/draftlength.py)
         self.exec.speculation.lanes_decoding = max(
             sum(1 for job, _ in active if not job.done and not job.prefilling), 1)
-        works = plan_step([job for job, _ in active if not job.done], self.exec, self.timer,
-                          step_tokens=self.p.step_tokens, prefill_chunk=self.prefill_chunk,
-                          pause_s=ec.prefill_pause_ms / 1000, min_chunk=ec.min_prefill_chunk)
+        jobs = [job for job, _ in active if not job.done]
+        if self.p.exact:
+            works = self._exact_step(jobs)
+        else:
+            works = plan_step(jobs, self.exec, self.timer, step_tokens=self.p.step_tokens,
+                              prefill_chunk=self.prefill_chunk,
+                              pause_s=ec.prefill_pause_ms / 1000,
+                              min_chunk=ec.min_prefill_chunk)
         n_decode = n_prefill = 0  # lanes that decode; prompt tokens this step prefills
         for w in works:
             if w.job.prefilling:
@@ -165,6 +171,18 @@ class Stepper:
                 if len(works) > 1:
                     m.steps_multi_lane.inc()
         self._after_step(active)
+
+    def _exact_step(self, jobs: list[Job]) -> list[Work]:
+        """cache.exact: one lane a step, in turn: a decoding lane's token, or a prefilling
+        lane's ubatch of the grid, as a cold server alone computes them (a row batched
+        with another lane's is other arithmetic: tests/model/test_exact_batches.py)."""
+        for i in range(len(jobs)):
+            job = jobs[(self._turn + i) % len(jobs)]
+            w = self.exec.work_for(job, self.p.step_tokens)
+            if w is not None:
+                self._turn += i + 1
+                return [w]
+        return []
 
     def _alone(self, job: Job) -> bool:
         """Whether ``job``, the only active one, may run steps of its own: it decodes a

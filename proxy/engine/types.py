@@ -187,11 +187,26 @@ class RequestStats:
     miss: str = ""  # why it reused less than an earlier request held ("": it did not)
     # prompt tokens an earlier prompt or reply held (what it could reuse; -1: unknown)
     shared: int = -1
+    # why its reply may differ from a cold server's in the last bits (docs/exact.md):
+    # empty, it took the exact path (a state a cold prefill writes, one lane a step)
+    breaks: list[str] = field(default_factory=list)
+
+    def not_exact(self, why: str) -> None:
+        if why not in self.breaks:
+            self.breaks.append(why)
 
     @property
     def outside_s(self) -> float:
         """Of the TTFT, the time not spent inside ``llama_decode``: the server's own."""
         return max(self.ttft_s - self.decode_s, 0.0)
+
+
+# RequestStats.breaks: what took a request off the exact path
+FROM_DECODE = "state from decode"  # it reused a live lane's tokens that a decode wrote
+RESTORED = "checkpoint off the grid"  # a default-mode checkpoint (cut at any page)
+OFF_GRID = "prefill off the grid"  # a prefill step that starts or ends off the n_ubatch grid
+BATCHED = "batched with other lanes"  # a step that carried another lane's tokens too
+DRAFTED = "speculative drafts"  # tokens verified in a batch of drafts
 
 
 @dataclass(slots=True, frozen=True)

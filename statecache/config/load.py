@@ -306,6 +306,13 @@ def _validate(cfg: Config) -> None:
                           f"{cfg.speculative.rollback!r}")
     if cfg.speculative.lookup_min > cfg.speculative.lookup_max:
         raise ConfigError("speculative.lookup_min must be at most speculative.lookup_max")
+    if cfg.cache.exact:
+        step = cfg.engine.step_tokens or cfg.model.n_batch
+        chunk = min(cfg.engine.prefill_chunk or step, step)
+        if chunk < cfg.model.n_ubatch:  # a grid step is one whole ubatch (docs/exact.md)
+            raise ConfigError(f"cache.exact needs prefill steps of model.n_ubatch "
+                              f"({cfg.model.n_ubatch}) tokens; engine.step_tokens and "
+                              f"engine.prefill_chunk give {chunk}")
     if cfg.speculative.source == "draft" and not cfg.model.draft_path:
         raise ConfigError('speculative.source = "draft" needs model.draft_path')
     for key, choices in (("server.inner_system", INNER_SYSTEM),

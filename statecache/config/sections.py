@@ -152,6 +152,10 @@ class CacheConfig:
     # reuse a new conversation gives up there: python -m bench.share_grid); 0: none
     share_grid_tokens: int = 0
     splice_generated: bool = False
+    # a reply and its logprobs bit-identical to the cache-off server's: restores and
+    # prefill steps on the grid of model.n_ubatch, one lane a step, no speculation
+    # (docs/exact.md)
+    exact: bool = False
     tenant: str = ""
     # zstd level for what goes to disk and to the shared tier (statecache/formats/codec.py: a
     # piece is kept compressed only where that saves a quarter of it); 0: none

@@ -133,3 +133,13 @@ def test_a_retired_key_is_ignored_with_a_warning(tmp_path: Path,
     p.write_text("[engine]\nhandoff_wait_msx = 20.0\n")
     with pytest.raises(ConfigError, match="unknown key engine.handoff_wait_msx"):
         load_config(p)
+
+
+def test_exact_mode_needs_whole_ubatches_a_step() -> None:
+    # a grid step is one ubatch (docs/exact.md): smaller prefill steps could never take one
+    assert load_config(None, {"cache.exact": True}).cache.exact
+    with pytest.raises(ConfigError, match="cache.exact needs prefill steps"):
+        load_config(None, {"cache.exact": True, "engine.prefill_chunk": 256})
+    with pytest.raises(ConfigError, match="cache.exact needs prefill steps"):
+        load_config(None, {"cache.exact": True, "engine.step_tokens": 128})
+    load_config(None, {"cache.exact": True, "engine.step_tokens": 1024, "model.n_ubatch": 512})
