@@ -288,3 +288,28 @@ def test_a_partial_state_restored_in_its_lane_is_exact(
         got = restore_and_go_on(ctx, LANE, bytes(bad), toks, sched, flags=FLAGS_PARTIAL,
                                 cut=True)
         assert len(differences(saved, ref, got)) == 2
+
+
+@pytest.mark.parametrize("which", ["smollm2", "llama", "gemma"])
+def test_a_lane_rolled_back_over_a_reply_is_the_lane_that_never_held_it(
+    which: str, request: pytest.FixtureRequest, models: dict[str, Model]
+) -> None:
+    """A reply the API drops (a tool call the token limit cut) is rolled back with
+    ``seq_rm``; the next turn's prefill then gives, bit for bit, the logits of a lane
+    that never held the reply, fed the same batches. Gemma 3 at tests/http/
+    test_inner_system.py's lengths: 427 tokens, a reply of 1 + 6 tokens (a drafted
+    verification), 32 new tokens (docs/design.md, "Exact restores")."""
+    model = _model(request, models, PATHS[which])
+    n, new = 427, 32
+    with Context(model, ContextParams(n_ctx=1024 * 2, n_seq_max=2, n_batch=512, n_ubatch=512,
+                                      threads=THREADS)) as ctx:
+        toks = model.tokenize(TEXT)
+        rest = toks[n:n + new] + toks[n + 100:n + 104]
+        tail = (new, 1, 1, 2)
+        feed(ctx, REF, toks[:n], 0, (n,), every_row=False)
+        ref = feed(ctx, REF, rest, n, tail, every_row=True)
+        feed(ctx, LANE, toks[:n], 0, (n,), every_row=False)
+        feed(ctx, LANE, toks[n + 50:n + 57], n, (1, 6), every_row=True)  # the dropped reply
+        assert ctx.seq_rm(LANE, n, -1)
+        got = feed(ctx, LANE, rest, n, tail, every_row=True)
+    assert np.array_equal(got, ref)
