@@ -12,8 +12,10 @@ past ``n``, then cut back (fact 7), and must give the same.
 
 No tolerance anywhere, so a rounding of any backend cannot pass a wrong state; and
 only a wrong state can fail: the same batches over the same cells are the same sums
-(on a GPU as well). ``test_a_spoiled_restore_is_caught`` shows that one byte changed
-in a restored KV page, or in a recurrent part, fails both checks.
+on a deterministic backend, which ``test_the_same_batches_give_the_same_logits`` (the
+run repeated in another lane) checks on the backend at hand.
+``test_a_spoiled_restore_is_caught`` shows that one byte changed in a restored KV page,
+or in a recurrent part, fails both checks.
 
 Gemma 3 past its 512-token window: a restored state holds only the window's SWA
 cells (fact 12), at other cells of the lane than the live lane's. Against the
@@ -29,7 +31,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 import pytest
 
@@ -40,9 +41,11 @@ from proxy.engine.binding import (
     MemoryInfo,
     MemoryKind,
     Model,
+    gpu_offload,
 )
 from statecache.config import CacheConfig, RemoteConfig
 from statecache.pool import CheckpointPool
+from statecache.pool.lease import Lease
 from statecache.records import Kind, Owner, Role
 from tests.busy import THREADS
 from tests.model.exact import (
@@ -63,7 +66,7 @@ TEXT = " ".join(f"Note {i}: the state after {i * 11} tokens is the state the col
                 f"reaches, byte for byte, in lane {i % 5}." for i in range(120))
 REF, LANE, SPARE = 0, 1, 2  # the run that never saves, the one that saves and restores
 # where the cells' order alone decides the sums (docs/design.md, "Exact restores")
-ON_ONE_CPU_THREAD = THREADS == 1 and not llama_cpp.llama_supports_gpu_offload()
+ON_ONE_CPU_THREAD = THREADS == 1 and not gpu_offload()
 TIERS = ("ram", "pages", "disk", "remote")
 MODELS = {"smollm2": 301, "llama": 301, "gemma": 301, "gemma-past-window": 600,
           "qwen35": 301, "jamba": 301}
@@ -113,6 +116,7 @@ class Case:
     saved: bytes  # FULL, after sched.n tokens, from lane LANE
     last: np.ndarray  # the reference's logits after sched.n tokens
     ref: np.ndarray  # the reference's logits over the continuation
+    control: np.ndarray  # the same run again in another lane, never saved either
     got: dict[str, tuple[bytes, np.ndarray | None]] = field(default_factory=dict)
 
 
@@ -131,12 +135,12 @@ def _through_tiers(c: Case, tmp: Path, store: Store) -> None:
     ``c.got``."""
     fp, toks, n = c.model.fingerprint, c.toks, c.sched.n
 
-    def keep(pool: CheckpointPool, tier: str, lease: object) -> None:
+    def keep(tier: str, lease: Lease | None) -> None:
         assert lease is not None, f"{tier}: a miss"
-        with lease:  # type: ignore[attr-defined]
-            assert lease.tier == ("ram" if tier == "pages" else tier)  # type: ignore[attr-defined]
-            assert lease.record.n == n  # type: ignore[attr-defined]
-            c.got[tier] = (bytes(lease.data), lease.logits)  # type: ignore[attr-defined]
+        with lease:
+            assert lease.tier == ("ram" if tier == "pages" else tier)
+            assert lease.record.n == n
+            c.got[tier] = (bytes(lease.data), lease.logits)
 
     # RAM, the state kept whole, given as the engine gives it (save_into, handed over)
     a = _pool(tmp, c.mem, fp, store)
@@ -148,7 +152,7 @@ def _through_tiers(c: Case, tmp: Path, store: Store) -> None:
     assert rec is not None
     assert a.get(rec.id).get("whole")  # type: ignore[union-attr]
     chain = a.chain(toks[:n + 1])
-    keep(a, "ram", a.lookup(toks[:n + 1], chain, max_n=n))
+    keep("ram", a.lookup(toks[:n + 1], chain, max_n=n))
     # the lane goes on to a deeper checkpoint, which shares this one's pages
     n2 = -(-n // PAGE) * PAGE  # the next page's end: within Gemma's window of n
     feed(c.ctx, LANE, toks[n:n2], n, (n2 - n,), every_row=False)
@@ -158,14 +162,14 @@ def _through_tiers(c: Case, tmp: Path, store: Store) -> None:
     a.close()
     # disk: a new pool over the files, nothing in its RAM
     b = _pool(tmp, c.mem, fp, store, remote=False)
-    keep(b, "disk", b.lookup(toks[:n + 1], b.chain(toks[:n + 1]), max_n=n))
+    keep("disk", b.lookup(toks[:n + 1], b.chain(toks[:n + 1]), max_n=n))
     b.close()
     # the shared store: a pool of its own without a disk
     r = _pool(tmp, c.mem, fp, store, disk=False)
     offers = [o for o in r.full_offers(toks[:n + 1], r.chain(toks[:n + 1]), max_n=n)
               if o.tier == "remote"]
     assert [o.n for o in offers] == [n]
-    keep(r, "remote", r.take(offers[0], toks[:n + 1], r.chain(toks[:n + 1])))
+    keep("remote", r.take(offers[0], toks[:n + 1], r.chain(toks[:n + 1])))
     r.close()
     # RAM as pages: a deeper checkpoint of the same prompt is stored first; this one's
     # pages are its pages, and a lookup assembles them with this one's rest
@@ -175,7 +179,7 @@ def _through_tiers(c: Case, tmp: Path, store: Store) -> None:
     rec = p.insert(kind=Kind.FULL, owner=Owner.TARGET, lane=None, tokens=toks[:n],
                    role=Role.REPLAY, data=c.saved, logits=c.last)
     assert rec is not None and not p.get(rec.id).get("whole")  # type: ignore[union-attr]
-    keep(p, "pages", p.lookup(toks[:n + 1], p.chain(toks[:n + 1]), max_n=n))
+    keep("pages", p.lookup(toks[:n + 1], p.chain(toks[:n + 1]), max_n=n))
     p.sanity_check()
     p.close()
 
@@ -195,10 +199,13 @@ def case(request: pytest.FixtureRequest, store: Store, models: dict[str, Model],
         # the run that never saves
         last = feed(ctx, REF, toks[:n], 0, sched.prefix, every_row=False)[0]
         ref = feed(ctx, REF, toks[n:sched.end], n, sched.tail, every_row=True)
+        feed(ctx, SPARE, toks[:n], 0, sched.prefix, every_row=False)
+        control = feed(ctx, SPARE, toks[n:sched.end], n, sched.tail, every_row=True)
+        ctx.clear_lane(SPARE)
         # the run that saves: the same batches
         feed(ctx, LANE, toks[:n], 0, sched.prefix, every_row=False)
         saved = bytes(ctx.save(LANE))
-        c = Case(model, ctx, mem, toks, sched, saved, last, ref)
+        c = Case(model, ctx, mem, toks, sched, saved, last, ref, control)
         _through_tiers(c, tmp_path_factory.mktemp(name), store)
         yield c
 
@@ -215,6 +222,13 @@ def _expected(c: Case) -> np.ndarray:
         return c.ref
     with Context(c.model, c.ctx.params) as fresh:
         return restore_and_go_on(fresh, LANE, c.saved, c.toks, c.sched).rows
+
+
+def test_the_same_batches_give_the_same_logits(case: Case) -> None:
+    """The control: the backend computes the same batches on the same cells to the same
+    bits (in another lane), which is what lets a restore's difference name a defect. If
+    this fails, the backend is not deterministic and the tests below tell nothing."""
+    assert np.array_equal(case.control, case.ref)
 
 
 @pytest.mark.parametrize("tier", TIERS)
