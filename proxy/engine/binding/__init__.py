@@ -18,6 +18,7 @@ from proxy.engine.binding.backend import (
     LlamaError,
     UnencodableText,
     fingerprint_file,
+    gpu_offload,
     init_backend,
 )
 from proxy.engine.binding.context import (
@@ -40,5 +41,5 @@ __all__ = [
     "FLAGS_FULL", "FLAGS_PARTIAL", "LLAMA_CPP_VERSION", "MAX_GRAMMAR_NESTING", "Batch",
     "Context", "ContextParams", "LlamaError", "MemoryInfo", "MemoryKind", "Model",
     "SamplerChain", "SchemaRules", "StateBuffer", "UnencodableText", "check_grammar",
-    "fingerprint_file", "init_backend", "supports_rs_rollback",
+    "fingerprint_file", "gpu_offload", "init_backend", "supports_rs_rollback",
 ]

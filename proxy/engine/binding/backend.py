@@ -18,6 +18,11 @@ FLAGS_FULL = 0
 FLAGS_PARTIAL = int(_ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
 LLAMA_CPP_VERSION = str(_ll.__version__)
 
+
+def gpu_offload() -> bool:
+    """Whether this build of llama.cpp offloads layers to a GPU (CUDA, Metal...)."""
+    return bool(_ll.llama_supports_gpu_offload())
+
 # ggml.h in this version: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (llama-cpp-python's
 # own _logger still assumes the older order, so we install our own callback).
 _LEVELS = {0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING,
