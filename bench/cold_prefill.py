@@ -21,13 +21,13 @@ import json
 import random
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
-from bench.servers import LLAMA_SERVER, free_port
+from bench.servers import LLAMA_SERVER, ROOT, ModelSpec, running
 from proxy.models import gemma_model_path
 
+LOG_DIR = ROOT / "results" / "logs"
 WORDS = ["alpha", "beta", "gamma", "delta", "river", "mountain", "code", "function",
          "return", "value", "index", "table"]
 
@@ -38,30 +38,17 @@ def prompt_text(words: int, seed: int = 3) -> str:
 
 
 def server_prefill(binary: Path, model: Path, text: str, n_ctx: int) -> tuple[int, float]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-         "-c", str(2 * n_ctx), "-np", "2", "-b", "512", "-ub", "512", "-t", "2", "-tb", "2",
-         "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(240):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
+    """A fresh llama-server as the replay starts it (bench/servers.py), one prefill."""
+    spec = ModelSpec(model.stem, model, is_gemma=False)  # a raw prompt: no template
+    with running("llama-server", spec, n_ctx=n_ctx, lanes=2, log_dir=LOG_DIR,
+                 threads=2, binary=binary) as srv:
         body = json.dumps({"prompt": text, "n_predict": 1, "cache_prompt": False,
                            "temperature": 0}).encode()
-        req = urllib.request.Request(url + "/completion", body,
+        req = urllib.request.Request(srv.url + "/completion", body,
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=3600) as r:
             out = json.load(r)
-        return int(out["tokens_evaluated"]), out["timings"]["prompt_ms"] / 1000
-    finally:
-        proc.terminate()
-        proc.wait()
+    return int(out["tokens_evaluated"]), out["timings"]["prompt_ms"] / 1000
 
 
 def binding_prefill(model: Path, text: str, n_ctx: int, swa_full: bool) -> tuple[int, float]:

@@ -99,7 +99,8 @@ def free_port() -> int:
 
 def _command(system: str, model: ModelSpec, port: int, n_ctx: int, lanes: int,
              scratch: Path, extra_config: str = "", extra_args: tuple[str, ...] = (),
-             root: Path | None = None, threads: int = THREADS) -> list[str]:
+             root: Path | None = None, threads: int = THREADS,
+             binary: Path | None = None) -> list[str]:
     py = sys.executable
     if system in ("statecache", "no-cache"):
         cfg = scratch / "statecache.toml"
@@ -129,7 +130,7 @@ def _command(system: str, model: ModelSpec, port: int, n_ctx: int, lanes: int,
     if system == "llama-server":
         # -c is the total over slots; prompt cache, cache RAM and context
         # checkpoints stay at their defaults
-        cmd = [str(LLAMA_SERVER), "-m", str(model.path), "--host", "127.0.0.1",
+        cmd = [str(binary or LLAMA_SERVER), "-m", str(model.path), "--host", "127.0.0.1",
                "--port", str(port), "-c", str(n_ctx * lanes), "-np", str(lanes),
                "-b", str(N_BATCH), "-ub", str(N_BATCH), "-t", str(threads),
                "-tb", str(threads), "--jinja", "--no-webui"]
@@ -255,20 +256,23 @@ def _health_path(system: str) -> str:
 @contextlib.contextmanager
 def running(system: str, model: ModelSpec, *, n_ctx: int, lanes: int, log_dir: Path,
             timeout: float = 300.0, extra_config: str = "", extra_args: tuple[str, ...] = (),
-            tag: str = "", root: Path | None = None, threads: int = THREADS
-            ) -> Iterator[Server]:
+            tag: str = "", root: Path | None = None, threads: int = THREADS,
+            binary: Path | None = None) -> Iterator[Server]:
     """Start ``system``, wait until it answers, yield it, always kill it.
     ``extra_config``: TOML tables appended to statecache's config; ``extra_args``: flags
     of ``statecache serve``; ``root``: statecache from another checkout (a worktree);
-    ``threads``: its compute threads (every core by default)."""
+    ``threads``: its compute threads (every core by default); ``binary``: another
+    llama-server build than bench/build_llama_server.sh's."""
     if root is not None and system not in ("statecache", "no-cache"):
         raise ValueError(f"{system} has no checkout of its own")
+    if binary is not None and system != "llama-server":
+        raise ValueError(f"{system} takes no binary")
     scratch = Path(tempfile.mkdtemp(prefix=f"bench-{system}-"))
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{system}{tag}-{model.label}-{lanes}lane-{port}.log"
     cmd = _command(system, model, port, n_ctx, lanes, scratch, extra_config, extra_args, root,
-                   threads)
+                   threads, binary)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root or ROOT,
                                 start_new_session=True)

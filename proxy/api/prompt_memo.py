@@ -15,7 +15,8 @@ proxy/api/prompt.py asks it; tokens are kept by the tokenizer, proxy/engine/toke
   with that text and names the same marks has them at the same characters.
 - A breakpoint further on (Claude Code marks the last block of its last message) is
   found where the message's content stands in the prompt as sent, when it stands there
-  exactly once; else by a render with sentinels.
+  once, or once after the contents of the messages before it (an agent sends the same
+  "go on" note again and again); else by a render with sentinels.
 
 Bounded (``max_entries`` first turns, least recently used out first); thread-safe.
 """
@@ -180,7 +181,8 @@ class PromptMemo:
 def _where_it_stands(req: ChatRequest, mark: Mark, text: str, start: int,
                      escape: Callable[[Any], Any]) -> int | None:
     """A mark's character in ``text`` where its message's content stands there as sent,
-    once after ``start``; None otherwise (the template changed it, or it is ambiguous)."""
+    once after ``start``, or once after the messages before it (``_after_the_earlier``);
+    None otherwise (the template changed it, or it is ambiguous)."""
     content = req.messages[mark.message].content or ""
     if not content or not 0 < mark.offset <= len(content):
         return None
@@ -188,6 +190,41 @@ def _where_it_stands(req: ChatRequest, mark: Mark, text: str, start: int,
     if not (isinstance(whole, str) and isinstance(head, str) and whole.startswith(head)):
         return None
     at = text.find(whole, start)
-    if at < 0 or text.find(whole, at + 1) >= 0:
+    if at < 0:
         return None
+    if text.find(whole, at + 1) >= 0:  # a message sent again (an agent's "go on" note)
+        again = _after_the_earlier(req, mark.message, text, start, escape, whole)
+        if again is None:
+            return None
+        at = again
     return at + len(head)
+
+
+def _after_the_earlier(req: ChatRequest, message: int, text: str, start: int,
+                       escape: Callable[[Any], Any], whole: str) -> int | None:
+    """Where ``whole`` (message ``message``'s content) stands once after the contents of
+    the messages before it, each found at its first occurrence after the one before.
+
+    Where the template writes each content as sent, the walk never passes a message's
+    own place: each content found is at or before where the template wrote it, so the
+    place reached is at or before the end of the message before ``message``, and a
+    ``whole`` that stands once after it stands there as that message. A content not
+    found (the template changed it) is passed over, which keeps that true; one the
+    template left out but which stands further on can carry the walk past the message,
+    and then its breakpoint's checkpoint lands at another place of the same prompt (a
+    state of the prompt all the same, never a wrong one). Asked only where a message's
+    content repeats: one search per message, in C."""
+    at = start
+    for m in req.messages[first_turn(req.messages):message]:
+        if not m.content:
+            continue
+        part = escape(m.content)
+        if not isinstance(part, str):
+            return None
+        found = text.find(part, at)
+        if found >= 0:
+            at = found + len(part)
+    found = text.find(whole, at)
+    if found < 0 or text.find(whole, found + 1) >= 0:
+        return None
+    return found

@@ -202,8 +202,10 @@ class Publisher:
         """Keep an idle lane's live state as a FULL checkpoint without cutting it back,
         so a crash loses no conversation (the pool writes full states to disk)."""
         if not lane.saved_full and lane.n and self.p.pool is not None and not self.p.exact:
-            self.p.meter.idle_saves.inc()
             self.save(lane, Role.END_OF_REPLY, Kind.FULL)
+            # counted once the pool holds it and has handed it to its stores: a count
+            # seen to rise means the save is queued for the shared tier or written there
+            self.p.meter.idle_saves.inc()
 
     def shutdown(self) -> None:
         """Keep every lane's state as a FULL checkpoint (the pool writes them to disk)."""

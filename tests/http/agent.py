@@ -120,13 +120,25 @@ def assert_same_or_near_tie(got: list[dict[str, Any]], cold: list[dict[str, Any]
     """Greedy replies must agree token for token, except where the cold server itself
     saw a near-tie: a different batch schedule moves logits a little (docs/design.md fact
     10), so at the first difference the cached token must be within ``delta`` of the
-    cold server's top choice. After that point the two replies legitimately diverge."""
+    cold server's top choice. After that point the two replies legitimately diverge.
+
+    Where the cold server's alternatives lack the cached token (a flat distribution:
+    Gemma 3's top five can lie within 0.5 of each other, and a row batched beside
+    another lane's moves by up to 0.89, tests/model/test_exact_batches.py), the tie is
+    judged from the cached side: the cold token must be among the cached reply's
+    alternatives, within ``delta`` of the token it chose."""
     for i, (a, b) in enumerate(zip(got, cold, strict=False)):
         if a["token"] == b["token"]:
             continue
         alternatives = {t["token"]: t["logprob"] for t in b["top_logprobs"]}
-        assert a["token"] in alternatives, f"token {i}: {a['token']!r} not among {alternatives}"
-        gap = b["logprob"] - alternatives[a["token"]]
+        if a["token"] in alternatives:
+            gap = b["logprob"] - alternatives[a["token"]]
+        else:
+            theirs = {t["token"]: t["logprob"] for t in a.get("top_logprobs") or ()}
+            assert b["token"] in theirs, \
+                f"token {i}: {a['token']!r} not among {alternatives}, nor {b['token']!r} " \
+                f"among {theirs}"
+            gap = a["logprob"] - theirs[b["token"]]
         assert gap <= delta, f"token {i}: {a['token']!r} vs {b['token']!r}, gap {gap:.4f}"
         return
     assert len(got) == len(cold)

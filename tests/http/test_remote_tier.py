@@ -79,7 +79,9 @@ def _counts(p: Proc) -> tuple[float, float]:
 
 def _wait_shared(p: Proc, before: tuple[float, float]) -> None:
     """Until ``p`` saved its idle lane again and wrote it to the store (the counts
-    ``before`` were read before the request)."""
+    ``before`` were read before the request). The idle save is counted after the pool
+    handed it to the store's write queue, and the queue counts a write until it is done,
+    so no write of the request's own checkpoints can stand in for it."""
     deadline = time.monotonic() + 30
     while True:
         idle, writes = _counts(p)

@@ -61,10 +61,12 @@ def test_a_template_whose_prompt_is_not_history_and_ending_renders_twice() -> No
             render_chat(tpl, req, add_generation_prompt=False), 1)
 
 
-def _claude(prompt: str, *more: dict[str, Any]) -> ChatRequest:
+def _claude(prompt: str, *more: dict[str, Any], last_text: str | None = None) -> ChatRequest:
     """Claude Code's shape: a system block with a breakpoint, a first user message of
-    two parts, and a breakpoint on the last block of the last message."""
-    last = {"type": "text", "text": prompt, "cache_control": {"type": "ephemeral"}}
+    two parts, and a breakpoint on the last block of the last message (after ``more``:
+    ``last_text``, by default the prompt again)."""
+    last = {"type": "text", "text": prompt if last_text is None else last_text,
+            "cache_control": {"type": "ephemeral"}}
     messages: list[dict[str, Any]] = [{"role": "user", "content": [
         {"type": "text", "text": "<system-reminder>context</system-reminder>"},
         {"type": "text", "text": prompt}]}, *more]
@@ -113,3 +115,42 @@ def test_the_first_turn_is_placed_once_and_a_late_breakpoint_where_it_stands() -
         got, n = _points(memo, tpl, req)
         assert got == want
         assert n == renders
+
+
+def test_a_breakpoint_on_a_message_sent_again_is_placed_without_a_render() -> None:
+    # Claude Code sends the same note each time a reply hit its output limit, so the
+    # last message's text stands in the prompt more than once: it is found after the
+    # messages before it, where the sentinel render puts it
+    memo, tpl = PromptMemo(), ChatTemplate(CHATML)
+    note = "Output token limit hit. Resume directly."
+    more = [{"role": "assistant", "content": "Part one."},
+            {"role": "user", "content": note},
+            {"role": "assistant", "content": "Part two."}]
+    _points(memo, tpl, _claude("Fix the bug.", *more[:2]))  # the first turn, learned
+    # the last message (the breakpoint's) is the note, which stands before it once, then
+    # twice and once in a reply
+    for req in (_claude("Fix the bug.", *more, last_text=note),
+                _claude("Fix the bug.", *more, {"role": "user", "content": note},
+                        {"role": "assistant", "content": note + " Done."},
+                        last_text=note)):
+        want, _ = _points(None, tpl, req)
+        got, n = _points(memo, tpl, req)
+        assert got == want
+        assert n == 0, "placed by a render"
+
+
+def test_a_breakpoint_whose_text_stands_after_it_is_placed_by_a_render() -> None:
+    # the last message's text stands again after its place, inside the template's
+    # own ending: no search can tell which is the message, so the render decides
+    tpl_text = CHATML.replace("<|im_start|>assistant\n{% endif %}",
+                              "<|im_start|>assistant\nGo on.{% endif %}")
+    memo, tpl = PromptMemo(), ChatTemplate(tpl_text)
+    _points(memo, tpl, _claude("Fix the bug."))
+    req = _claude("Fix the bug.", {"role": "assistant", "content": "Go on."},
+                  {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+                  last_text="Go on.")
+    req2 = _claude("Go on.", {"role": "assistant", "content": "Go on."})
+    for r in (req, req2):
+        want, _ = _points(None, tpl, r)
+        got, _ = _points(memo, tpl, r)
+        assert got == want
