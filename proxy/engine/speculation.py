@@ -23,6 +23,7 @@ from proxy.engine.build import Parts
 from proxy.engine.drafting import DraftAsk, History, lookup
 from proxy.engine.draftlength import COPY, DRAFT, LONG, LOOKUP, DraftLength
 from proxy.engine.job import NONE, Job, Work
+from proxy.engine.planner import window_reaches
 from proxy.engine.timing import StepTimer
 
 
@@ -200,8 +201,8 @@ class Speculation:
         ctx, lane, spec = self.p.ctx, job.lane, job.spec
         assert lane is not None
         if not self.p.staging:
-            # attention, SWA (every cell kept), hybrid with n_rs_seq snapshots of this
-            # step's ubatch (docs/design.md fact 11: llama.cpp keeps a lane's last
+            # attention, full-size SWA (every cell kept), hybrid with n_rs_seq snapshots of
+            # this step's ubatch (docs/design.md fact 11: llama.cpp keeps a lane's last
             # n_rs_seq + 1 tokens in one ubatch, and the rollback keeps its first token,
             # ``pending``)
             if not ctx.seq_rm(lane.id, lane.n, -1):
@@ -209,6 +210,13 @@ class Speculation:
             return
         staged, spec.staged = spec.staged, None
         assert staged is not None
+        if self.p.memory.swa_window and window_reaches(self.p.memory, lane, lane.n,
+                                                       ctx.pos_min):
+            # the window-sized SWA cache still reaches a window back from lane.n: cut the
+            # drafts alone, nothing to decode again
+            if not ctx.seq_rm(lane.id, lane.n, -1):
+                raise RuntimeError(f"lane {lane.id}: seq_rm refused to remove rejected drafts")
+            return
         kept = lane.tokens[pos0:].copy()
         # docs/design.md fact 7: restore the partial state first, then cut the attention
         # cells
