@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from proxy.engine.binding import FLAGS_FULL, FLAGS_PARTIAL, Context, ContextParams, Model
+from proxy.engine.sizing import state_format
 
 pytestmark = pytest.mark.model
 
@@ -91,3 +92,11 @@ def test_window_cache_writes_states_of_the_same_size(gemma: Model) -> None:
             sizes[swa_full] = (ctx.state_size(0, FLAGS_FULL), ctx.state_size(0, FLAGS_PARTIAL))
     print(f"FULL, PARTIAL at 3,000 tokens: full-size {sizes[True]}, window {sizes[False]}")
     assert sizes[False] == sizes[True]
+
+
+def test_the_two_settings_write_states_of_different_formats() -> None:
+    # a disk tier written in one setting is never restored in the other (the pool checks
+    # the state format before set_data)
+    full, window = ContextParams(n_ctx=4096), ContextParams(n_ctx=4096, swa_full=False)
+    assert state_format(full) != state_format(window)
+    assert state_format(full, exact=True) != state_format(window, exact=True)
