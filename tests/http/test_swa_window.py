@@ -7,8 +7,10 @@ drafts; every answer is the same request's on a cache-off server in the same mod
 near-tie rule of fact 10).
 
 The edits fail where the window-sized cache is handled like the full-size one (no
-partial checkpoints in the lane: the lane cannot go back past its window and only the
-share point remains)."""
+partial checkpoints in the lane: the lane cannot go back past its window, and the edit
+starts cold: checked by flipping ``MemoryInfo.full_size_swa``). The follow-ups, the new
+session and prompt lookup cut a lane back less than a window (or not at all), where
+``seq_rm`` is right in either handling: they check this mode's answers and reuse."""
 
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ WINDOW = {"model__swa_full": False, "cache__splice_generated": True}
 LONG_SYSTEM = SYSTEM + " ".join(
     f"Rule {i}: read module {i % 17} before changing it, then run its tests again."
     for i in range(80))
+
 
 def _session(srv: Server, system: str = LONG_SYSTEM, max_tokens: int = 48) -> Session:
     """An agent session without tools in the request: Gemma 3's replies then render back
