@@ -100,13 +100,13 @@ def free_port() -> int:
 def _command(system: str, model: ModelSpec, port: int, n_ctx: int, lanes: int,
              scratch: Path, extra_config: str = "", extra_args: tuple[str, ...] = (),
              root: Path | None = None, threads: int = THREADS,
-             binary: Path | None = None) -> list[str]:
+             binary: Path | None = None, model_config: str = "") -> list[str]:
     py = sys.executable
     if system in ("statecache", "no-cache"):
         cfg = scratch / "statecache.toml"
         cfg.write_text(
             f'[model]\npath = "{model.path}"\nn_ctx = {n_ctx}\nn_batch = {N_BATCH}\n'
-            f'n_ubatch = {N_BATCH}\nthreads = {threads}\n'
+            f'n_ubatch = {N_BATCH}\nthreads = {threads}\n' + model_config +
             # a fresh disk tier per start: no run may hit another run's checkpoints
             f'[cache]\ndisk_path = "{scratch / "checkpoints"}"\n' + extra_config)
         # lanes and the log level as flags, so that extra_config may hold [server] and
@@ -257,9 +257,10 @@ def _health_path(system: str) -> str:
 def running(system: str, model: ModelSpec, *, n_ctx: int, lanes: int, log_dir: Path,
             timeout: float = 300.0, extra_config: str = "", extra_args: tuple[str, ...] = (),
             tag: str = "", root: Path | None = None, threads: int = THREADS,
-            binary: Path | None = None) -> Iterator[Server]:
+            binary: Path | None = None, model_config: str = "") -> Iterator[Server]:
     """Start ``system``, wait until it answers, yield it, always kill it.
-    ``extra_config``: TOML tables appended to statecache's config; ``extra_args``: flags
+    ``extra_config``: TOML tables appended to statecache's config; ``model_config``: keys
+    of its ``[model]`` table (``swa_full = false``); ``extra_args``: flags
     of ``statecache serve``; ``root``: statecache from another checkout (a worktree);
     ``threads``: its compute threads (every core by default); ``binary``: another
     llama-server build than bench/build_llama_server.sh's."""
@@ -272,7 +273,7 @@ def running(system: str, model: ModelSpec, *, n_ctx: int, lanes: int, log_dir: P
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{system}{tag}-{model.label}-{lanes}lane-{port}.log"
     cmd = _command(system, model, port, n_ctx, lanes, scratch, extra_config, extra_args, root,
-                   threads, binary)
+                   threads, binary, model_config)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root or ROOT,
                                 start_new_session=True)

@@ -21,7 +21,6 @@ from proxy.engine.binding import (
     Context,
     ContextParams,
     MemoryInfo,
-    MemoryKind,
     Model,
     supports_rs_rollback,
 )
@@ -102,7 +101,7 @@ def build(cfg: Config, model_path: Path) -> Parts:
         n_rs_seq = max(n_rs_seq, sc.draft_max + 1)
     params = ContextParams(n_ctx=n_ctx * lanes, n_seq_max=lanes, n_batch=max(step, mc.n_batch),
                            n_ubatch=mc.n_ubatch, n_rs_seq=n_rs_seq, threads=mc.threads,
-                           poll=ec.thread_poll)
+                           poll=ec.thread_poll, swa_full=mc.swa_full)
     ctx = Context(model, params)
     memory = ctx.describe_memory()
     pool = None
@@ -124,8 +123,7 @@ def build(cfg: Config, model_path: Path) -> Parts:
         page=cfg.cache.page_size, step_tokens=step, why_n_ctx=why,
         speculation="off" if sc.source == "off" else ("draft" if draft else "lookup"),
         rs_snapshots=rs_snapshots,
-        staging=memory.needs_partial and memory.kind is not MemoryKind.SWA
-        and not rs_snapshots,
+        staging=memory.partial_rollback and not rs_snapshots,
         eog=np.array([t for t in range(model.n_vocab) if model.is_eog(t)], dtype=np.int32),
         exact=exact, grid=mc.n_ubatch)
 

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from proxy.engine.binding import MemoryKind
 from proxy.engine.build import Parts
 from proxy.engine.job import Job
 
@@ -32,7 +31,7 @@ def sanity_check(p: Parts, active: Sequence[Job]) -> None:
                                f"at position {p.ctx.pos_max(lane.id)}")
         owed = [n for n, _, _ in lane.owed]
         if owed != sorted(owed) or (owed and not (owed[0] > 0 and owed[-1] <= lane.n)) or \
-                (owed and p.memory.needs_partial and p.memory.kind is not MemoryKind.SWA):
+                (owed and p.memory.partial_rollback):
             raise RuntimeError(f"lane {lane.id} ({lane.n} tokens) owes checkpoints at "
                                f"{owed}: not within it, not in order, or on a memory that "
                                "cannot cut a live lane back")

@@ -81,6 +81,7 @@ class Executor:
         # llama.cpp splits a batch of separate lanes into ubatches of consecutive lane
         # ids (kv_unified off): in lane order, one ubatch takes every decoding lane.
         works.sort(key=lambda w: w.job.lane.id if w.job.lane is not None else -1)
+        one_ubatch = sum(w.n for w in works) <= self.p.params.n_ubatch
         for w in works:
             job, lane = w.job, w.job.lane
             assert lane is not None
@@ -92,7 +93,7 @@ class Executor:
                 row = batch.add(lane.id, toks, w.pos0, logits_last=last)
                 w.row = row if last else -1
             else:
-                self.speculation.stage(job)
+                self.speculation.stage(job, one_ubatch)
                 first = len(job.spec.replay)
                 row = batch.add(lane.id, toks, w.pos0, logits_last=True, logits_from=first)
                 w.row = row - (len(toks) - 1 - first)

@@ -88,9 +88,16 @@ def can_truncate(memory: MemoryInfo, lane: Lane, n: int, pos_min: Callable[[int]
     if memory.kind is MemoryKind.ATTENTION:
         return True
     if memory.kind is MemoryKind.SWA:
-        # llama-server's rule: the cells the window of token n needs must still be there
-        return n >= lane.floor and pos_min(lane.id) <= max(0, n - memory.n_swa)
+        return window_reaches(memory, lane, n, pos_min)
     return False
+
+
+def window_reaches(memory: MemoryInfo, lane: Lane, n: int, pos_min: Callable[[int], int]) -> bool:
+    """Whether an SWA lane's sequence, cut back to ``n`` with seq_rm, still holds the
+    cells the window of token ``n`` needs (llama-server's rule; a window-sized SWA cache
+    overwrites the oldest ones), and ``n`` is not below a restored state's own position
+    (docs/design.md fact 8)."""
+    return n >= lane.floor and pos_min(lane.id) <= max(0, n - memory.n_swa)
 
 
 def _lane_option(

@@ -13,6 +13,10 @@ Checkpoint policy by memory kind (docs/design.md facts 5-9):
   ``seq_rm`` rolls a live lane back; partial states would be most of the KV anyway
   (docs/design.md fact 4). FULL states at the replay point and on hand-off; a restored
   one is never cut below its own position (docs/design.md fact 8).
+- SWA with a window-sized SWA cache (``model.swa_full = false``): the SWA cache is
+  rolled back like a hybrid's recurrent state (a PARTIAL state is the SWA cache alone,
+  docs/design.md fact 25), so the policy is the hybrid's; ``seq_rm`` alone only where
+  the lane's cells still reach a window back (``planner.can_truncate``).
 - plain attention: ``seq_rm`` rolls back anywhere; FULL states at the replay point
   and on hand-off.
 - every kind: a BRANCH point (where this prompt leaves a prefix that another
@@ -27,7 +31,7 @@ from __future__ import annotations
 import mmap
 import time
 
-from proxy.engine.binding import FLAGS_FULL, FLAGS_PARTIAL, MemoryKind
+from proxy.engine.binding import FLAGS_FULL, FLAGS_PARTIAL
 from proxy.engine.build import Parts
 from proxy.engine.job import Job
 from proxy.engine.lanes import Lane
@@ -58,9 +62,8 @@ class Publisher:
 
     def kind(self) -> Kind:
         """What a prefill publishes in the lane: PARTIAL where the memory cannot roll
-        back by itself (recurrent, hybrid), else FULL."""
-        m = self.p.memory
-        return Kind.PARTIAL if m.needs_partial and m.kind is not MemoryKind.SWA else Kind.FULL
+        back by itself (recurrent, hybrid, a window-sized SWA cache), else FULL."""
+        return Kind.PARTIAL if self.p.memory.partial_rollback else Kind.FULL
 
     def publish(self, job: Job, role: Role, kind: Kind) -> None:
         """Save ``job``'s lane as it stands, counted in the request's stats."""

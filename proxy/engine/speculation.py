@@ -23,6 +23,7 @@ from proxy.engine.build import Parts
 from proxy.engine.drafting import DraftAsk, History, lookup
 from proxy.engine.draftlength import COPY, DRAFT, LONG, LOOKUP, DraftLength
 from proxy.engine.job import NONE, Job, Work
+from proxy.engine.planner import window_reaches
 from proxy.engine.timing import StepTimer
 
 
@@ -152,11 +153,15 @@ class Speculation:
             return found, start, COPY
         return found, start, LONG if matched > sc.lookup_min else LOOKUP
 
-    def stage(self, job: Job) -> None:
+    def stage(self, job: Job, one_ubatch: bool) -> None:
         """Before a verification of a lane without rollback: its partial state, to undo
-        what is rejected."""
+        what is rejected. A window-sized SWA cache needs none when the step is one
+        ubatch: a decode overwrites only cells masked for the ubatch's first position,
+        which no token after it sees, so seq_rm undoes the drafts (docs/design.md fact
+        25)."""
         assert job.lane is not None
-        if len(job.spec.drafts) and self.p.staging:
+        if len(job.spec.drafts) and self.p.staging and not (
+                one_ubatch and self.p.memory.swa_window):
             job.spec.staged = bytes(self.p.ctx.save(job.lane.id, FLAGS_PARTIAL))
 
     def verify(self, w: Work, take: Callable[[Job, int], None]) -> None:
@@ -200,15 +205,24 @@ class Speculation:
         ctx, lane, spec = self.p.ctx, job.lane, job.spec
         assert lane is not None
         if not self.p.staging:
-            # attention, SWA (every cell kept), hybrid with n_rs_seq snapshots of this
-            # step's ubatch (docs/design.md fact 11: llama.cpp keeps a lane's last
+            # attention, full-size SWA (every cell kept), hybrid with n_rs_seq snapshots of
+            # this step's ubatch (docs/design.md fact 11: llama.cpp keeps a lane's last
             # n_rs_seq + 1 tokens in one ubatch, and the rollback keeps its first token,
             # ``pending``)
             if not ctx.seq_rm(lane.id, lane.n, -1):
                 raise RuntimeError(f"lane {lane.id}: seq_rm refused to remove rejected drafts")
             return
         staged, spec.staged = spec.staged, None
-        assert staged is not None
+        if self.p.memory.swa_window and window_reaches(self.p.memory, lane, lane.n,
+                                                       ctx.pos_min):
+            # the window-sized SWA cache still reaches a window back from lane.n: cut the
+            # drafts alone, nothing to decode again
+            if not ctx.seq_rm(lane.id, lane.n, -1):
+                raise RuntimeError(f"lane {lane.id}: seq_rm refused to remove rejected drafts")
+            return
+        if staged is None:
+            raise RuntimeError(f"lane {lane.id}: the window rule refuses to cut the drafts "
+                               "and no partial state was staged")
         kept = lane.tokens[pos0:].copy()
         # docs/design.md fact 7: restore the partial state first, then cut the attention
         # cells

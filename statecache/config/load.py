@@ -313,6 +313,10 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"cache.exact needs prefill steps of model.n_ubatch "
                               f"({cfg.model.n_ubatch}) tokens; engine.step_tokens and "
                               f"engine.prefill_chunk give {chunk}")
+    if cfg.cache.exact and not cfg.model.swa_full:
+        # exact mode goes back to grid points a window-sized SWA cache cannot reach
+        raise ConfigError("cache.exact needs model.swa_full = true: a window-sized SWA cache "
+                          "cannot roll a lane back to the grid points exact mode restarts from")
     if cfg.speculative.source == "draft" and not cfg.model.draft_path:
         raise ConfigError('speculative.source = "draft" needs model.draft_path')
     for key, choices in (("server.inner_system", INNER_SYSTEM),

@@ -37,6 +37,9 @@ class ModelConfig:
     # the tool-call syntax: "auto" probes the template (proxy/api/syntax/probe.py)
     tool_format: str = "auto"
     threads: int = 0  # 0: auto
+    # keep every SWA cell of a live lane (iSWA models such as Gemma 3); false: a
+    # window-sized SWA cache, rolled back by partial states (docs/design.md fact 25)
+    swa_full: bool = True
 
 
 @dataclass(slots=True, frozen=True)

@@ -69,10 +69,14 @@ REF, LANE, SPARE = 0, 1, 2  # the run that never saves, the one that saves and r
 ON_ONE_CPU_THREAD = THREADS == 1 and not gpu_offload()
 TIERS = ("ram", "pages", "disk", "remote")
 MODELS = {"smollm2": 301, "llama": 301, "gemma": 301, "gemma-past-window": 600,
-          "qwen35": 301, "jamba": 301}
+          "gemma-window": 301, "gemma-window-past-window": 600, "qwen35": 301, "jamba": 301}
 PATHS = {"smollm2": "smollm2_path", "llama": "draft_path", "gemma": "gemma_path",
-         "gemma-past-window": "gemma_path", "qwen35": "hybrid_path",
+         "gemma-past-window": "gemma_path", "gemma-window": "gemma_path",
+         "gemma-window-past-window": "gemma_path", "qwen35": "hybrid_path",
          "jamba": "norollback_path"}
+# Gemma 3 with a window-sized SWA cache (model.swa_full = false, docs/design.md fact 25):
+# its states page the base cache alone (kv_sections 1)
+WINDOW = ("gemma-window", "gemma-window-past-window")
 
 
 @pytest.fixture(scope="module")
@@ -191,8 +195,11 @@ def case(request: pytest.FixtureRequest, store: Store, models: dict[str, Model],
     model = _model(request, models, PATHS[name])
     n = MODELS[name]
     with Context(model, ContextParams(
-            n_ctx=1024 * 3, n_seq_max=3, n_batch=512, n_ubatch=512, threads=THREADS)) as ctx:
+            n_ctx=1024 * 3, n_seq_max=3, n_batch=512, n_ubatch=512, threads=THREADS,
+            swa_full=name not in WINDOW)) as ctx:
         mem = ctx.describe_memory(SPARE)
+        assert mem.swa_window == (name in WINDOW)
+        assert mem.kv_sections == 1 or name not in WINDOW
         sched = Schedule(chunks(n, 128))
         toks = model.tokenize(TEXT)
         assert len(toks) > sched.end + PAGE
@@ -327,3 +334,47 @@ def test_a_lane_rolled_back_over_a_reply_is_the_lane_that_never_held_it(
         assert ctx.seq_rm(LANE, n, -1)
         got = feed(ctx, LANE, rest, n, tail, every_row=True)
     assert np.array_equal(got, ref)
+
+
+def test_a_window_partial_state_restored_past_the_window_is_exact(
+    request: pytest.FixtureRequest, store: Store, models: dict[str, Model]
+) -> None:
+    """Gemma 3 with a window-sized SWA cache (docs/design.md fact 25): its PARTIAL state
+    (the SWA cache alone) from RAM, restored after the lane went 700 tokens on (past the
+    window: the cells the state's position needs were overwritten), then cut back, gives
+    bit for bit what a lane restored from the FULL state saved at the same point gives,
+    and saved again the bytes saved. One byte spoiled in it fails both checks."""
+    model = _model(request, models, "gemma_path")
+    n, on = 600, 700
+    sched = Schedule(chunks(n, 128))
+    tmp = request.getfixturevalue("tmp_path")
+    with Context(model, ContextParams(n_ctx=2048 * 3, n_seq_max=3, n_batch=512, n_ubatch=512,
+                                      threads=THREADS, swa_full=False)) as ctx:
+        mem = ctx.describe_memory(SPARE)
+        assert mem.swa_window and mem.partial_rollback
+        toks = model.tokenize(TEXT)
+        assert len(toks) > n + on
+        feed(ctx, LANE, toks[:n], 0, sched.prefix, every_row=False)
+        saved = bytes(ctx.save(LANE, FLAGS_PARTIAL))
+        full = bytes(ctx.save(LANE))
+        ref = restore_and_go_on(ctx, REF, full, toks, sched).rows
+        pool = _pool(tmp, mem, model.fingerprint, store, disk=False, remote=False)
+        assert pool.insert(kind=Kind.PARTIAL, owner=Owner.TARGET, lane=LANE, tokens=toks[:n],
+                           role=Role.REPLAY, data=saved) is not None
+        feed(ctx, LANE, toks[n:n + on], n, chunks(on, 128), every_row=False)
+        assert ctx.pos_min(LANE) > n - mem.n_swa  # seq_rm alone cannot go back to n
+        lease = pool.lookup(toks[:n + 1], pool.chain(toks[:n + 1]), kind=Kind.PARTIAL,
+                            lane=LANE, max_n=n)
+        assert lease is not None and lease.tier == "ram"
+        with lease:
+            got = restore_and_go_on(ctx, LANE, lease.data, toks, sched, flags=FLAGS_PARTIAL,
+                                    cut=True)
+        pool.close()
+        assert differences(saved, ref, got) == []
+        bad = bytearray(saved)
+        bad[len(bad) - 1024 + 3] ^= 0x01  # a V row of the SWA cache's last layer
+        assert ctx.seq_rm(LANE, n, -1)
+        feed(ctx, LANE, toks[n:n + on], n, chunks(on, 128), every_row=False)
+        got = restore_and_go_on(ctx, LANE, bytes(bad), toks, sched, flags=FLAGS_PARTIAL,
+                                cut=True)
+        assert len(differences(saved, ref, got)) == 2

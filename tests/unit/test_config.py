@@ -143,3 +143,10 @@ def test_exact_mode_needs_whole_ubatches_a_step() -> None:
     with pytest.raises(ConfigError, match="cache.exact needs prefill steps"):
         load_config(None, {"cache.exact": True, "engine.step_tokens": 128})
     load_config(None, {"cache.exact": True, "engine.step_tokens": 1024, "model.n_ubatch": 512})
+
+
+def test_a_window_sized_swa_cache_is_an_option_and_refuses_exact_mode(tmp_path: Path) -> None:
+    assert load_config(None).model.swa_full  # the default keeps every SWA cell
+    assert not load_config(write(tmp_path, "[model]\nswa_full = false\n")).model.swa_full
+    with pytest.raises(ConfigError, match="cache.exact needs model.swa_full = true"):
+        load_config(write(tmp_path, "[model]\nswa_full = false\n[cache]\nexact = true\n"))

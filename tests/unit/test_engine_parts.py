@@ -3,6 +3,8 @@ splicing generated ids, text streaming, sampling, and the pool calls the planner
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -119,6 +121,22 @@ def test_can_truncate_by_memory_kind() -> None:
     assert not can_truncate(swa, lane, 1400, restored)
     assert not can_truncate(swa, lane, 699, restored)
     assert can_truncate(swa, lane, 1600, restored)
+
+
+def test_a_window_sized_swa_memory_rolls_back_like_a_hybrid() -> None:
+    # docs/design.md fact 25: its PARTIAL state is the SWA cache; the base cache alone
+    # is paged, and a live lane is cut back by seq_rm only under the window rule
+    full = _memory(MemoryKind.SWA, n_swa=512)
+    window = dataclasses.replace(full, swa_window=True)
+    assert (full.kv_sections, full.partial_rollback, full.full_size_swa) == (2, False, True)
+    assert (window.kv_sections, window.partial_rollback, window.full_size_swa) == (1, True, False)
+    assert _memory(MemoryKind.HYBRID).partial_rollback
+    assert not _memory(MemoryKind.ATTENTION).partial_rollback
+    lane = Lane(0)
+    lane.set_tokens(np.arange(2000, dtype=np.int32), "")
+    overwritten = {0: 1000}.__getitem__  # the window-sized cache kept cells from 1000 on
+    assert can_truncate(window, lane, 1512, overwritten)
+    assert not can_truncate(window, lane, 1511, overwritten)
 
 
 # -- splicing -------------------------------------------------------------------------

@@ -312,6 +312,7 @@ class Context:
             bytes_per_lane=one[0] - per_tok,
             partial_bytes_per_token=pper_tok,
             partial_bytes_per_lane=one[1] - pper_tok,
+            swa_window=kind is MemoryKind.SWA and not self.params.swa_full,
         )
 
     def _probe_rs_rollback(self) -> bool:
