@@ -37,13 +37,13 @@ pytestmark = pytest.mark.http
 PAGE = 32
 WINDOW = {"model__swa_full": False, "cache__splice_generated": True}
 
-# about 1,100 words: past Gemma 3's window from the first turn
+# about 750 words: past Gemma 3's window from the first turn
 LONG_SYSTEM = SYSTEM + " ".join(
     f"Rule {i}: read module {i % 17} before changing it, then run its tests again."
-    for i in range(80))
+    for i in range(50))
 
 
-def _session(srv: Server, system: str = LONG_SYSTEM, max_tokens: int = 48) -> Session:
+def _session(srv: Server, system: str = LONG_SYSTEM, max_tokens: int = 32) -> Session:
     """An agent session without tools in the request: Gemma 3's replies then render back
     as generated (with splicing), so a follow-up reuses them."""
     return Session(srv.client, system=system, max_tokens=max_tokens, kwargs={})
