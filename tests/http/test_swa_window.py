@@ -34,7 +34,6 @@ from tests.http.conftest import DoneLines, Server, serve
 from tests.http.test_sessions import NEAR_TIE, _check_follow_ups
 
 pytestmark = pytest.mark.http
-PAGE = 32
 WINDOW = {"model__swa_full": False, "cache__splice_generated": True}
 
 # about 750 words: past Gemma 3's window from the first turn

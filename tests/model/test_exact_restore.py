@@ -50,6 +50,7 @@ from statecache.records import Kind, Owner, Role
 from tests.busy import THREADS
 from tests.model.exact import (
     PAGE,
+    Outcome,
     Schedule,
     chunks,
     differences,
@@ -295,12 +296,7 @@ def test_a_partial_state_restored_in_its_lane_is_exact(
                            role=Role.REPLAY, data=saved) is not None
         # the lane goes on: drafts that were rejected, say
         feed(ctx, LANE, toks[n + 7:n + 12], n, (5,), every_row=False)
-        lease = pool.lookup(toks[:n + 1], pool.chain(toks[:n + 1]), kind=Kind.PARTIAL,
-                            owner=owner, lane=LANE, max_n=n)
-        assert lease is not None and lease.tier == "ram"
-        with lease:
-            got = restore_and_go_on(ctx, LANE, lease.data, toks, sched, flags=FLAGS_PARTIAL,
-                                    cut=True)
+        got = _partial_from_ram(ctx, pool, toks, n, sched, owner)
         pool.close()
         assert differences(saved, ref, got) == []
         # spoiled: one byte of the recurrent part (a PARTIAL state is nothing else)
@@ -309,6 +305,18 @@ def test_a_partial_state_restored_in_its_lane_is_exact(
         got = restore_and_go_on(ctx, LANE, bytes(bad), toks, sched, flags=FLAGS_PARTIAL,
                                 cut=True)
         assert len(differences(saved, ref, got)) == 2
+
+
+def _partial_from_ram(ctx: Context, pool: CheckpointPool, toks: list[int], n: int,
+                      sched: Schedule, owner: Owner) -> Outcome:
+    """The lane's PARTIAL state at ``n``, found in RAM, restored into the lane, which is
+    then cut back and fed the schedule's tail."""
+    lease = pool.lookup(toks[:n + 1], pool.chain(toks[:n + 1]), kind=Kind.PARTIAL,
+                        owner=owner, lane=LANE, max_n=n)
+    assert lease is not None and lease.tier == "ram"
+    with lease:
+        return restore_and_go_on(ctx, LANE, lease.data, toks, sched, flags=FLAGS_PARTIAL,
+                                 cut=True)
 
 
 @pytest.mark.parametrize("which", ["smollm2", "llama", "gemma"])
@@ -363,12 +371,7 @@ def test_a_window_partial_state_restored_past_the_window_is_exact(
                            role=Role.REPLAY, data=saved) is not None
         feed(ctx, LANE, toks[n:n + on], n, chunks(on, 128), every_row=False)
         assert ctx.pos_min(LANE) > n - mem.n_swa  # seq_rm alone cannot go back to n
-        lease = pool.lookup(toks[:n + 1], pool.chain(toks[:n + 1]), kind=Kind.PARTIAL,
-                            lane=LANE, max_n=n)
-        assert lease is not None and lease.tier == "ram"
-        with lease:
-            got = restore_and_go_on(ctx, LANE, lease.data, toks, sched, flags=FLAGS_PARTIAL,
-                                    cut=True)
+        got = _partial_from_ram(ctx, pool, toks, n, sched, Owner.TARGET)
         pool.close()
         assert differences(saved, ref, got) == []
         bad = bytearray(saved)
