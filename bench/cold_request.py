@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.replay import FIXTURES, MODELS, STATECACHE_CONFIG, _spec, last_record, load, send
+from bench.replay import FIXTURES, MODELS, STATECACHE_CONFIG, last_record, load, model_spec, send
 from bench.servers import ROOT, running
 
 VARIANTS = {  # name: (system, [cache] keys, serve flags)
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     fx = load(FIXTURES / f"{a.fixture}.jsonl.zst")
     cold = next(r for r in fx.requests if r.kind == "cold")
-    spec, n_ctx = _spec(fx.model), MODELS[fx.model][0]
+    spec, n_ctx = model_spec(fx.model), MODELS[fx.model][0]
     for r in range(a.repeats):
         for name in names:
             system, cache_keys, flags = VARIANTS[name]

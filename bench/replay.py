@@ -305,7 +305,7 @@ class Options:
     n_ctx: int = 0  # tokens per lane instead of the recorded context
 
 
-def _spec(model: str, other: Path | None = None) -> ModelSpec:
+def model_spec(model: str, other: Path | None = None) -> ModelSpec:
     n_ctx, gemma = MODELS[model]
     if other is not None:  # its own template (from the GGUF)
         return ModelSpec(other.stem, other, is_gemma=False)
@@ -318,7 +318,7 @@ def _systems(names: list[str], fx: Fixture, opts: Options, root: Path | None,
              repeat: int) -> Iterator[dict[str, Server]]:
     n_ctx = opts.n_ctx or (MODELS[fx.model][0] if opts.model is None
                            else max(v[0] for v in MODELS.values()))
-    spec = _spec(fx.model, opts.model)
+    spec = model_spec(fx.model, opts.model)
     with contextlib.ExitStack() as stack:
         out: dict[str, Server] = {}
         for name in names:

@@ -34,8 +34,8 @@ def _req(prompt: list[int], **kw: object) -> GenerationRequest:
 
 
 def _check(path: Path, tmp_path: Path, near_tie: float,
-           model: dict[str, object] | None = None) -> None:
-    more = model or {}
+           more: dict[str, object] | None = None) -> None:
+    more = more or {}
     cfg = load_config(None, {"model.path": str(path), "engine.sanity_checks": True,
                              "model.n_ctx": 4096, "server.lanes": 1,
                              "cache.disk_enabled": False, "speculative.source": "off", **more})
@@ -87,6 +87,6 @@ def test_plain_attention_owes_its_checkpoints(draft_path: Path, tmp_path: Path) 
 
 
 def test_sliding_window_owes_its_checkpoints(gemma_path: Path, tmp_path: Path) -> None:
-    """Gemma 3 keeping every SWA cell; the default window-sized cache publishes as a
-    hybrid does (tests/http/test_swa_window.py)."""
-    _check(gemma_path, tmp_path, near_tie=0.5, model={"model.swa_full": True})
+    """Gemma 3 keeping every SWA cell, named rather than left to the default: with a
+    window-sized SWA cache it publishes as a hybrid does (tests/http/test_swa_window.py)."""
+    _check(gemma_path, tmp_path, near_tie=0.5, more={"model.swa_full": True})
