@@ -20,8 +20,9 @@ each file is replayed against every system in turn, on the model it was recorded
     python -m bench.replay --agents codex --models smollm2 --repeats 1   # a short one
     python -m bench.replay --against main        # statecache at main beside this checkout
     python -m bench.replay --systems statecache,statecache+exact   # exact mode's cost
-    python -m bench.replay --agents claude --systems statecache,statecache+swa-window,llama-server
-                                                 # Gemma 3 with a window-sized SWA cache
+    python -m bench.replay --agents claude --systems statecache,statecache+swa-full,llama-server
+                                                 # Gemma 3 keeping every SWA cell too
+                                                 # (statecache+swa-window: a window, as set)
     python -m bench.replay --docs docs/benchmarks.md   # and its section of that page
 
 ``bench.replay_report`` makes the tables (``--json`` keeps the records).
@@ -329,6 +330,8 @@ def _systems(names: list[str], fx: Fixture, opts: Options, root: Path | None,
                 system, extra = "statecache", "exact = true\n" + extra
             elif system == "statecache+swa-window":  # model.swa_full = false (design.md 25)
                 system, model_config = "statecache", "swa_full = false\n"
+            elif system == "statecache+swa-full":  # every SWA cell kept (before the default)
+                system, model_config = "statecache", "swa_full = true\n"
             out[name] = stack.enter_context(running(
                 system, spec, n_ctx=n_ctx, lanes=opts.lanes, log_dir=opts.log_dir,
                 extra_config=extra, tag=f"-{fx.name}-r{repeat}" + (f"-{rev}" if rev else ""),

@@ -9,14 +9,15 @@ Checkpoint policy by memory kind (docs/design.md facts 5-9):
   (docs/design.md fact 7, in that order). FULL states are saved when the lane is
   handed to another prompt, when it has been idle a while, and at shutdown; the lane's
   replay points become FULL ones on hand-off too.
-- SWA (Gemma 3): the context keeps every SWA cell of a live lane (``swa_full``), so
-  ``seq_rm`` rolls a live lane back; partial states would be most of the KV anyway
-  (docs/design.md fact 4). FULL states at the replay point and on hand-off; a restored
-  one is never cut below its own position (docs/design.md fact 8).
-- SWA with a window-sized SWA cache (``model.swa_full = false``): the SWA cache is
-  rolled back like a hybrid's recurrent state (a PARTIAL state is the SWA cache alone,
-  docs/design.md fact 25), so the policy is the hybrid's; ``seq_rm`` alone only where
-  the lane's cells still reach a window back (``planner.can_truncate``).
+- SWA (Gemma 3, gpt-oss), by default a window-sized SWA cache as llama-server keeps
+  (``model.swa_full`` false): the SWA cache is rolled back like a hybrid's recurrent
+  state (a PARTIAL state is the SWA cache alone, docs/design.md fact 25), so the policy
+  is the hybrid's; ``seq_rm`` alone only where the lane's cells still reach a window
+  back (``planner.can_truncate``).
+- SWA keeping every cell (``model.swa_full`` true, as exact mode has it): ``seq_rm``
+  rolls a live lane back; partial states would be most of the KV anyway (docs/design.md
+  fact 4). FULL states at the replay point and on hand-off; a restored one is never
+  cut below its own position (docs/design.md fact 8).
 - plain attention: ``seq_rm`` rolls back anywhere; FULL states at the replay point
   and on hand-off.
 - every kind: a BRANCH point (where this prompt leaves a prefix that another

@@ -282,6 +282,9 @@ def load_config(
                         str(Path(v).expanduser())
         sections[name] = cls(**values)
     cfg = Config(**sections)
+    if cfg.cache.exact and "swa_full" not in raw["model"]:
+        # exact mode restarts from grid points only a full-size SWA cache reaches
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, swa_full=True))
     _validate(cfg)
     return cfg
 

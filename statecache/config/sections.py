@@ -37,9 +37,11 @@ class ModelConfig:
     # the tool-call syntax: "auto" probes the template (proxy/api/syntax/probe.py)
     tool_format: str = "auto"
     threads: int = 0  # 0: auto
-    # keep every SWA cell of a live lane (iSWA models such as Gemma 3); false: a
-    # window-sized SWA cache, rolled back by partial states (docs/design.md fact 25)
-    swa_full: bool = True
+    # iSWA models (Gemma 3, gpt-oss): false keeps a window-sized SWA cache, as
+    # llama-server does, rolled back by partial states (docs/design.md fact 25); true
+    # keeps every SWA cell of a live lane, so seq_rm cuts it back anywhere. Not set:
+    # false, and true with cache.exact (load.py)
+    swa_full: bool = False
 
 
 @dataclass(slots=True, frozen=True)

@@ -145,8 +145,11 @@ def test_exact_mode_needs_whole_ubatches_a_step() -> None:
     load_config(None, {"cache.exact": True, "engine.step_tokens": 1024, "model.n_ubatch": 512})
 
 
-def test_a_window_sized_swa_cache_is_an_option_and_refuses_exact_mode(tmp_path: Path) -> None:
-    assert load_config(None).model.swa_full  # the default keeps every SWA cell
-    assert not load_config(write(tmp_path, "[model]\nswa_full = false\n")).model.swa_full
+def test_a_window_sized_swa_cache_is_the_default_but_not_in_exact_mode(tmp_path: Path) -> None:
+    assert not load_config(None).model.swa_full  # a window, as llama-server keeps
+    assert load_config(write(tmp_path, "[model]\nswa_full = true\n")).model.swa_full
+    # exact mode keeps every SWA cell unless told otherwise, and refuses a window
+    assert load_config(None, {"cache.exact": True}).model.swa_full
+    assert load_config(write(tmp_path, "[cache]\nexact = true\n")).model.swa_full
     with pytest.raises(ConfigError, match="cache.exact needs model.swa_full = true"):
         load_config(write(tmp_path, "[model]\nswa_full = false\n[cache]\nexact = true\n"))
