@@ -10,7 +10,9 @@ steps and the time its checkpoints took. Variants:
 - ``statecache``: as configured by default;
 - ``no-cache``: ``statecache serve --no-cache`` (no checkpoints, nothing cut short);
 - ``share-grid``: ``cache.share_grid_tokens = 512`` (share points moved onto the steps'
-  grid, where the memory publishes PARTIAL states: a hybrid, a window-sized SWA cache).
+  grid, where the memory publishes PARTIAL states: a hybrid, a window-sized SWA cache);
+- ``no-disk``, ``no-compress``: ``cache.disk_enabled = false``, ``cache.compress_level =
+  0`` (whether the disk writer's threads slow the prefill beside them).
 
 ``--swa-window`` runs statecache's variants with ``model.swa_full = false``.
 
@@ -32,6 +34,8 @@ VARIANTS = {  # name: (system, [cache] keys, serve flags)
     "statecache": ("statecache", "", ()),
     "no-cache": ("statecache", "", ("--no-cache",)),
     "share-grid": ("statecache", "share_grid_tokens = 512\n", ()),
+    "no-disk": ("statecache", "disk_enabled = false\n", ()),
+    "no-compress": ("statecache", "compress_level = 0\n", ()),
 }
 
 

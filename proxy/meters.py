@@ -82,6 +82,10 @@ class EngineMeter:
             "statecache_owed_checkpoints_total",
             "Checkpoints a prefill passed without stopping (a lane cut back anywhere), taken "
             "from the lane when it was cut back or replaced.")
+        self.owed_checkpoints_lost = Counter(
+            "statecache_owed_checkpoints_lost_total",
+            "Checkpoints a window-sized SWA lane owed and could no longer take: it had gone "
+            "on further than its cells reach back.")
         self.share_points_on_grid = Counter(
             "statecache_share_points_on_grid_total",
             "A hybrid's first-turn and share points moved down to a step's end "

@@ -3,7 +3,8 @@
 
 - every lane's tokens are exactly what its llama.cpp sequence holds (its last position
   is its token count less one; an empty lane holds none), and the checkpoints it owes
-  lie within them, in order (only where a live lane can be cut back anywhere);
+  lie within them, in order (only where a live lane can be cut back: anywhere, or a
+  window-sized SWA lane within its last step);
 - the busy lanes are the lanes of the running requests, one each;
 - nothing rejected was committed: a prefilling request's lane holds its prompt so far;
   a decoding one's holds its prompt and every generated token but the one not yet
@@ -31,7 +32,7 @@ def sanity_check(p: Parts, active: Sequence[Job]) -> None:
                                f"at position {p.ctx.pos_max(lane.id)}")
         owed = [n for n, _, _ in lane.owed]
         if owed != sorted(owed) or (owed and not (owed[0] > 0 and owed[-1] <= lane.n)) or \
-                (owed and p.memory.partial_rollback):
+                (owed and p.memory.partial_rollback and not p.memory.swa_window):
             raise RuntimeError(f"lane {lane.id} ({lane.n} tokens) owes checkpoints at "
                                f"{owed}: not within it, not in order, or on a memory that "
                                "cannot cut a live lane back")

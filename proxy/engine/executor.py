@@ -162,6 +162,8 @@ class Executor:
             job.stats.prefilled += w.n
             job.stats.prefill_steps += 1
             job.pos += w.n
+            if w.pos0 == job.reuse:  # its first step: what the lane owed from before
+                self.publisher.forget_unreachable(lane)
             while job.owed and job.owed[0][0] <= job.pos:  # passed: the lane owes them
                 lane.owed.append(job.owed.pop(0))
             if not job.prefilling:  # 1 MiB at Gemma 3's vocabulary: a copy is cheap

@@ -5,13 +5,18 @@ proxy/engine/publishing.py saves them; the policy by memory kind is written ther
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from proxy.engine.build import Parts
 from proxy.engine.job import Job
-from proxy.engine.planner import choose_share_points, onto_grid, periodic_points, publish_points
+from proxy.engine.planner import (
+    choose_share_points,
+    onto_grid,
+    periodic_points,
+    publish_points,
+)
 from statecache.pages import PageChain
 from statecache.records import Kind, Role
 
@@ -54,12 +59,19 @@ class PointPicker:
         if at > job.reuse and at >= 2 * p.page and not self.has_full(job, chain, at):
             self.share_point(job, at, out)
         self._client_breakpoints(job, chain, out)
-        ours += [n for n, _ in job.req.breakpoints]
+        if not p.memory.swa_window:  # there a breakpoint goes onto the grid too
+            ours += [n for n, _ in job.req.breakpoints]
         for n in self._share_points(job, chain, out):
             full_at(out, n)
         if kind is Kind.PARTIAL:
-            self._onto_grid(job, out, [m for m, _, _ in out if m not in ours])
+            movable = [m for m, _, _ in out if m not in ours]
+            if p.memory.swa_window:  # those in the last step are owed (_owe_last_step)
+                start = last_step_start(ours, reuse=job.reuse, end=end, chunk=self.chunk())
+                movable = [m for m in movable if m <= start]
+            self._onto_grid(job, out, movable)
         self._periodic(job, chain, out, first)
+        if kind is Kind.PARTIAL and p.memory.swa_window:
+            self._owe_last_step(job, out)
         if kind is Kind.FULL:
             # a live lane is cut back with seq_rm (attention; SWA, whose live lane keeps
             # every cell): the prefill stops nowhere (its steps stay whole), and the lane
@@ -103,20 +115,46 @@ class PointPicker:
                 points.append((n, Role.PERIODIC, kind))
         points.sort(key=lambda pt: pt[0])
 
+    def _owe_last_step(self, job: Job, points: Points) -> None:
+        """A window-sized SWA cache: the points inside the prefill's last step (a client's
+        breakpoint, the history's end, the first turn's end: an agent's first request
+        ends there) would each cut a step short. The lane owes them instead: cut back
+        less than a step, its cells still reach a window (``planner.window_reaches``),
+        so it serves them live, and it is cut back to each and saved FULL when it is
+        handed off (``Publisher._pay_owed``), while it still reaches them. The prompt's
+        end keeps its PARTIAL checkpoint (no step ends early there)."""
+        end = len(job.prompt)
+        start = last_step_start([n for n, _, _ in points], reuse=job.reuse, end=end,
+                                chunk=self.chunk())
+        tail = [(n, r) for n, r, _ in points if start < n < end]
+        if not tail:
+            return
+        points[:] = [pt for pt in points if not start < pt[0] < end]
+        job.owed = sorted(job.owed + [(n, r, job.keep.get(n, 0.0)) for n, r in tail],
+                          key=lambda o: o[0])
+
     def _onto_grid(self, job: Job, points: Points, movable: list[int]) -> None:
         """``cache.share_grid_tokens``: on a hybrid, each of ``movable`` (the first turn's
         end, its share points) at most that far past the end of the step it falls in goes
         down to that end, where it cuts no step short (bench.share_grid measures the steps
-        saved and the reuse given up)."""
+        saved and the reuse given up). A window-sized SWA cache moves every one, and a
+        client's breakpoints too (kept for their ttl where they went): its points in the
+        last step are owed instead (``_owe_last_step``), and a cut anywhere else costs a
+        step of llama_decode that llama-server does not take."""
         within = self.p.cfg.cache.share_grid_tokens
+        if self.p.memory.swa_window:
+            within = max(within, self.chunk())
         if not within or not movable:
             return
         kept = [n for n, _, _ in points if n not in movable]
         moved = onto_grid(movable, kept, reuse=job.reuse, chunk=self.chunk(), within=within)
         points[:] = [pt for pt in points if pt[0] not in moved]
-        for g in moved.values():
+        for n, g in moved.items():
+            ttl = job.keep.pop(n, 0.0)  # a breakpoint's: kept where it went
             if g:
                 full_at(points, g)
+                if ttl:
+                    job.keep[g] = max(job.keep.get(g, 0.0), ttl)
         self.p.meter.share_points_on_grid.inc(by=len(moved))
 
     def chunk(self) -> int:
@@ -193,3 +231,16 @@ def full_at(points: Points, n: int) -> None:
             return
     points.append((n, Role.BRANCH, Kind.FULL))
     points.sort(key=lambda p: p[0])
+
+
+def last_step_start(cuts: Sequence[int], *, reuse: int, end: int, chunk: int) -> int:
+    """Where the last step of a prefill from ``reuse`` to ``end`` starts: steps of ``chunk``
+    tokens, each of ``cuts`` ending one short, except a cut inside the last step, which
+    does not move it (``PointPicker`` owes those instead of cutting there)."""
+    pos = reuse
+    for cut in sorted(c for c in set(cuts) if reuse < c < end):
+        start = pos + (end - pos - 1) // chunk * chunk
+        if cut > start:
+            return start
+        pos = cut
+    return pos + max(end - pos - 1, 0) // chunk * chunk

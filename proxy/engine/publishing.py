@@ -13,7 +13,9 @@ Checkpoint policy by memory kind (docs/design.md facts 5-9):
   (``model.swa_full`` false): the SWA cache is rolled back like a hybrid's recurrent
   state (a PARTIAL state is the SWA cache alone, docs/design.md fact 25), so the policy
   is the hybrid's; ``seq_rm`` alone only where the lane's cells still reach a window
-  back (``planner.can_truncate``).
+  back (``planner.can_truncate``). A prefill ends no step early: its share points and
+  breakpoints go down onto the step grid, and those inside its last step are owed by
+  the lane, as with every cell kept, while its cells reach them (points.py).
 - SWA keeping every cell (``model.swa_full`` true, as exact mode has it): ``seq_rm``
   rolls a live lane back; partial states would be most of the KV anyway (docs/design.md
   fact 4). FULL states at the replay point and on hand-off; a restored one is never
@@ -192,8 +194,10 @@ class Publisher:
             return
         chain = p.pool.chain(lane.tokens, lane.tenant)
         for n, role, keep_s in reversed(due):
-            if p.pool.holds(chain, n, tenant=lane.tenant) or \
-                    not can_truncate(p.memory, lane, n, p.ctx.pos_min):
+            if p.pool.holds(chain, n, tenant=lane.tenant):
+                continue
+            if not can_truncate(p.memory, lane, n, p.ctx.pos_min):
+                p.meter.owed_checkpoints_lost.inc()
                 continue
             if not p.ctx.seq_rm(lane.id, n, -1):
                 self.clear(lane)  # the lane no longer holds what it says: nothing of it
@@ -201,6 +205,16 @@ class Publisher:
             lane.truncate(n)
             self.save(lane, role, Kind.FULL, keep_s, older=True)
             p.meter.owed_checkpoints.inc()
+
+    def forget_unreachable(self, lane: Lane) -> None:
+        """A window-sized SWA lane forgets what it owes below the reach of its cells: it
+        has gone on too far to be cut back there (counted as lost)."""
+        p = self.p
+        if not p.memory.swa_window or not lane.owed:
+            return
+        kept = [o for o in lane.owed if can_truncate(p.memory, lane, o[0], p.ctx.pos_min)]
+        p.meter.owed_checkpoints_lost.inc(by=len(lane.owed) - len(kept))
+        lane.owed = kept
 
     def idle_save(self, lane: Lane) -> None:
         """Keep an idle lane's live state as a FULL checkpoint without cutting it back,

@@ -90,3 +90,58 @@ def test_sliding_window_owes_its_checkpoints(gemma_path: Path, tmp_path: Path) -
     """Gemma 3 keeping every SWA cell, named rather than left to the default: with a
     window-sized SWA cache it publishes as a hybrid does (tests/http/test_swa_window.py)."""
     _check(gemma_path, tmp_path, near_tie=0.5, more={"model.swa_full": True})
+
+
+def test_a_window_sized_swa_cache_owes_its_last_steps_points(gemma_path: Path,
+                                                             tmp_path: Path) -> None:
+    """Gemma 3 with a window-sized SWA cache (``model.swa_full = false``): the lane cannot
+    be cut back anywhere, but it can be cut back less than a step (its cells reach a
+    window back). A cold prompt's share point goes down onto the step grid, and the
+    points inside its last step (a breakpoint, the history's end) are owed: the prefill
+    takes llama-server's steps, no more. Before, each cut a step short (5 steps)."""
+    more: dict[str, object] = {"model.swa_full": False}
+    path = gemma_path
+    cfg = load_config(None, {"model.path": str(path), "engine.sanity_checks": True,
+                             "model.n_ctx": 4096, "server.lanes": 1,
+                             "cache.disk_enabled": False, "speculative.source": "off", **more})
+    eng = Engine(cfg, path)
+    cold = Engine(load_config(None, {"model.path": str(path), "model.n_ctx": 4096,
+                                     "server.lanes": 1, "cache.enabled": False,
+                                     "speculative.source": "off", **more}), path)
+    try:
+        assert eng.parts.memory.swa_window and eng.publisher.kind() is Kind.PARTIAL
+        words = eng.model.tokenize
+        a = words(" ".join(f"rule {i}: every session of this agent shares it;"
+                           for i in range(300)))[:1200]
+        share, mark, history = 700, 1100, 1190
+        early = 560  # a breakpoint further back: down onto the grid too, kept there
+        req = _req(a, share_points=(share,), breakpoints=((early, 300.0), (mark, 300.0)),
+                   history_tokens=history)
+        _, _, fin = generate(eng, req)
+        assert fin.stats.prefill_steps == math.ceil(len(a) / STEP)
+        assert _fulls(eng) == {STEP}  # the share point, moved down to the step's end
+        replay = history // eng.exec.page * eng.exec.page
+        lane = eng.parts.lanes.lanes[0]
+        assert [n for n, _, _ in lane.owed] == [mark, replay]
+        # a new conversation parts from the first inside its last step, in its lane: cut
+        # back live, after the lane paid what it owes above the cut
+        part = 1060
+        b = a[:part] + words(" ".join(f"a new task {i} about other things"
+                                      for i in range(30)))
+        got, _, fin = generate(eng, _req(b))
+        assert fin.stats.source == "lane" and fin.usage.cached_tokens == part
+        assert {mark, replay} <= _fulls(eng)
+        assert_as_cold(cold, _req(b), got, 0.5)
+        # the first conversation comes back with its reply rendered anew: the replay
+        # point it owed, from RAM, answers as cold
+        c = a[:history] + words(" ".join(f"and turn {i} that follows" for i in range(12)))
+        got, _, fin = generate(eng, _req(c))
+        assert fin.stats.source == "ram" and fin.usage.cached_tokens == replay
+        assert_as_cold(cold, _req(c), got, 0.5)
+        assert eng.pool is not None
+        for n in (mark, STEP):
+            kept = [r for r in eng.pool.describe() if r["n"] == n]
+            assert kept and kept[0].get("kept_until"), (n, kept)
+    finally:
+        eng.close()
+        cold.close()

@@ -19,6 +19,7 @@ from proxy.engine.planner import (
     publish_points,
     step_ends,
 )
+from proxy.engine.points import last_step_start
 from proxy.engine.splice import aligned_replies, tokenize_spliced
 from statecache.records import Kind, Role
 from tests.unit.conftest import PoolFactory, put
@@ -95,6 +96,25 @@ def test_share_points_onto_the_step_grid() -> None:
     assert choose_share_points([100, 200, 900], [0], k=2, page=32) == [900, 200]
     assert choose_share_points([100, 200, 900], [0, 880], k=4, page=32) == [200, 100]
     assert choose_share_points([10, 20], [0], k=4, page=32) == []
+
+
+def test_the_last_step_of_a_prefill() -> None:
+    # a cold prompt of 19,700 tokens in steps of 512: the last starts at 19,456; a point
+    # inside it (a breakpoint at 19,648, the history's end) would cut it in two
+    assert last_step_start([], reuse=0, end=19700, chunk=512) == 19456
+    assert last_step_start([19648, 19696], reuse=0, end=19700, chunk=512) == 19456
+    # a cut further back moves the grid after it, and so the last step
+    assert last_step_start([18110, 19648], reuse=0, end=19700, chunk=512) == \
+        18110 + 3 * 512
+    # a step that ends exactly at the prompt's end starts a whole step back; a follow-up
+    # of less than a step has one step, from where it starts
+    assert last_step_start([], reuse=0, end=1024, chunk=512) == 512
+    assert last_step_start([1100, 1290], reuse=1000, end=1300, chunk=512) == 1000
+    # the points before the last step are where steps end, as step_ends has them
+    for cuts, end in (([700, 1990], 2000), ([300, 600, 1400], 1500)):
+        start = last_step_start(cuts, reuse=0, end=end, chunk=512)
+        before = [c for c in cuts if c <= start]
+        assert step_ends(before, reuse=0, end=end, chunk=512)[-2] == start
 
 
 def _steps(cuts: list[int], n: int, chunk: int) -> int:
