@@ -172,13 +172,29 @@ class Executor:
                 t0 = time.perf_counter()
                 while job.publish and job.publish[0][0] == job.pos:
                     _, role, kind = job.publish.pop(0)
-                    self.publisher.publish(job, role, kind)
+                    if kind is Kind.PARTIAL and not job.prefilling and not job.prewarm:
+                        job.after_first.append((role, kind))
+                    else:
+                        self.publisher.publish(job, role, kind)
                 job.stats.publish_s += time.perf_counter() - t0
             if job.prefilling:
                 return
             self.emitter.first(job, w.row)
             return
         self.speculation.verify(w, self.emitter.take)
+
+    def publish_after_first(self, job: Job) -> None:
+        """The lane's PARTIAL checkpoint at the prompt's end, saved once the first token
+        is written to the client (``Stepper._after_step``): the lane still stands there
+        (that token is decoded at the next step), and a lane's own PARTIAL state is for
+        its next turn, not for a request waiting now. So the save is not in the TTFT: a
+        follow-up's one step is all of it (docs/cache.md)."""
+        todo, job.after_first = job.after_first, []
+        if job.lane is None or job.lane.n != len(job.prompt) or job.error is not None \
+                or job.finish_reason in ("error", "cancelled"):
+            return
+        for role, kind in todo:
+            self.publisher.publish(job, role, kind)
 
     def _grid(self, w: Work, lane: Lane) -> None:
         """Whether this prefill chunk writes the state a cold prefill writes: the lane's

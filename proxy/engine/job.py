@@ -106,6 +106,9 @@ class Job:
     # FULL checkpoints its prefill passes without stopping (a lane that can be cut back
     # anywhere): owed by the lane once passed (Lane.owed), sorted
     owed: list[tuple[int, Role, float]] = field(default_factory=list)
+    # checkpoints at the prompt's end saved once its first token is written
+    # (``Executor.publish_after_first``): nothing else waits for them
+    after_first: list[tuple[Role, Kind]] = field(default_factory=list)
     # seconds a FULL checkpoint published at a position is kept above ordinary ones
     # (a client's cache breakpoint there)
     keep: dict[int, float] = field(default_factory=dict)

@@ -223,6 +223,9 @@ class Stepper:
         # a request that ends here saves its state next: nothing waits through that
         ended = any(job.done for job, _ in active)
         self.write(active, flush=ended)
+        for job, _ in active:
+            if job.after_first:  # its first token is written: its prompt end's checkpoint
+                self.exec.publish_after_first(job)
         for job, box in active:
             if job.done:
                 self._end(job, box)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from proxy.engine.engine import Engine
 from proxy.engine.types import GenerationRequest, SamplingParams
@@ -99,6 +100,7 @@ def test_a_window_sized_swa_cache_owes_its_last_steps_points(gemma_path: Path,
     window back). A cold prompt's share point goes down onto the step grid, and the
     points inside its last step (a breakpoint, the history's end) are owed: the prefill
     takes llama-server's steps, no more. Before, each cut a step short (5 steps)."""
+    # (a point that costs no step where it is, as the share point here, stays there)
     more: dict[str, object] = {"model.swa_full": False}
     path = gemma_path
     cfg = load_config(None, {"model.path": str(path), "engine.sanity_checks": True,
@@ -119,7 +121,9 @@ def test_a_window_sized_swa_cache_owes_its_last_steps_points(gemma_path: Path,
                    history_tokens=history)
         _, _, fin = generate(eng, req)
         assert fin.stats.prefill_steps == math.ceil(len(a) / STEP)
-        assert _fulls(eng) == {STEP}  # the share point, moved down to the step's end
+        # the share point stays where it is: 700 tokens in 2 steps, 500 in 1 (free_cuts);
+        # the early breakpoint would make a step more: it goes down to the step's end
+        assert _fulls(eng) == {STEP, share}
         replay = history // eng.exec.page * eng.exec.page
         lane = eng.parts.lanes.lanes[0]
         assert [n for n, _, _ in lane.owed] == [mark, replay]
@@ -145,3 +149,37 @@ def test_a_window_sized_swa_cache_owes_its_last_steps_points(gemma_path: Path,
     finally:
         eng.close()
         cold.close()
+
+
+def test_a_follow_ups_prompt_end_is_saved_after_its_first_token(gemma_path: Path) -> None:
+    """A window-sized SWA cache: a follow-up of less than a step cuts no step short and
+    saves one checkpoint, the PARTIAL state at its prompt's end, and saves it once its
+    first token is written to the client: the save is not in its TTFT (a lane's own
+    partial state is for its next turn; nobody waits for it). Before, it was saved
+    before the first token was sampled."""
+    cfg = load_config(None, {"model.path": str(gemma_path), "engine.sanity_checks": True,
+                             "model.n_ctx": 4096, "server.lanes": 1, "model.swa_full": False,
+                             "cache.disk_enabled": False, "speculative.source": "off"})
+    eng = Engine(cfg, gemma_path)
+    saves: list[tuple[int, bool, Kind]] = []
+    publish = eng.publisher.publish
+
+    def spy(job: Any, role: Any, kind: Kind) -> None:
+        saves.append((job.lane.n, job.out.written, kind))
+        publish(job, role, kind)
+
+    eng.publisher.publish = spy  # type: ignore[method-assign]
+    try:
+        words = eng.model.tokenize
+        a = words(" ".join(f"rule {i}: every session of this agent shares it;"
+                           for i in range(300)))[:700]
+        generate(eng, _req(a, history_tokens=697))
+        saves.clear()
+        b = a + words(" ".join(f"and turn {i} that follows" for i in range(12)))
+        _, _, fin = generate(eng, _req(b, history_tokens=len(b) - 3))
+        assert fin.usage.cached_tokens == len(a) and fin.stats.prefill_steps == 1
+        assert fin.stats.publish_s < 1e-3  # nothing saved before the first token (a save: ms)
+        # (then the reply's end, at len(b) + 5)
+        assert [s for s in saves if s[0] <= len(b)] == [(len(b), True, Kind.PARTIAL)]
+    finally:
+        eng.close()

@@ -19,7 +19,7 @@ from proxy.engine.planner import (
     publish_points,
     step_ends,
 )
-from proxy.engine.points import last_step_start
+from proxy.engine.points import free_cuts, last_step_start, window_steps
 from proxy.engine.splice import aligned_replies, tokenize_spliced
 from statecache.records import Kind, Role
 from tests.unit.conftest import PoolFactory, put
@@ -312,3 +312,17 @@ def test_a_follow_up_hashes_only_its_new_pages(make_pool: PoolFactory,
     hashed.clear()
     assert restorer._chain(follow, "t2").hashes == pool.chain(follow, "t2").hashes
     assert len(hashed) > 110  # another tenant hashes from its own namespace: all again
+
+
+def test_free_cuts_leave_the_prefill_its_steps() -> None:
+    # Claude Code's first turn on Gemma 3: 19,659 tokens, 39 steps of 512; of its share
+    # points 18,110, 18,192 and 18,204, one may end a step where it is and leave 39
+    # (36 steps to 18,192, 3 after); 18,110 would make 40, and 18,204 after 18,192 too
+    assert window_steps([], reuse=0, end=19659, chunk=512) == 39
+    assert free_cuts([18110, 18192, 18204], [19648], reuse=0, end=19659, chunk=512) == [18192]
+    assert window_steps([18192, 19648], reuse=0, end=19659, chunk=512) == 39
+    assert window_steps([18110], reuse=0, end=19659, chunk=512) == 40
+    # a prompt of whole steps has no room: nothing stays
+    assert free_cuts([700], [], reuse=0, end=1536, chunk=512) == []
+    # points inside the last step are owed: they cost no step
+    assert window_steps([1100, 1190], reuse=0, end=1200, chunk=512) == 3
