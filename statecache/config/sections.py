@@ -155,8 +155,8 @@ class CacheConfig:
     # on a hybrid, the first turn's end and its share points at most this many tokens
     # past the end of a prefill step move down to it, where they cut no step short (the
     # reuse a new conversation gives up there: python -m bench.share_grid); 0: none. A
-    # window-sized SWA cache moves every one, and a client's breakpoints, short of the
-    # last step (proxy/engine/points.py)
+    # window-sized SWA cache moves every one that would cost its prefill a step, and a
+    # client's breakpoints before the last step (proxy/engine/points.py)
     share_grid_tokens: int = 0
     splice_generated: bool = False
     # a reply and its logprobs bit-identical to the cache-off server's: restores and
