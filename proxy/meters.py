@@ -84,8 +84,8 @@ class EngineMeter:
             "from the lane when it was cut back or replaced.")
         self.owed_checkpoints_lost = Counter(
             "statecache_owed_checkpoints_lost_total",
-            "Checkpoints a window-sized SWA lane owed and could no longer take: it had gone "
-            "on further than its cells reach back.")
+            "Checkpoints a lane owed and could no longer take: its cells no longer reach "
+            "back there (a window-sized SWA lane gone on, a restored SWA state's floor).")
         self.share_points_on_grid = Counter(
             "statecache_share_points_on_grid_total",
             "A hybrid's first-turn and share points moved down to a step's end "

@@ -14,8 +14,9 @@ Checkpoint policy by memory kind (docs/design.md facts 5-9):
   state (a PARTIAL state is the SWA cache alone, docs/design.md fact 25), so the policy
   is the hybrid's; ``seq_rm`` alone only where the lane's cells still reach a window
   back (``planner.can_truncate``). A prefill ends no step early: its share points and
-  breakpoints go down onto the step grid, and those inside its last step are owed by
-  the lane, as with every cell kept, while its cells reach them (points.py).
+  breakpoints stay where they cost no step, else go down onto the step grid, and the
+  history's end and breakpoints inside its last step are owed by the lane, as with
+  every cell kept, while its cells reach them (points.py).
 - SWA keeping every cell (``model.swa_full`` true, as exact mode has it): ``seq_rm``
   rolls a live lane back; partial states would be most of the KV anyway (docs/design.md
   fact 4). FULL states at the replay point and on hand-off; a restored one is never
