@@ -296,6 +296,8 @@ class Engine:
         idle_s = self.cfg.engine.idle_save_s
         b, admission = self.board, self.admission
         while True:
+            if not b.active and self.pool is not None:
+                self.pool.hold_writes(False)  # idle: the disk writer goes on
             with b.cv:
                 while not b.active and not admission.ready() and not b.stopping:
                     if not b.cv.wait(timeout=idle_s or None) and idle_s:

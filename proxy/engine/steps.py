@@ -115,6 +115,8 @@ class Stepper:
 
     def run(self, active: list[Entry]) -> None:
         """One step of the active requests (or a lone stream's run of them)."""
+        if self.p.pool is not None:  # checkpoints are written once no prompt is prefilling
+            self.p.pool.hold_writes(any(job.prefilling and not job.done for job, _ in active))
         if len(active) == 1 and self._alone(active[0][0]):
             self._decode_alone(*active[0])
         elif active:

@@ -272,6 +272,11 @@ class CheckpointPool:
             e.remove(entry_id)
             return True
 
+    def hold_writes(self, on: bool) -> None:
+        """The engine prefills (``on``): the disk writer waits until it stops (at most
+        ``writer.HOLD_MAX_S``), so a checkpoint's write takes no core from the prefill."""
+        self._writer.hold(on)
+
     def flush(self) -> int:
         """Wait until every FULL entry held only in RAM is on disk; returns how many
         of them were written while this call waited (by it or by the writer)."""

@@ -6,12 +6,19 @@ reserves its files on disk), writes the files with the lock released, then publi
 them under the lock again. One thread drains the queue (``Entries.queue``: ids, never
 bytes), started by the first id. A state RAM evicts before the disk has it is kept for
 the writer, "spilled" (its bytes doomed in RAM and counted there until written).
+
+While the engine prefills, the writer holds its queue (``hold``): a write's MAC,
+compression and copies take a core from the prefill beside it, and a prefill's
+checkpoints would otherwise be written during the prefill that saves them. It writes
+again once the engine stops prefilling, at the latest ``HOLD_MAX_S`` after the hold
+began, at once while RAM spills states to it, and whenever ``flush`` or ``stop`` asks.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +33,10 @@ from statecache.tiers.disk import DiskTier
 from statecache.tiers.rampages import Pin
 
 log = logging.getLogger(__name__)
+
+# the longest the writer holds its queue for one prefill: a process killed during a
+# longer one still finds the checkpoints saved before that on disk
+HOLD_MAX_S = 120.0
 
 
 @dataclass(slots=True, eq=False)
@@ -48,6 +59,8 @@ class DiskWriter:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.failed = False
+        self._held_since: float | None = None  # when the engine's prefill began (hold)
+        self._flushing = 0  # flush calls waiting: they write whatever the hold says
 
     @property
     def usable(self) -> bool:
@@ -57,6 +70,22 @@ class DiskWriter:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self.failed
+
+    def hold(self, on: bool) -> None:
+        """The engine prefills (``on``) or no longer does: the queue waits meanwhile."""
+        if on == (self._held_since is not None):
+            return
+        with self.e.cond:
+            self._held_since = time.monotonic() if on else None
+            if not on:
+                self.e.cond.notify_all()
+
+    def _held_for(self) -> float:
+        """How much longer the queue waits (lock held): 0 when it is written now."""
+        since = self._held_since
+        if since is None or self._stopping or self._flushing or self.e.spilling:
+            return 0.0
+        return max(since + HOLD_MAX_S - time.monotonic(), 0.0)
 
     def dirty(self, entry: Entry) -> bool:
         """A FULL state in memory that the disk lacks and may take."""
@@ -213,6 +242,17 @@ class DiskWriter:
         with e.cond:
             if e.disk is None:
                 return 0
+            self._flushing += 1
+            e.cond.notify_all()
+        try:
+            return self._flush()
+        finally:
+            with e.cond:
+                self._flushing -= 1
+
+    def _flush(self) -> int:
+        e = self.e
+        with e.cond:
             dirty = [i for i, entry in e.entries.items() if self.dirty(entry)]
             for entry_id in dirty:
                 if entry_id not in e.writing:
@@ -245,8 +285,11 @@ class DiskWriter:
         try:
             while True:
                 with e.cond:
-                    while not e.queue and not self._stopping:
-                        e.cond.wait()
+                    while not self._stopping:
+                        left = self._held_for() if e.queue else None
+                        if left == 0:
+                            break
+                        e.cond.wait(left)  # nothing queued, or the engine prefills
                     if not e.queue:
                         return
                     entry_id, _ = e.queue.popitem(last=False)

@@ -109,6 +109,43 @@ def test_the_writer_yields_the_cores_to_the_engine(make_pool: PoolFactory) -> No
     assert mine == os.getpriority(os.PRIO_PROCESS, 0)  # the caller's own thread is untouched
 
 
+def test_the_writer_waits_while_the_engine_prefills(
+    make_pool: PoolFactory, monkeypatch: Any
+) -> None:
+    # a write's MAC and copies would take a core from the prefill that saved the state:
+    # while the engine says it prefills, the queue waits (HOLD_MAX_S at most), unless
+    # flush asks or RAM spills states to the writer
+    import statecache.pool.writer as writer
+
+    budget = 2 * (148 + REST_HEAD_BYTES)  # two states of 64 bytes (as below)
+    pool = make_pool(ram=budget)
+    pool.hold_writes(True)
+    a = put(pool, [0] + T, b"a" * 64)
+    time.sleep(0.3)
+    assert a.id not in on_disk(pool)  # held: 120 s is far off
+    pool.hold_writes(False)
+    assert wait_for(lambda: a.id in on_disk(pool))
+
+    pool.hold_writes(True)
+    b = put(pool, [1] + T, b"b" * 64)
+    assert answers(pool.flush, within=20) and b.id in on_disk(pool)  # flush writes now
+
+    c = put(pool, [2] + T, b"c" * 64)  # evicts a, b: on disk already, nothing spills
+    d = put(pool, [3] + T, b"d" * 64)
+    time.sleep(0.3)
+    assert not {c.id, d.id} & on_disk(pool) and pool.stats().counts.spills == 0
+    put(pool, [5] + T, b"f" * 64)  # evicts c, which the disk lacks: spilled, so written
+    assert wait_for(lambda: c.id in on_disk(pool))
+    assert pool.stats().counts.spills == 1
+
+    monkeypatch.setattr(writer, "HOLD_MAX_S", 0.5)  # a hold ends by itself
+    pool.hold_writes(False)
+    pool.hold_writes(True)
+    e = put(pool, [4] + T, b"e" * 64)
+    assert wait_for(lambda: e.id in on_disk(pool))
+    pool.sanity_check()
+
+
 CHILD = textwrap.dedent("""
     import os, signal, sys, time
     from statecache.config import CacheConfig
