@@ -12,7 +12,13 @@ steps and the time its checkpoints took. Variants:
 - ``share-grid``: ``cache.share_grid_tokens = 512`` (share points moved onto the steps'
   grid, where the memory publishes PARTIAL states: a hybrid, a window-sized SWA cache);
 - ``no-disk``, ``no-compress``: ``cache.disk_enabled = false``, ``cache.compress_level =
-  0`` (whether the disk writer's threads slow the prefill beside them).
+  0`` (whether the disk writer's threads slow the prefill beside them);
+- ``no-periodic``, ``no-periodic-no-disk``: ``cache.periodic_pages = 0`` (no periodic
+  checkpoints: inside Claude Code's first turn they are FULL states), without the disk.
+
+Each line ends with the CPU time the server's threads other than its two busiest (the
+engine's and ggml's, at 2 threads) ran during the request: the disk writer's, the event
+loop's.
 
 ``--swa-window`` runs statecache's variants with ``model.swa_full = false``.
 
@@ -36,6 +42,8 @@ VARIANTS = {  # name: (system, [cache] keys, serve flags)
     "share-grid": ("statecache", "share_grid_tokens = 512\n", ()),
     "no-disk": ("statecache", "disk_enabled = false\n", ()),
     "no-compress": ("statecache", "compress_level = 0\n", ()),
+    "no-periodic": ("statecache", "periodic_pages = 0\n", ()),
+    "no-periodic-no-disk": ("statecache", "periodic_pages = 0\ndisk_enabled = false\n", ()),
 }
 
 
@@ -63,13 +71,16 @@ def main(argv: list[str] | None = None) -> int:
                          extra_args=flags, tag=f"-cold-r{r}",
                          model_config="swa_full = false\n" if ours and a.swa_window else ""
                          ) as srv:
+                before = srv.thread_cpu_ns()
                 status, ttft, _, err = send(srv.url, cold, peer=not ours)
+                ran = sorted(ns - before.get(tid, 0) for tid, ns in srv.thread_cpu_ns().items())
                 line = f"r{r} {name}: {status} TTFT {ttft:.2f} s"
                 if ours:
                     ph = last_record(srv).get("phases_ms", {})
                     line += (f", llama_decode {ph.get('llama_decode', 0) / 1000:.2f} s in "
                              f"{ph.get('prefill_steps')} steps, checkpoints "
                              f"{ph.get('checkpoints', 0):.0f} ms")
+                line += f"; other threads {sum(ran[:-2]) / 1e9:.2f} s CPU"
                 print(line + (f" ({err})" if err else ""), flush=True)
     return 0
 

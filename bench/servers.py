@@ -66,15 +66,19 @@ class Server:
 
     def cpu_ns(self) -> int:
         """CPU time the server's threads have run, in ns (their schedstat), 0 if gone."""
-        total = 0
+        return sum(self.thread_cpu_ns().values())
+
+    def thread_cpu_ns(self) -> dict[int, int]:
+        """Each of the server's threads (by id) to the CPU time it has run, in ns."""
+        out: dict[int, int] = {}
         try:
             for task in os.listdir(f"/proc/{self.proc.pid}/task"):
                 with contextlib.suppress(OSError, ValueError, IndexError):
-                    total += int(Path(f"/proc/{self.proc.pid}/task/{task}/schedstat")
-                                 .read_text().split()[0])
+                    out[int(task)] = int(Path(f"/proc/{self.proc.pid}/task/{task}/schedstat")
+                                         .read_text().split()[0])
         except OSError:
-            return 0
-        return total
+            return {}
+        return out
 
     def metrics(self) -> dict[str, float]:
         """statecache's ``/metrics``: each sample's name (with its labels) to its value."""
