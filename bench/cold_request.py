@@ -18,18 +18,29 @@ steps and the time its checkpoints took. Variants:
 
 Each line ends with the CPU time the server's threads other than its two busiest (the
 engine's and ggml's, at 2 threads) ran during the request: the disk writer's, the event
-loop's.
+loop's. At the end, a table of the prefill's time by depth, in bands of ``--band`` tokens,
+the median over the repeats (a step's time shared by its tokens among the bands they lie
+in): statecache's from its steps (``GET /admin/requests``'s
+``steps_ms``, inside ``llama_decode``), llama-server's from its log (its progress lines, to
+10 ms), so a gap shows where in the prompt it lies.
 
 ``--swa-window`` runs statecache's variants with ``model.swa_full = false``.
 
     python -m bench.cold_request --repeats 2                    # every SWA cell kept
     python -m bench.cold_request --repeats 2 --swa-window \\
         --variants llama-server,statecache,no-cache,share-grid
+    python -m bench.cold_request --repeats 3 --swa-window --variants no-cache,statecache \\
+        --band 2048 --json results/cold-steps.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from bench.replay import FIXTURES, MODELS, STATECACHE_CONFIG, last_record, load, model_spec, send
@@ -54,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="llama-server,statecache,no-cache")
     ap.add_argument("--swa-window", action="store_true", help="model.swa_full = false")
     ap.add_argument("--log-dir", type=Path, default=ROOT / "results" / "logs")
+    ap.add_argument("--band", type=int, default=4096, help="tokens a row of the depth table")
+    ap.add_argument("--json", type=Path, help="write each run's steps here")
     a = ap.parse_args(argv)
     names = a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -62,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     fx = load(FIXTURES / f"{a.fixture}.jsonl.zst")
     cold = next(r for r in fx.requests if r.kind == "cold")
     spec, n_ctx = model_spec(fx.model), MODELS[fx.model][0]
+    bands: dict[str, list[dict[int, float]]] = {n: [] for n in names}
+    steps: dict[str, list[list[tuple[int, int, float]]]] = {n: [] for n in names}
     for r in range(a.repeats):
         for name in names:
             system, cache_keys, flags = VARIANTS[name]
@@ -76,13 +91,68 @@ def main(argv: list[str] | None = None) -> int:
                 ran = sorted(ns - before.get(tid, 0) for tid, ns in srv.thread_cpu_ns().items())
                 line = f"r{r} {name}: {status} TTFT {ttft:.2f} s"
                 if ours:
-                    ph = last_record(srv).get("phases_ms", {})
+                    rec = last_record(srv)
+                    steps[name].append([(p, n, ms / 1000) for p, n, ms
+                                        in rec.get("steps_ms", [])])
+                    ph = rec.get("phases_ms", {})
                     line += (f", llama_decode {ph.get('llama_decode', 0) / 1000:.2f} s in "
                              f"{ph.get('prefill_steps')} steps, checkpoints "
                              f"{ph.get('checkpoints', 0):.0f} ms")
                 line += f"; other threads {sum(ran[:-2]) / 1e9:.2f} s CPU"
                 print(line + (f" ({err})" if err else ""), flush=True)
+            if not ours:
+                steps[name].append(llama_server_steps(srv.log_path))
+            bands[name].append(by_band(steps[name][-1], a.band))
+    if a.json:
+        a.json.write_text(json.dumps({"command": " ".join(sys.argv), "steps": steps}))
+    print()
+    print("\n".join(depth_table(bands, a.band)))
     return 0
+
+
+_PROGRESS = re.compile(r"prompt processing, n_tokens = +(\d+),.* t = +([\d.]+) s")
+
+
+def llama_server_steps(log: Path) -> list[tuple[int, int, float]]:
+    """llama-server's prefill of the first request in ``log`` as (first position, tokens,
+    seconds) between its progress lines (to 10 ms: it prints seconds to two places)."""
+    out: list[tuple[int, int, float]] = []
+    pos, t = 0, 0.0
+    for line in log.read_text(errors="replace").splitlines():
+        if "task 0 " not in line:
+            continue
+        m = _PROGRESS.search(line)
+        if m:
+            end, at = int(m[1]), float(m[2])
+            out.append((pos, end - pos, at - t))
+            pos, t = end, at
+    return out
+
+
+def by_band(steps: Iterable[tuple[int, int, float]], band: int) -> dict[int, float]:
+    """Seconds by band of ``band`` tokens, each step's time shared among the bands its
+    tokens lie in (so prefills whose steps start at other positions compare)."""
+    out: dict[int, float] = {}
+    for pos, n, s in steps:
+        for b in range(pos // band, (pos + n - 1) // band + 1):
+            inside = min(pos + n, (b + 1) * band) - max(pos, b * band)
+            out[b] = out.get(b, 0.0) + s * inside / n
+    return out
+
+
+def depth_table(bands: dict[str, list[dict[int, float]]], band: int) -> list[str]:
+    """Markdown: the median seconds of each band by variant, over the repeats."""
+    names = [n for n, runs in bands.items() if runs]
+    rows = sorted({b for runs in bands.values() for run in runs for b in run})
+    lines = ["| steps starting at | " + " | ".join(names) + " |",
+             "|---|" + "---:|" * len(names)]
+    for b in rows:
+        cells = [f"{statistics.median(run.get(b, 0.0) for run in bands[n]):.2f}"
+                 for n in names]
+        lines.append(f"| {b * band:,} | " + " | ".join(cells) + " |")
+    totals = [f"{statistics.median(sum(run.values()) for run in bands[n]):.2f}" for n in names]
+    lines.append("| all | " + " | ".join(totals) + " |")
+    return lines
 
 
 if __name__ == "__main__":

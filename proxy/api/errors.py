@@ -121,7 +121,10 @@ def _record(request: web.Request, status: int) -> dict[str, Any]:
                    # the exact path: what a cold server computes, bit for bit (docs/exact.md)
                    exact=not fin.stats.breaks, exact_breaks=list(fin.stats.breaks),
                    # where the TTFT went, in ms: outside_ms is all but llama_decode's part
-                   outside_ms=_ms(fin.stats.outside_s), phases_ms=_phases(fin.stats))
+                   outside_ms=_ms(fin.stats.outside_s), phases_ms=_phases(fin.stats),
+                   # each prefill step before the first token: [its first position, its
+                   # tokens, ms inside llama_decode] (how a step's size sets its cost)
+                   steps_ms=[[p, n, _ms(t)] for p, n, t in fin.stats.step_log])
     return out
 
 

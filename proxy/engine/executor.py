@@ -21,7 +21,7 @@ from proxy.engine.job import NONE, Job, StepDrafts, Work
 from proxy.engine.lanes import Lane, LaneSet
 from proxy.engine.publishing import Publisher
 from proxy.engine.speculation import Speculation
-from proxy.engine.types import BATCHED, DRAFTED, OFF_GRID
+from proxy.engine.types import BATCHED, DRAFTED, OFF_GRID, STEP_LOG_MAX
 from statecache.records import Kind, Role
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,10 @@ class Executor:
         dt = time.perf_counter() - t0
         for w in works:  # what the requests before their first token waited in llama_decode
             if not w.job.out.t_first:
-                w.job.stats.decode_s += dt
+                st = w.job.stats
+                st.decode_s += dt
+                if w.job.prefilling and len(st.step_log) < STEP_LOG_MAX:
+                    st.step_log.append((w.pos0, w.n, dt))
         alone = self._alone = len(works) == 1
         for w in works:
             if not alone:

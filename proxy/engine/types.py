@@ -161,6 +161,9 @@ class TokenEvent:
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
+STEP_LOG_MAX = 512  # prefill steps a request's record lists, at most (262,144 tokens)
+
+
 @dataclass(slots=True)
 class RequestStats:
     lane: int = -1
@@ -178,6 +181,9 @@ class RequestStats:
     plan_s: float = 0.0  # admission: planning, hand-off and restore together
     prefill_s: float = 0.0  # from admission to the first token
     prefill_steps: int = 0
+    # each prefill step before the first token: (its first position, its tokens, seconds
+    # inside llama_decode), the first STEP_LOG_MAX of them (GET /admin/requests)
+    step_log: list[tuple[int, int, float]] = field(default_factory=list)
     publish_s: float = 0.0  # saving checkpoints during prefill
     checkpoints_added: int = 0
     checkpoint_bytes: int = 0

@@ -36,6 +36,17 @@ async def test_the_time_outside_llama_decode_is_the_ttft_less_the_decodes(
         assert rec["outside_ms"] == pytest.approx(1000 * rec["ttft_s"] - ph["llama_decode"],
                                                   abs=0.2)
     assert cold["phases_ms"]["llama_decode"] > 0 and cold["phases_ms"]["prefill_steps"] >= 1
+    # step by step: one row a prefill step, which together make its prefill and its
+    # time inside llama_decode
+    steps = cold["steps_ms"]
+    assert len(steps) == cold["phases_ms"]["prefill_steps"]
+    start = cold["prompt_tokens"] - cold["prefilled"]
+    assert [p for p, _, _ in steps] == [start + sum(n for _, n, _ in steps[:i])
+                                        for i in range(len(steps))]
+    assert sum(n for _, n, _ in steps) == cold["prefilled"]
+    assert sum(ms for _, _, ms in steps) == pytest.approx(cold["phases_ms"]["llama_decode"],
+                                                          abs=0.01 * len(steps))
+    assert again["steps_ms"] == []
     # the repeat starts from the state at the prompt's end, with its logits: no decode
     assert again["prefilled"] == 0 and again["phases_ms"]["llama_decode"] == 0
     assert again["outside_ms"] == pytest.approx(1000 * again["ttft_s"], abs=0.2)
