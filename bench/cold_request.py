@@ -14,7 +14,8 @@ steps and the time its checkpoints took. Variants:
 - ``no-disk``, ``no-compress``: ``cache.disk_enabled = false``, ``cache.compress_level =
   0`` (whether the disk writer's threads slow the prefill beside them);
 - ``no-periodic``, ``no-periodic-no-disk``: ``cache.periodic_pages = 0`` (no periodic
-  checkpoints: inside Claude Code's first turn they are FULL states), without the disk.
+  checkpoints: inside Claude Code's first turn they are FULL states), without the disk;
+- ``exact``: ``cache.exact = true`` (every step and checkpoint on the grid of 512).
 
 Each line ends with the CPU time the server's threads other than its two busiest (the
 engine's and ggml's, at 2 threads) ran during the request: the disk writer's, the event
@@ -26,16 +27,29 @@ in): statecache's from its steps (``GET /admin/requests``'s
 
 ``--swa-window`` runs statecache's variants with ``model.swa_full = false``.
 
+``--in-process`` compares inside one statecache server instead of across fresh ones: each
+repeat sends the cold request twice, in turn, once as it is and once with llama-server's
+``"cache_prompt": false`` (no checkpoints, every step on the grid: what ``--no-cache``
+does, docs/api.md), to a server configured as the first of ``--variants`` that is
+statecache's. Both start their system prompt with the repeat's own line, so
+neither reuses anything. What differs between the two is only what the cache does for
+one request; what a process does differently from another (where its buffers lie, what
+ran before) is the same for both. It prints each pair's ratio of the time inside
+``llama_decode`` and of the TTFT (cache ÷ no cache), their medians and a 95% confidence
+interval (6 repeats or more).
+
     python -m bench.cold_request --repeats 2                    # every SWA cell kept
     python -m bench.cold_request --repeats 2 --swa-window \\
         --variants llama-server,statecache,no-cache,share-grid
     python -m bench.cold_request --repeats 3 --swa-window --variants no-cache,statecache \\
         --band 2048 --json results/cold-steps.json
+    python -m bench.cold_request --in-process --repeats 6 --swa-window
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import statistics
@@ -43,8 +57,19 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from bench.replay import FIXTURES, MODELS, STATECACHE_CONFIG, last_record, load, model_spec, send
-from bench.servers import ROOT, running
+from bench.batching import wait_quiet
+from bench.paired import median_ci
+from bench.replay import (
+    FIXTURES,
+    MODELS,
+    STATECACHE_CONFIG,
+    Sent,
+    last_record,
+    load,
+    model_spec,
+    send,
+)
+from bench.servers import ROOT, ModelSpec, running
 
 VARIANTS = {  # name: (system, [cache] keys, serve flags)
     "llama-server": ("llama-server", "", ()),
@@ -55,6 +80,7 @@ VARIANTS = {  # name: (system, [cache] keys, serve flags)
     "no-compress": ("statecache", "compress_level = 0\n", ()),
     "no-periodic": ("statecache", "periodic_pages = 0\n", ()),
     "no-periodic-no-disk": ("statecache", "periodic_pages = 0\ndisk_enabled = false\n", ()),
+    "exact": ("statecache", "exact = true\n", ()),
 }
 
 
@@ -67,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", type=Path, default=ROOT / "results" / "logs")
     ap.add_argument("--band", type=int, default=4096, help="tokens a row of the depth table")
     ap.add_argument("--json", type=Path, help="write each run's steps here")
+    ap.add_argument("--in-process", action="store_true",
+                    help="one statecache server: the request with and without the cache")
     a = ap.parse_args(argv)
     names = a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -75,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     fx = load(FIXTURES / f"{a.fixture}.jsonl.zst")
     cold = next(r for r in fx.requests if r.kind == "cold")
     spec, n_ctx = model_spec(fx.model), MODELS[fx.model][0]
-    bands: dict[str, list[dict[int, float]]] = {n: [] for n in names}
+    if a.in_process:
+        return in_process(cold, spec, n_ctx, a)
     steps: dict[str, list[list[tuple[int, int, float]]]] = {n: [] for n in names}
     for r in range(a.repeats):
         for name in names:
@@ -102,12 +131,83 @@ def main(argv: list[str] | None = None) -> int:
                 print(line + (f" ({err})" if err else ""), flush=True)
             if not ours:
                 steps[name].append(llama_server_steps(srv.log_path))
-            bands[name].append(by_band(steps[name][-1], a.band))
     if a.json:
         a.json.write_text(json.dumps({"command": " ".join(sys.argv), "steps": steps}))
+    bands = {n: [by_band(run, a.band) for run in runs] for n, runs in steps.items()}
     print()
     print("\n".join(depth_table(bands, a.band)))
     return 0
+
+
+def in_process(cold: Sent, spec: ModelSpec, n_ctx: int, a: argparse.Namespace) -> int:
+    """``--in-process``: the pairs in one server, and their ratios."""
+    names = ("cache", "no cache")
+    ratios: dict[str, list[float]] = {"llama_decode": [], "TTFT": []}
+    steps: dict[str, list[list[tuple[int, int, float]]]] = {n: [] for n in names}
+    variant = next((n for n in a.variants.split(",") if VARIANTS[n][0] == "statecache"
+                    and "--no-cache" not in VARIANTS[n][2]), "statecache")
+    _, cache_keys, flags = VARIANTS[variant]
+    print(f"statecache as in variant {variant!r}", flush=True)
+    with running("statecache", spec, n_ctx=n_ctx, lanes=2, log_dir=a.log_dir,
+                 extra_config=cache_keys + STATECACHE_CONFIG, extra_args=flags,
+                 tag=f"-cold-in-process-{variant}",
+                 model_config="swa_full = false\n" if a.swa_window else "") as srv:
+        for r in range(a.repeats):
+            took: dict[str, tuple[float, float]] = {}
+            for name in names if r % 2 == 0 else names[::-1]:
+                wait_quiet([srv.proc.pid])
+                req = with_line(cold, f"Run {r}.", cache=name == "cache")
+                status, ttft, usage, err = send(srv.url, req)
+                rec = last_record(srv)
+                ph = rec.get("phases_ms", {})
+                decode_s = ph.get("llama_decode", 0) / 1000
+                steps[name].append([(p, n, ms / 1000) for p, n, ms in rec.get("steps_ms", [])])
+                took[name] = (decode_s, ttft)
+                print(f"r{r} {name}: {status} TTFT {ttft:.2f} s, llama_decode {decode_s:.2f} s "
+                      f"in {ph.get('prefill_steps')} steps, checkpoints "
+                      f"{ph.get('checkpoints', 0):.0f} ms, reused {usage.get('cached', 0)}"
+                      + (f" ({err})" if err else ""), flush=True)
+            for i, key in enumerate(ratios):
+                if took["no cache"][i] > 0:
+                    ratios[key].append(took["cache"][i] / took["no cache"][i])
+    if a.json:
+        a.json.write_text(json.dumps({"command": " ".join(sys.argv), "steps": steps,
+                                      "ratios": ratios}))
+    print()
+    for key, xs in ratios.items():
+        ci = median_ci(xs)
+        print(f"cache ÷ no cache, {key}: median {statistics.median(xs):.3f}"
+              + (f" (95% CI {ci[0]:.3f} to {ci[1]:.3f})" if ci else " (too few repeats for a CI)")
+              + f", pairs {', '.join(f'{x:.3f}' for x in xs)}")
+    bands = {n: [by_band(run, a.band) for run in runs] for n, runs in steps.items()}
+    print()
+    print("\n".join(depth_table(bands, a.band)))
+    return 0
+
+
+def with_line(req: Sent, line: str, *, cache: bool) -> Sent:
+    """``req`` with ``line`` on a line of its own before its system prompt or
+    instructions (before its first message where it has neither), and
+    ``"cache_prompt": false`` unless ``cache``."""
+    body = json.loads(req.body)
+    system = body.get("system")
+    if isinstance(body.get("instructions"), str):  # Responses
+        body["instructions"] = f"{line}\n{body['instructions']}"
+    elif isinstance(system, str):
+        body["system"] = f"{line}\n{system}"
+    elif isinstance(system, list) and system and isinstance(system[0].get("text"), str):
+        system[0]["text"] = f"{line}\n{system[0]['text']}"
+    else:  # the first message's first text: a chat's or Responses' input
+        first = (body.get("messages") or body["input"])[0]
+        if isinstance(first.get("content"), str):
+            first["content"] = f"{line}\n{first['content']}"
+        else:
+            part = next(c for c in first["content"] if isinstance(c.get("text"), str))
+            part["text"] = f"{line}\n{part['text']}"
+    if not cache:
+        body["cache_prompt"] = False
+    headers = tuple((k, v) for k, v in req.headers if k.lower() != "content-length")
+    return dataclasses.replace(req, headers=headers, body=json.dumps(body).encode())
 
 
 _PROGRESS = re.compile(r"prompt processing, n_tokens = +(\d+),.* t = +([\d.]+) s")

@@ -58,7 +58,7 @@ from proxy.api.fields import (
     session_key,
     template_kwargs,
 )
-from proxy.api.sampling import grammar_fields
+from proxy.api.sampling import engine_fields, grammar_fields
 from proxy.api.structured import constrained, constraint, json_format, spec
 from proxy.api.thinking import anthropic_thinking
 from proxy.engine.types import SamplingParams
@@ -157,7 +157,7 @@ def _sampling(body: Mapping[str, Any], need_max_tokens: bool
     top_p = opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
     return SamplingParams(temperature=temperature, top_p=top_p,
                           top_k=opt_int(body, "top_k", lo=0), stop=_stop_sequences(body),
-                          speculative=opt_bool(body, "speculative"),
+                          **engine_fields(body),
                           **grammar_fields(body)), max_tokens
 
 

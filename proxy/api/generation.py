@@ -156,16 +156,22 @@ def generation(request: web.Request, tokens: Sequence[int] | np.ndarray,
     """The engine's request: ids prefixed ``prefix``; a context-length error names
     ``param``; ``seen``: the conversation, remembered once replied (miss reasons)."""
     release(request)  # the prompt is tokenized: the next request may be parsed
+    use_cache = sampling.cache_prompt is not False
+    if not use_cache and asked == 0:
+        raise ApiError("a pre-warm ('max_tokens': 0) with 'cache_prompt': false would "
+                       "cache nothing", "cache_prompt")
     max_tokens = max_tokens_for(request.app[ENGINE].n_ctx, len(tokens), asked, param,
                                 request.app[LIMITS].default_max_tokens)
     divergence = None
     if seen is not None:  # where it leaves what was sent before (the engine reports misses)
         divergence = request.app[SEEN].divergence(seen)
-        request[CONVERSATION] = seen
+        if use_cache:  # a request served cold leaves nothing that a later one could miss
+            request[CONVERSATION] = seen
     gen = GenerationRequest(request_id=f"{prefix}-{secrets.token_hex(12)}",
                             prompt_tokens=tokens if isinstance(tokens, np.ndarray)
                             else tuple(tokens), sampling=to_params(sampling, max_tokens),
-                            tenant=tenant, history_tokens=history, divergence=divergence,
+                            tenant=tenant, use_cache=use_cache, history_tokens=history,
+                            divergence=divergence,
                             share_points=share_points, breakpoints=breakpoints,
                             session=session, intake=intake)
     if divergence is not None:

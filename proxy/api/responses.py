@@ -60,7 +60,7 @@ from proxy.api.fields import (
     session_key,
     template_kwargs,
 )
-from proxy.api.sampling import grammar_fields
+from proxy.api.sampling import engine_fields, grammar_fields
 from proxy.api.structured import constrained, constraint, json_format, spec
 from proxy.api.thinking import from_effort
 from proxy.engine.types import SamplingParams
@@ -308,7 +308,7 @@ def _sampling(body: Mapping[str, Any]) -> tuple[SamplingParams, int | None]:
     top_p = opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
     max_tokens = opt_int(body, "max_output_tokens", lo=0)  # 0: pre-warm
     return SamplingParams(temperature=temperature, top_p=top_p,
-                          speculative=opt_bool(body, "speculative"),
+                          **engine_fields(body),
                           **grammar_fields(body)), max_tokens
 
 

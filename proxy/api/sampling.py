@@ -16,6 +16,8 @@ config's value, or the model's own recommendation in its GGUF.
 - A ``temperature`` above 0 but below ``MIN_TEMPERATURE`` is greedy: dividing logits
   by it would overflow, and sampling at it is greedy in effect (every API's, in
   ``to_params``).
+- ``speculative`` and llama-server's ``cache_prompt`` are not sampling but ride along
+  (``engine_fields``): how the engine serves the request, read the same on every API.
 - Fields that would not act are refused by name (400) when set to anything but their
   default: llama-server's ``mirostat``, ``ignore_eos``, ``n_probs``, ``top_n_sigma``,
   ``dynatemp_range``, ``samplers``.
@@ -80,7 +82,7 @@ def parse_sampling(body: Mapping[str, Any]) -> tuple[SamplingParams, int | None]
         seed=_seed(body),
         stop=_stop(body),
         logit_bias=_logit_bias(body),
-        speculative=opt_bool(body, "speculative"),
+        **engine_fields(body),
         **grammar_fields(body),
     )
     return sampling, max_completion if max_completion is not None else max_tokens
@@ -155,6 +157,14 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
                            f"got {bias!r} for token {key}", "logit_bias")
         out.append((int(key), float(bias)))
     return tuple(out)
+
+
+def engine_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields every API reads that say how the engine serves the request, not what
+    it samples: ``speculative`` (False: no drafting) and llama-server's ``cache_prompt``
+    (False: nothing cached is reused and nothing is left cached)."""
+    return {"speculative": opt_bool(body, "speculative"),
+            "cache_prompt": opt_bool(body, "cache_prompt")}
 
 
 def grammar_fields(body: Mapping[str, Any]) -> dict[str, Any]:

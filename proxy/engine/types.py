@@ -41,6 +41,8 @@ class SamplingParams:
     # most tokens the reply may spend inside ``reasoning`` before its closer is forced
     reasoning_budget: int | None = None
     speculative: bool | None = None  # False: no drafting for this request
+    # False (llama-server's field): this request reuses no cached state and leaves none
+    cache_prompt: bool | None = None
 
     @property
     def greedy(self) -> bool:

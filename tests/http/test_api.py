@@ -112,6 +112,48 @@ async def test_chat_stream_equals_non_stream_and_reports_usage(
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens
 
 
+async def test_cache_prompt_false_reuses_and_leaves_nothing(hybrid_path: Path,
+                                                             tmp_path: Path) -> None:
+    """llama-server's ``cache_prompt: false``: served cold, whatever is cached, and
+    nothing left cached for the next request (on every API)."""
+    def long(topic: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": " ".join(
+            f"Note {i} about {topic}: keep it short." for i in range(24))}]
+
+    async def chat(messages: list[dict[str, str]], **extra: object) -> int:
+        r = await srv.client.chat.completions.create(
+            model="x", messages=messages, max_tokens=4, temperature=0,  # type: ignore[arg-type]
+            extra_body=extra or None)
+        assert r.usage is not None and r.usage.prompt_tokens > 128
+        return (r.usage.prompt_tokens_details.cached_tokens or 0) \
+            if r.usage.prompt_tokens_details else 0
+
+    async with serve(hybrid_path, tmp_path / "ckpt") as srv, aiohttp.ClientSession() as http:
+        first = long("apples")
+        assert await chat(first) == 0
+        assert await chat(first) > 64  # the cache serves this prompt
+        assert await chat(first, cache_prompt=False) == 0
+        assert await chat(first, cache_prompt=True) > 64
+        other = long("pears")
+        assert await chat(other, cache_prompt=False) == 0
+        assert await chat(other) == 0  # the cold request left nothing to reuse
+        async with http.get(srv.url + "/admin/misses") as r:
+            causes = [m["cause"] for m in (await r.json())["misses"]]
+        # the one miss is the cold request's own: a cold request is not remembered, so
+        # the next one, which found nothing, did not miss anything it had reason to find
+        assert causes == ["cache off"]
+        body = {"model": "x", "max_tokens": 4, "messages": first, "cache_prompt": False}
+        async with http.post(srv.url + "/v1/messages", json=body) as r:
+            assert r.status == 200, await r.text()
+            usage = (await r.json())["usage"]
+        assert usage["cache_read_input_tokens"] == 0 and usage["input_tokens"] > 128
+        for bad in ({"cache_prompt": "no"}, {"cache_prompt": False, "max_tokens": 0}):
+            async with http.post(srv.url + "/v1/chat/completions",
+                                 json={"model": "x", "messages": HELLO, **bad}) as r:
+                assert r.status == 400
+                assert (await r.json())["error"]["param"] == "cache_prompt"
+
+
 async def test_client_disconnect_stops_generation(
     hybrid_path: Path, tmp_path: Path, done_lines: DoneLines
 ) -> None:

@@ -3,11 +3,14 @@ in, and llama-server's prefill read back from its progress lines."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
 
-from bench.cold_request import by_band, depth_table, llama_server_steps
+from bench.cold_request import by_band, depth_table, llama_server_steps, with_line
+from bench.replay import STATECACHE_CONFIG, Sent
 
 _LINE = ("{t} I slot print_timing: id  1 | task {task} | prompt processing, n_tokens = {n:>6}, "
          "progress = 0.50, t = {s:>6} s / 400.00 tokens per second")
@@ -43,3 +46,38 @@ def test_the_table_has_a_row_a_band_and_the_medians() -> None:
     assert lines[2] == "| 0 | 2.00 | 1.50 |"
     assert lines[3] == "| 2,048 | 2.00 | 0.00 |"
     assert lines[4] == "| all | 5.00 | 1.50 |"
+
+
+def _sent(body: dict[str, object]) -> Sent:
+    raw = json.dumps(body).encode()
+    return Sent(0, "cold", "cold", "POST", "/v1/messages",
+                (("content-type", "application/json"), ("Content-Length", str(len(raw)))),
+                raw, b"")
+
+
+@pytest.mark.parametrize("body", [
+    {"system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1\nBe brief."}],
+     "messages": [{"role": "user", "content": "hi"}]},
+    {"system": "x-anthropic-billing-header: cc_version=1\nBe brief.",
+     "messages": [{"role": "user", "content": "hi"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+    {"input": [{"type": "message", "role": "developer",
+                "content": [{"type": "input_text", "text": "hi"}]}]},
+])
+def test_with_line_starts_the_prompt_and_asks_for_no_cache(body: dict[str, object]) -> None:
+    cached = with_line(_sent(body), "Run 3.", cache=True)
+    cold = json.loads(with_line(_sent(body), "Run 3.", cache=False).body)
+    got = json.loads(cached.body)
+    assert "cache_prompt" not in got and cold.pop("cache_prompt") is False
+    assert got == cold  # the pair sends the same prompt
+    text = json.dumps(got)
+    assert text.index("Run 3.") < text.index("hi")
+    assert all(k.lower() != "content-length" for k, _ in cached.headers)
+    # Claude Code's billing line still starts a line, so the server still strips it
+    pattern = re.search(r"pattern = '(.*)'", STATECACHE_CONFIG)
+    assert pattern is not None
+    system = got.get("system")
+    if system is not None:
+        first = system if isinstance(system, str) else system[0]["text"]
+        assert first.startswith("Run 3.\n")
+        assert re.sub(pattern[1], "", first) == "Run 3.\nBe brief."
