@@ -92,6 +92,17 @@ def _wait_shared(p: Proc, before: tuple[float, float]) -> None:
         time.sleep(0.1)
 
 
+def _wait_up(p: Proc) -> None:
+    """Until ``p`` found the store again by itself. A proxy that failed to reach the store
+    skips it for ``retry_s`` after its last failure (no lookup waits on a store that was
+    just down), so a request sent sooner is served without it, by design; its queued
+    writes try again when that time is up."""
+    deadline = time.monotonic() + 30
+    while p.metric("statecache_remote_up") != 1:
+        assert time.monotonic() < deadline, "the proxy never found the store again"
+        time.sleep(0.1)
+
+
 def _log(p: Proc) -> str:
     p.proc.terminate()
     return p.output()
@@ -186,10 +197,10 @@ async def test_store_killed_mid_session_then_restarted(
         before = _counts(a)
         t3 = await _turn(s, _client(a), user_message(2))
         _wait_shared(a, before)
+        _wait_up(b)  # its writes of the cold turn, queued while the store was down
         # B never held this conversation: it continues from what A wrote after the restart.
         t4 = await _turn(s, _client(b), user_message(3))
         assert t4.cached_tokens >= t3.prompt_tokens + t3.completion_tokens - PAGE, t4
-        assert b.metric("statecache_remote_up") == 1
         log_a = _log(a)
     assert log_a.count("serving from RAM and disk") == 1  # one warning for the outage
     assert "reachable again" in log_a
