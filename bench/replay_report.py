@@ -161,10 +161,15 @@ INTRO = ("`bench.replay`: what Claude Code, the Codex CLI and opencode sent "
          "request; each request greedy with a reply of one token.")
 
 
+COLD_TURN = ("What each change did to Claude Code's cold turn, commit by commit, and where "
+             "its time goes: [cold-turn.md](cold-turn.md) (by hand; `make bench` leaves it).")
+
+
 def section(data: dict[str, Any], command: str = "", note: str = "") -> list[str]:
     """The replay's section of docs/benchmarks.md (and of bench.run's report)."""
     said = f" `{command}`, {data.get('seconds', 0) / 60:.0f} min." if command else ""
-    return [TITLE, "", INTRO + said, "", *([note, ""] if note else []), *table(data), ""]
+    return [TITLE, "", INTRO + said, "", *([note, ""] if note else []), *table(data), "",
+            COLD_TURN, ""]
 
 
 def into_doc(doc: Path, data: dict[str, Any], command: str, note: str = "") -> None:
