@@ -273,9 +273,12 @@ class CheckpointPool:
             return True
 
     def hold_writes(self, on: bool) -> None:
-        """The engine prefills (``on``): the disk writer waits until it stops (at most
-        ``writer.HOLD_MAX_S``), so a checkpoint's write takes no core from the prefill."""
+        """The engine prefills (``on``): the disk writer and the shared store's wait until
+        it stops (at most ``tiers.background.HOLD_MAX_S``), so a checkpoint's write takes
+        no core from the prefill."""
         self._writer.hold(on)
+        if self._e.remote is not None:
+            self._e.remote.out.hold(on)
 
     def flush(self) -> int:
         """Wait until every FULL entry held only in RAM is on disk; returns how many

@@ -7,18 +7,16 @@ them under the lock again. One thread drains the queue (``Entries.queue``: ids, 
 bytes), started by the first id. A state RAM evicts before the disk has it is kept for
 the writer, "spilled" (its bytes doomed in RAM and counted there until written).
 
-While the engine prefills, the writer holds its queue (``hold``): a write's MAC,
-compression and copies take a core from the prefill beside it, and a prefill's
-checkpoints would otherwise be written during the prefill that saves them. It writes
-again once the engine stops prefilling, at the latest ``HOLD_MAX_S`` after the hold
-began, at once while RAM spills states to it, and whenever ``flush`` or ``stop`` asks.
+While the engine prefills, the writer holds its queue (``hold``,
+``tiers.background.PrefillHold``). It writes again once the engine stops prefilling, at
+the latest ``HOLD_MAX_S`` after the hold began, at once while RAM spills states to it,
+and whenever ``flush`` or ``stop`` asks.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,15 +26,11 @@ from statecache.kvpages import PageData, PageKey, page_nbytes
 from statecache.pool.entries import Entries, Entry, whole
 from statecache.records import CheckpointRecord, EntryStats, Kind
 from statecache.sizes import format_size
-from statecache.tiers.background import run_in_background
+from statecache.tiers.background import PrefillHold, run_in_background
 from statecache.tiers.disk import DiskTier
 from statecache.tiers.rampages import Pin
 
 log = logging.getLogger(__name__)
-
-# the longest the writer holds its queue for one prefill: a process killed during a
-# longer one still finds the checkpoints saved before that on disk
-HOLD_MAX_S = 120.0
 
 
 @dataclass(slots=True, eq=False)
@@ -59,7 +53,7 @@ class DiskWriter:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.failed = False
-        self._held_since: float | None = None  # when the engine's prefill began (hold)
+        self._hold = PrefillHold(e.cond)
         self._flushing = 0  # flush calls waiting: they write whatever the hold says
 
     @property
@@ -73,19 +67,13 @@ class DiskWriter:
 
     def hold(self, on: bool) -> None:
         """The engine prefills (``on``) or no longer does: the queue waits meanwhile."""
-        if on == (self._held_since is not None):
-            return
-        with self.e.cond:
-            self._held_since = time.monotonic() if on else None
-            if not on:
-                self.e.cond.notify_all()
+        self._hold.set(on)
 
     def _held_for(self) -> float:
         """How much longer the queue waits (lock held): 0 when it is written now."""
-        since = self._held_since
-        if since is None or self._stopping or self._flushing or self.e.spilling:
+        if self._stopping or self._flushing or self.e.spilling:
             return 0.0
-        return max(since + HOLD_MAX_S - time.monotonic(), 0.0)
+        return self._hold.left()
 
     def dirty(self, entry: Entry) -> bool:
         """A FULL state in memory that the disk lacks and may take."""

@@ -6,6 +6,11 @@ index field. Hits keep an entry alive (``touch``); entries that failed their che
 leave the index (``forget``); a header or page of ours proved bad is deleted if it still
 holds the bytes that failed (``delete``: a script compares their SHA-1 in the store).
 
+While the engine prefills, the queue waits (``hold``, as the disk writer's:
+``tiers.background.PrefillHold``), unless it holds more than half its bytes (a write
+dropped would cost more than its MAC and compression beside the prefill) or ``flush``
+(shutdown, tests) waits for it.
+
 A page is present when this proxy wrote it or verified its bytes once (``verified``,
 bounded), not when a key of its name exists: a write renews those (one round trip,
 which also tells a page gone since) and sends every other, so a page overwritten
@@ -41,7 +46,7 @@ from statecache.formats.remotefmt import (
 )
 from statecache.kvpages import PageKey
 from statecache.records import CheckpointRecord
-from statecache.tiers.background import run_in_background
+from statecache.tiers.background import PrefillHold, run_in_background
 from statecache.tiers.remotelink import Link
 
 log = logging.getLogger(__name__)
@@ -81,6 +86,8 @@ class Outgoing:
         self._queued_pages: collections.Counter[PageKey] = collections.Counter()
         self._stopping = False
         self._busy = False  # the thread holds a job it took from the queue
+        self._hold = PrefillHold(link.lock)
+        self._flushing = 0  # flush calls waiting: the queue goes out whatever the hold says
         self._thread = threading.Thread(target=self._loop, name="statecache-remote-writer",
                                         daemon=True)
         self._thread.start()
@@ -135,10 +142,24 @@ class Outgoing:
             if self._queued_pages[k] == 0:
                 del self._queued_pages[k]
 
+    def hold(self, on: bool) -> None:
+        """The engine prefills (``on``) or no longer does: the queue waits meanwhile."""
+        self._hold.set(on)
+
+    def _held_for(self) -> float:
+        """How much longer the queue waits for the engine (lock held): 0 to go now."""
+        if self._stopping or self._flushing or \
+                self._queued_bytes > self.link.cfg.queue_bytes // 2:
+            return 0.0
+        return self._hold.left()
+
     def _next(self) -> tuple[str, Any] | None:
         with self.link.lock:
             while True:
-                if self._jobs and (self.link.up or time.monotonic() >= self.link.retry_at):
+                link, now = self.link, time.monotonic()
+                down = 0.0 if link.up else max(link.retry_at - now, 0.0)
+                held = self._held_for() if self._jobs else 0.0
+                if self._jobs and not down and not held:
                     job = self._jobs.popleft()
                     if job[0] == "write":
                         self._count(job[1], -1)
@@ -146,8 +167,9 @@ class Outgoing:
                     return job
                 if self._stopping:
                     return None
-                link = self.link
-                wait = None if link.up or not self._jobs else link.retry_at - time.monotonic()
+                # nothing queued: until a job comes; else until the store may be tried
+                # again and the hold is over, whichever is later (each wakes the loop)
+                wait = max(down, held) if self._jobs else None
                 self.link.lock.wait(max(wait, 0.01) if wait is not None else None)
 
     def _loop(self) -> None:
@@ -278,12 +300,17 @@ class Outgoing:
         """Wait up to ``timeout`` s for queued jobs to go out (tests, shutdown)."""
         deadline = time.monotonic() + timeout
         with self.link.lock:
-            while self._jobs or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
-                    return False
-                self.link.lock.wait(min(left, 0.05))
-            return True
+            self._flushing += 1
+            self.link.lock.notify_all()
+            try:
+                while self._jobs or self._busy:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._thread.is_alive():
+                        return False
+                    self.link.lock.wait(min(left, 0.05))
+                return True
+            finally:
+                self._flushing -= 1
 
     def close(self, timeout: float = 2.0) -> None:
         """Let queued writes go out for up to ``timeout`` s (none while the store is

@@ -115,7 +115,7 @@ def test_the_writer_waits_while_the_engine_prefills(
     # a write's MAC and copies would take a core from the prefill that saved the state:
     # while the engine says it prefills, the queue waits (HOLD_MAX_S at most), unless
     # flush asks or RAM spills states to the writer
-    import statecache.pool.writer as writer
+    import statecache.tiers.background as writer
 
     budget = 2 * (148 + REST_HEAD_BYTES)  # two states of 64 bytes (as below)
     pool = make_pool(ram=budget)

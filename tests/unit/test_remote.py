@@ -175,6 +175,52 @@ def test_writes_waiting_for_a_slow_store_drop_the_oldest(proxy, store: Store) ->
     assert s.tier("remote").store.queue_bytes <= 2 * (len(STATE) + REST_HEAD_BYTES)
 
 
+def test_writes_wait_while_the_engine_prefills(proxy, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # as the disk writer's: a write's MAC and compression would take a core from the
+    # prefill that saved the state, so the store's queue waits while the engine
+    # prefills (HOLD_MAX_S at most), unless flush asks or the queue is half full
+    import statecache.tiers.background as background
+
+    def written(pool) -> int:  # type: ignore[no-untyped-def]
+        return int(pool.stats().tier("remote").store.writes)
+
+    def wait_written(pool, n: int) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + 20
+        while written(pool) < n:
+            assert time.monotonic() < deadline, (written(pool), n)
+            time.sleep(0.05)
+
+    a = proxy("a", queue_bytes=3 * (len(STATE) + REST_HEAD_BYTES))
+    a.hold_writes(True)
+    put(a, [100] + T[:12], STATE)
+    time.sleep(0.5)
+    assert written(a) == 0 and a.remote.pending() == 1  # held: 120 s is far off
+    a.hold_writes(False)
+    wait_written(a, 1)
+
+    a.hold_writes(True)
+    put(a, [101] + T[:12], STATE)
+    assert a.remote.flush(10) and written(a) == 2  # flush sends it now
+
+    put(a, [102] + T[:12], STATE)  # a third of the bound: waits
+    time.sleep(0.5)
+    assert written(a) == 2
+    put(a, [103] + T[:12], STATE)  # two thirds: more than half, so the oldest goes out
+    wait_written(a, 3)
+    time.sleep(0.5)
+    assert written(a) == 3 and a.remote.pending() == 1  # a third again: held
+    assert a.stats().tier("remote").store.write_drops == 0
+    a.hold_writes(False)
+    wait_written(a, 4)
+
+    monkeypatch.setattr(background, "HOLD_MAX_S", 0.5)  # a hold ends by itself
+    a.hold_writes(False)
+    a.hold_writes(True)
+    put(a, [104] + T[:12], STATE)
+    wait_written(a, 5)
+    a.hold_writes(False)
+
+
 def test_costs_follow_measurements() -> None:
     c = Costs()
     # 4 GB from the store at 1 GB/s against 2,000 tokens at 10,000 tokens/s: prefill.
