@@ -15,7 +15,9 @@ steps and the time its checkpoints took. Variants:
   0`` (whether the disk writer's threads slow the prefill beside them);
 - ``no-periodic``, ``no-periodic-no-disk``: ``cache.periodic_pages = 0`` (no periodic
   checkpoints: inside Claude Code's first turn they are FULL states), without the disk;
-- ``exact``: ``cache.exact = true`` (every step and checkpoint on the grid of 512).
+- ``exact``: ``cache.exact = true`` (every step and checkpoint on the grid of 512);
+- ``shared-store``: with a shared tier (``[cache.remote]``) on a valkey-server this bench
+  starts, a key prefix of its own each run (so no run reuses another's states).
 
 Each line ends with the CPU time the server's threads other than its two busiest (the
 engine's and ggml's, at 2 threads) ran during the request: the disk writer's, the event
@@ -49,16 +51,19 @@ interval (6 repeats or more).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
 import statistics
 import sys
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from bench.batching import wait_quiet
 from bench.paired import median_ci
+from bench.remote import valkey
 from bench.replay import (
     FIXTURES,
     MODELS,
@@ -69,7 +74,7 @@ from bench.replay import (
     model_spec,
     send,
 )
-from bench.servers import ROOT, ModelSpec, running
+from bench.servers import ROOT, ModelSpec, Server, running
 
 VARIANTS = {  # name: (system, [cache] keys, serve flags)
     "llama-server": ("llama-server", "", ()),
@@ -81,6 +86,7 @@ VARIANTS = {  # name: (system, [cache] keys, serve flags)
     "no-periodic": ("statecache", "periodic_pages = 0\n", ()),
     "no-periodic-no-disk": ("statecache", "periodic_pages = 0\ndisk_enabled = false\n", ()),
     "exact": ("statecache", "exact = true\n", ()),
+    "shared-store": ("statecache", '[cache.remote]\nurl = "{store}"\nprefix = "{run}"\n', ()),
 }
 
 
@@ -103,13 +109,32 @@ def main(argv: list[str] | None = None) -> int:
     fx = load(FIXTURES / f"{a.fixture}.jsonl.zst")
     cold = next(r for r in fx.requests if r.kind == "cold")
     spec, n_ctx = model_spec(fx.model), MODELS[fx.model][0]
-    if a.in_process:
-        return in_process(cold, spec, n_ctx, a)
     steps: dict[str, list[list[tuple[int, int, float]]]] = {n: [] for n in names}
+    with contextlib.ExitStack() as stack:
+        store = ""
+        if any("{store}" in VARIANTS[n][1] for n in names):
+            store = stack.enter_context(valkey(Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="bench-cold-store-")))))
+        if a.in_process:
+            return in_process(cold, spec, n_ctx, a, store)
+        _fresh_servers(cold, spec, n_ctx, a, names, steps, store)
+    if a.json:
+        a.json.write_text(json.dumps({"command": " ".join(sys.argv), "steps": steps}))
+    bands = {n: [by_band(run, a.band) for run in runs] for n, runs in steps.items()}
+    print()
+    print("\n".join(depth_table(bands, a.band)))
+    return 0
+
+
+def _fresh_servers(cold: Sent, spec: ModelSpec, n_ctx: int, a: argparse.Namespace,
+                   names: list[str], steps: dict[str, list[list[tuple[int, int, float]]]],
+                   store: str) -> None:
+    """Each repeat, each variant on a fresh server: its line, its steps into ``steps``."""
     for r in range(a.repeats):
         for name in names:
             system, cache_keys, flags = VARIANTS[name]
             ours = system == "statecache"
+            cache_keys = cache_keys.replace("{store}", store).replace("{run}", f"r{r}-{name}")
             with running(system, spec, n_ctx=n_ctx, lanes=2, log_dir=a.log_dir,
                          extra_config=cache_keys + STATECACHE_CONFIG if ours else "",
                          extra_args=flags, tag=f"-cold-r{r}",
@@ -120,26 +145,17 @@ def main(argv: list[str] | None = None) -> int:
                 ran = sorted(ns - before.get(tid, 0) for tid, ns in srv.thread_cpu_ns().items())
                 line = f"r{r} {name}: {status} TTFT {ttft:.2f} s"
                 if ours:
-                    rec = last_record(srv)
-                    steps[name].append([(p, n, ms / 1000) for p, n, ms
-                                        in rec.get("steps_ms", [])])
-                    ph = rec.get("phases_ms", {})
-                    line += (f", llama_decode {ph.get('llama_decode', 0) / 1000:.2f} s in "
-                             f"{ph.get('prefill_steps')} steps, checkpoints "
-                             f"{ph.get('checkpoints', 0):.0f} ms")
+                    run, _, said = prefill_record(srv)
+                    steps[name].append(run)
+                    line += f", {said}"
                 line += f"; other threads {sum(ran[:-2]) / 1e9:.2f} s CPU"
                 print(line + (f" ({err})" if err else ""), flush=True)
             if not ours:
                 steps[name].append(llama_server_steps(srv.log_path))
-    if a.json:
-        a.json.write_text(json.dumps({"command": " ".join(sys.argv), "steps": steps}))
-    bands = {n: [by_band(run, a.band) for run in runs] for n, runs in steps.items()}
-    print()
-    print("\n".join(depth_table(bands, a.band)))
-    return 0
 
 
-def in_process(cold: Sent, spec: ModelSpec, n_ctx: int, a: argparse.Namespace) -> int:
+def in_process(cold: Sent, spec: ModelSpec, n_ctx: int, a: argparse.Namespace,
+               store: str = "") -> int:
     """``--in-process``: the pairs in one server, and their ratios."""
     names = ("cache", "no cache")
     ratios: dict[str, list[float]] = {"llama_decode": [], "TTFT": []}
@@ -147,6 +163,7 @@ def in_process(cold: Sent, spec: ModelSpec, n_ctx: int, a: argparse.Namespace) -
     variant = next((n for n in a.variants.split(",") if VARIANTS[n][0] == "statecache"
                     and "--no-cache" not in VARIANTS[n][2]), "statecache")
     _, cache_keys, flags = VARIANTS[variant]
+    cache_keys = cache_keys.replace("{store}", store).replace("{run}", "in-process")
     print(f"statecache as in variant {variant!r}", flush=True)
     with running("statecache", spec, n_ctx=n_ctx, lanes=2, log_dir=a.log_dir,
                  extra_config=cache_keys + STATECACHE_CONFIG, extra_args=flags,
@@ -158,15 +175,11 @@ def in_process(cold: Sent, spec: ModelSpec, n_ctx: int, a: argparse.Namespace) -
                 wait_quiet([srv.proc.pid])
                 req = with_line(cold, f"Run {r}.", cache=name == "cache")
                 status, ttft, usage, err = send(srv.url, req)
-                rec = last_record(srv)
-                ph = rec.get("phases_ms", {})
-                decode_s = ph.get("llama_decode", 0) / 1000
-                steps[name].append([(p, n, ms / 1000) for p, n, ms in rec.get("steps_ms", [])])
+                run, decode_s, said = prefill_record(srv)
+                steps[name].append(run)
                 took[name] = (decode_s, ttft)
-                print(f"r{r} {name}: {status} TTFT {ttft:.2f} s, llama_decode {decode_s:.2f} s "
-                      f"in {ph.get('prefill_steps')} steps, checkpoints "
-                      f"{ph.get('checkpoints', 0):.0f} ms, reused {usage.get('cached', 0)}"
-                      + (f" ({err})" if err else ""), flush=True)
+                print(f"r{r} {name}: {status} TTFT {ttft:.2f} s, {said}, reused "
+                      f"{usage.get('cached', 0)}" + (f" ({err})" if err else ""), flush=True)
             for i, key in enumerate(ratios):
                 if took["no cache"][i] > 0:
                     ratios[key].append(took["cache"][i] / took["no cache"][i])
@@ -183,6 +196,17 @@ def in_process(cold: Sent, spec: ModelSpec, n_ctx: int, a: argparse.Namespace) -
     print()
     print("\n".join(depth_table(bands, a.band)))
     return 0
+
+
+def prefill_record(srv: Server) -> tuple[list[tuple[int, int, float]], float, str]:
+    """The server's last request, from ``/admin/requests``: its prefill steps (start,
+    tokens, seconds), its seconds inside ``llama_decode``, and a line that says so."""
+    rec = last_record(srv)
+    ph = rec.get("phases_ms", {})
+    decode_s = ph.get("llama_decode", 0) / 1000
+    said = (f"llama_decode {decode_s:.2f} s in {ph.get('prefill_steps')} steps, "
+            f"checkpoints {ph.get('checkpoints', 0):.0f} ms")
+    return [(p, n, ms / 1000) for p, n, ms in rec.get("steps_ms", [])], decode_s, said
 
 
 def with_line(req: Sent, line: str, *, cache: bool) -> Sent:
