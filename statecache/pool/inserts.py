@@ -167,12 +167,20 @@ class Inserts:
                      tokens=rec.token_array(), logits=logits)
 
     def _share(self, rec: CheckpointRecord, rest: bytes, pages: list[PageData]) -> None:
-        """A FULL state of the target goes to every store (the same copies)."""
+        """A FULL state of the target goes to every store: each page copied the first
+        time a store asks for it (one a store holds queued already is not asked for)."""
         stores = self.e.stores
         if stores and rec.kind is Kind.FULL and rec.owner is Owner.TARGET:
-            copies = [bytes(page_bytes(p)) for p in pages]
+            copies: dict[int, bytes] = {}
+
+            def page(i: int) -> bytes:
+                got = copies.get(i)
+                if got is None:
+                    got = copies[i] = bytes(page_bytes(pages[i]))
+                return got
+
             for store in stores:
-                store.put(rec, rest, copies)
+                store.put(rec, rest, page)
 
     def _refresh(self, entry: Entry, rec: CheckpointRecord, now: float) -> Record:
         e = self.e

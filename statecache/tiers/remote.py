@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +57,7 @@ from statecache.pages import PageChain
 from statecache.records import CheckpointRecord, Kind, Owner
 from statecache.tiers.remotelink import Link
 from statecache.tiers.remotewrites import PIPELINE_BYTES, STORE_ERRORS, Outgoing
-from statecache.tiers.tier import LocalPages, TierStats
+from statecache.tiers.tier import LocalPages, PageSource, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -301,14 +300,16 @@ class RemoteTier:
 
     # -- writes (background) -----------------------------------------------------------
 
-    def put(self, rec: CheckpointRecord, rest: bytes, pages: Sequence[bytes] = ()) -> None:
-        """Queue ``rest`` and ``pages`` (not copied: pass immutable bytes) for the store."""
+    def put(self, rec: CheckpointRecord, rest: bytes, page: PageSource | None = None
+            ) -> None:
+        """Queue ``rest`` (not copied: pass immutable bytes) and the pages ``page`` gives
+        for the store."""
         if rec.kind is not Kind.FULL or rec.owner is not Owner.TARGET:
             return
         if rec.nbytes > self.cfg.max_entry or rec.nbytes > self.cfg.queue_bytes:
             self.counts.write_skipped += 1
             return
-        self.out.write(rec, rest, pages)
+        self.out.write(rec, rest, page)
 
     def pending(self) -> int:
         return self.out.queued()[0]

@@ -48,6 +48,7 @@ from statecache.kvpages import PageKey
 from statecache.records import CheckpointRecord
 from statecache.tiers.background import PrefillHold, run_in_background
 from statecache.tiers.remotelink import Link
+from statecache.tiers.tier import PageSource
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,10 @@ class Outgoing:
         self.rest_packer = codec.Packer(level, 4)
         self._jobs: collections.deque[tuple[str, Any]] = collections.deque()
         self._queued_bytes = 0
+        # each page queued writes hold: how many of them name it, and its bytes (one
+        # object, which a later write that names it shares rather than copies again)
         self._queued_pages: collections.Counter[PageKey] = collections.Counter()
+        self._page_bytes: dict[PageKey, bytes] = {}
         self._stopping = False
         self._busy = False  # the thread holds a job it took from the queue
         self._hold = PrefillHold(link.lock)
@@ -92,7 +96,17 @@ class Outgoing:
                                         daemon=True)
         self._thread.start()
 
-    def write(self, rec: CheckpointRecord, rest: bytes, pages: Sequence[bytes]) -> None:
+    def write(self, rec: CheckpointRecord, rest: bytes, page: PageSource | None) -> None:
+        """Queue ``rec``: its pages that a queued write holds are that write's bytes; the
+        others ``page`` copies (outside the lock)."""
+        keys = rec.page_keys
+        pages: list[bytes] = []
+        if keys:
+            if page is None:
+                raise ValueError("a state with pages needs their bytes")
+            with self.link.lock:
+                held = [self._page_bytes.get(k) for k in keys]
+            pages = [b if b is not None else page(i) for i, b in enumerate(held)]
         self.enqueue(("write", _Write(rec, rest, tuple(pages))))
 
     def verified(self, key: PageKey) -> None:
@@ -136,11 +150,14 @@ class Outgoing:
         self._queued_bytes += sign * len(w.rest)
         for k, page in zip(w.record.page_keys, w.pages, strict=True):
             held = self._queued_pages[k]
+            if sign > 0 and held == 0:
+                self._page_bytes[k] = page
             if (sign > 0 and held == 0) or (sign < 0 and held == 1):
                 self._queued_bytes += sign * len(page)
             self._queued_pages[k] = held + sign
             if self._queued_pages[k] == 0:
                 del self._queued_pages[k]
+                del self._page_bytes[k]
 
     def hold(self, on: bool) -> None:
         """The engine prefills (``on``) or no longer does: the queue waits meanwhile."""

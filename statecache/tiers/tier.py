@@ -29,6 +29,9 @@ from statecache.records import CheckpointRecord
 
 # The pages of ``keys`` the local tiers hold already, by index: a store does not send them.
 LocalPages = Callable[[tuple[PageKey, ...]], dict[int, Buffer]]
+# page i of a state (its record's page_keys[i]) as immutable bytes, copied when asked for:
+# a store takes only the pages it does not hold already
+PageSource = Callable[[int], bytes]
 
 
 @dataclass(slots=True)
@@ -138,8 +141,10 @@ class Store(Tier, Protocol):
         ``tokens`` and ``tenant``; None when it is gone or refused."""
         ...
 
-    def put(self, rec: CheckpointRecord, rest: bytes, pages: Sequence[bytes] = ()) -> None:
-        """Keep a FULL state (pass immutable bytes: they are not copied)."""
+    def put(self, rec: CheckpointRecord, rest: bytes, page: PageSource | None = None
+            ) -> None:
+        """Keep a FULL state (``rest`` immutable: it is not copied); ``page`` gives its
+        pages (None: it has none)."""
         ...
 
     def close(self) -> None: ...

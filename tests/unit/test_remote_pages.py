@@ -84,3 +84,24 @@ def test_entries_of_the_layout_before_pages_are_not_seen(proxy, store: Store) ->
     r.set(f"statecache:e:{{{entry}}}", b"SCRM\x01\x00" + b"\x00" * 40)
     assert _remote_offers(a, tokens(0, 24) + [9]) == []
     assert a.stats().tier("remote").store.rejected == 0
+
+
+def test_a_page_queued_twice_is_held_once(proxy) -> None:  # type: ignore[no-untyped-def]
+    # while the engine prefills, the writes of its checkpoints wait together: a page
+    # that several of them name (the prompt's start) is one bytes object in the queue,
+    # copied from the pool once, and what goes out is each state whole
+    a = proxy("a", kv_sections=1)
+    a.hold_writes(True)
+    save(a, 0, 16)
+    save(a, 0, 40)
+    jobs = list(a.remote.out._jobs)
+    assert [kind for kind, _ in jobs] == ["write", "write"]
+    first, second = jobs[0][1].pages, jobs[1][1].pages
+    assert (len(first), len(second)) == (4, 10)
+    assert all(p is q for p, q in zip(first, second[:4], strict=True))
+    a.hold_writes(False)
+    _sync(a)
+    assert a.stats().tier("remote").store.pages_written == 10
+    c = proxy("c", kv_sections=1)
+    assert fetch(c, 0, 40) == conversation_state(40)
+    assert fetch(c, 0, 16) == conversation_state(16)

@@ -6,7 +6,7 @@ finds that fetching beats prefilling, and reports it as it reports every tier.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from statecache.config import CacheConfig
 from statecache.pages import PageChain, PageHash
 from statecache.pool import CheckpointPool
 from statecache.records import CheckpointRecord
-from statecache.tiers.tier import LocalPages, TierStats
+from statecache.tiers.tier import LocalPages, PageSource, TierStats
 from tests.unit.conftest import FP, Clock, put
 
 T = list(range(1, 201))  # 50 pages of 4
@@ -58,9 +58,11 @@ class SlowStore:
     def status(self) -> str:
         return "ok"
 
-    def put(self, rec: CheckpointRecord, rest: bytes, pages: Sequence[bytes] = ()) -> None:
+    def put(self, rec: CheckpointRecord, rest: bytes, page: PageSource | None = None
+            ) -> None:
         if rec.id not in self.states and rec.page_hashes:
-            self.states[rec.id] = (rec, rest, tuple(pages))
+            pages = tuple(page(i) for i in range(len(rec.page_keys))) if page else ()
+            self.states[rec.id] = (rec, rest, pages)
             self.by_page.setdefault(rec.page_hashes[-1], set()).add(rec.id)
 
     def probe(self, chain: PageChain, *, min_n: int, max_n: int) -> list[SlowHit]:
