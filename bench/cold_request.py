@@ -46,6 +46,11 @@ interval (6 repeats or more).
     python -m bench.cold_request --repeats 3 --swa-window --variants no-cache,statecache \\
         --band 2048 --json results/cold-steps.json
     python -m bench.cold_request --in-process --repeats 6 --swa-window
+    python -m bench.cold_request --pairs results/a.json,results/b.json --past 17000
+
+``--pairs`` reads ``--in-process --json`` files back and pools their pairs: each pair's
+time inside ``llama_decode`` in the tokens before a position and past it, with and
+without the cache (a step's time shared among its tokens, so two step grids compare).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from bench.batching import wait_quiet
 from bench.paired import median_ci
@@ -101,7 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write each run's steps here")
     ap.add_argument("--in-process", action="store_true",
                     help="one statecache server: the request with and without the cache")
+    ap.add_argument("--pairs", help="read back --in-process --json files (comma-separated): "
+                    "their pairs pooled, split at --past")
+    ap.add_argument("--past", type=int, default=17000,
+                    help="--pairs: each pair's time in the tokens before and past this one")
     a = ap.parse_args(argv)
+    if a.pairs:
+        print("\n".join(pooled_pairs([json.loads(Path(f).read_text())
+                                      for f in a.pairs.split(",")], a.past)))
+        return 0
     names = a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -251,6 +265,37 @@ def llama_server_steps(log: Path) -> list[tuple[int, int, float]]:
             out.append((pos, end - pos, at - t))
             pos, t = end, at
     return out
+
+
+def split_at(steps: Iterable[tuple[int, int, float]], at: int) -> tuple[float, float]:
+    """Seconds of the tokens before position ``at`` and of those at or past it, each
+    step's time shared among its tokens (as ``by_band``)."""
+    before = past = 0.0
+    for pos, n, s in steps:
+        inside = min(max(at - pos, 0), n)
+        before += s * inside / n
+        past += s * (n - inside) / n
+    return before, past
+
+
+def pooled_pairs(runs: list[dict[str, Any]], at: int) -> list[str]:
+    """``--pairs``: the in-process runs' pairs together: each pair's seconds inside
+    ``llama_decode`` before and past token ``at``, with and without the cache, how many
+    pairs have the cache slower past it, and the pooled ratios' median and 95% CI."""
+    lines, slower, ratios = [], 0, []
+    for data in runs:
+        ratios += data["ratios"]["llama_decode"]
+        for c, n in zip(data["steps"]["cache"], data["steps"]["no cache"], strict=True):
+            (cb, cp), (nb, np_) = split_at(c, at), split_at(n, at)
+            slower += cp > np_
+            lines.append(f"before {at:,}: {cb:.2f} vs {nb:.2f} s ({cb / nb:.3f}); past it: "
+                         f"{cp:.2f} vs {np_:.2f} s ({cp - np_:+.2f} s)")
+    ci = median_ci(ratios)
+    lines.append(f"the cache slower past {at:,} in {slower} of {len(lines)} pairs; "
+                 f"cache ÷ no cache inside llama_decode, {len(ratios)} pairs: median "
+                 f"{statistics.median(ratios):.3f}"
+                 + (f" (95% CI {ci[0]:.3f} to {ci[1]:.3f})" if ci else ""))
+    return lines
 
 
 def by_band(steps: Iterable[tuple[int, int, float]], band: int) -> dict[int, float]:

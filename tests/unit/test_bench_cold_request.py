@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.cold_request import by_band, depth_table, llama_server_steps, with_line
+from bench.cold_request import (
+    by_band,
+    depth_table,
+    llama_server_steps,
+    pooled_pairs,
+    split_at,
+    with_line,
+)
 from bench.replay import STATECACHE_CONFIG, Sent
 
 _LINE = ("{t} I slot print_timing: id  1 | task {task} | prompt processing, n_tokens = {n:>6}, "
@@ -81,3 +88,19 @@ def test_with_line_starts_the_prompt_and_asks_for_no_cache(body: dict[str, objec
         first = system if isinstance(system, str) else system[0]["text"]
         assert first.startswith("Run 3.\n")
         assert re.sub(pattern[1], "", first) == "Run 3.\nBe brief."
+
+
+def test_pairs_split_at_a_token_and_pool() -> None:
+    # a step's time shared by its tokens: grids that start elsewhere compare
+    assert split_at([(0, 512, 1.0), (512, 100, 2.0)], 562) == pytest.approx((2.0, 1.0))
+    assert split_at([(0, 512, 1.0)], 600) == (1.0, 0.0)
+    cache = [[(0, 466, 1.0), (466, 323, 2.0), (789, 443, 4.0)]]
+    none = [[(0, 512, 1.0), (512, 512, 3.0), (1024, 208, 1.5)]]
+    runs = [{"steps": {"cache": cache, "no cache": none}, "ratios": {"llama_decode": [1.2]}},
+            {"steps": {"cache": none, "no cache": none}, "ratios": {"llama_decode": [1.0]}}]
+    lines = pooled_pairs(runs, 1000)
+    assert len(lines) == 3
+    # 4.0 s x 232 of 443 tokens; 1.5 s, and 3.0 s x 24 of 512
+    assert lines[0].startswith("before 1,000: ") and "past it: 2.09 vs 1.64 s (+0.45 s)" in lines[0]
+    assert lines[-1].startswith("the cache slower past 1,000 in 1 of 2 pairs")
+    assert "median 1.100" in lines[-1]
