@@ -278,7 +278,7 @@ class CheckpointPool:
         no core from the prefill."""
         self._writer.hold(on)
         if self._e.remote is not None:
-            self._e.remote.out.hold(on)
+            self._e.remote.hold(on)
 
     def flush(self) -> int:
         """Wait until every FULL entry held only in RAM is on disk; returns how many

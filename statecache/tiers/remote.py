@@ -314,6 +314,10 @@ class RemoteTier:
     def pending(self) -> int:
         return self.out.queued()[0]
 
+    def hold(self, on: bool) -> None:
+        """The engine prefills (``on``) or no longer does: writes wait meanwhile."""
+        self.out.hold(on)
+
     def flush(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for queued jobs to go out (tests, shutdown)."""
         return self.out.flush(timeout)

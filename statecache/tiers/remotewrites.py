@@ -86,8 +86,7 @@ class Outgoing:
         self._queued_bytes = 0
         # each page queued writes hold: how many of them name it, and its bytes (one
         # object, which a later write that names it shares rather than copies again)
-        self._queued_pages: collections.Counter[PageKey] = collections.Counter()
-        self._page_bytes: dict[PageKey, bytes] = {}
+        self._queued_pages: dict[PageKey, tuple[int, bytes]] = {}
         self._stopping = False
         self._busy = False  # the thread holds a job it took from the queue
         self._hold = PrefillHold(link.lock)
@@ -105,8 +104,8 @@ class Outgoing:
             if page is None:
                 raise ValueError("a state with pages needs their bytes")
             with self.link.lock:
-                held = [self._page_bytes.get(k) for k in keys]
-            pages = [b if b is not None else page(i) for i, b in enumerate(held)]
+                held = [self._queued_pages.get(k) for k in keys]
+            pages = [h[1] if h is not None else page(i) for i, h in enumerate(held)]
         self.enqueue(("write", _Write(rec, rest, tuple(pages))))
 
     def verified(self, key: PageKey) -> None:
@@ -149,15 +148,13 @@ class Outgoing:
         """Writes waiting hold their rest, and each page once however many name it."""
         self._queued_bytes += sign * len(w.rest)
         for k, page in zip(w.record.page_keys, w.pages, strict=True):
-            held = self._queued_pages[k]
-            if sign > 0 and held == 0:
-                self._page_bytes[k] = page
+            held, kept = self._queued_pages.get(k, (0, page))
             if (sign > 0 and held == 0) or (sign < 0 and held == 1):
                 self._queued_bytes += sign * len(page)
-            self._queued_pages[k] = held + sign
-            if self._queued_pages[k] == 0:
+            if held + sign:
+                self._queued_pages[k] = (held + sign, kept)
+            else:
                 del self._queued_pages[k]
-                del self._page_bytes[k]
 
     def hold(self, on: bool) -> None:
         """The engine prefills (``on``) or no longer does: the queue waits meanwhile."""

@@ -115,7 +115,7 @@ def test_the_writer_waits_while_the_engine_prefills(
     # a write's MAC and copies would take a core from the prefill that saved the state:
     # while the engine says it prefills, the queue waits (HOLD_MAX_S at most), unless
     # flush asks or RAM spills states to the writer
-    import statecache.tiers.background as writer
+    import statecache.tiers.background as background
 
     budget = 2 * (148 + REST_HEAD_BYTES)  # two states of 64 bytes (as below)
     pool = make_pool(ram=budget)
@@ -138,7 +138,7 @@ def test_the_writer_waits_while_the_engine_prefills(
     assert wait_for(lambda: c.id in on_disk(pool))
     assert pool.stats().counts.spills == 1
 
-    monkeypatch.setattr(writer, "HOLD_MAX_S", 0.5)  # a hold ends by itself
+    monkeypatch.setattr(background, "HOLD_MAX_S", 0.5)  # a hold ends by itself
     pool.hold_writes(False)
     pool.hold_writes(True)
     e = put(pool, [4] + T, b"e" * 64)
