@@ -40,7 +40,8 @@ from proxy.api.render import ChatTemplate, load_chat_template
 from proxy.api.responses import chat_request, parse_responses_request
 from proxy.api.volatile import Volatile
 from proxy.engine.binding import Model
-from proxy.engine.planner import choose_share_points, onto_grid, periodic_points, step_ends
+from proxy.engine.layout import onto_grid, periodic_points, step_ends
+from proxy.engine.planner import choose_share_points
 from proxy.engine.tokens import Tokenizer
 from proxy.meters import EngineMeter
 from proxy.models import default_model_path, gemma_model_path

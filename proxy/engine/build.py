@@ -72,6 +72,12 @@ class Parts:
         """Tokens per lane."""
         return self.ctx.n_ctx_seq
 
+    @property
+    def chunk(self) -> int:
+        """Prompt tokens of one lane per step (``engine.prefill_chunk``, at most a step):
+        the size of a prefill's whole steps (``layout.step_ends``)."""
+        return min(self.cfg.engine.prefill_chunk or self.step_tokens, self.step_tokens)
+
 
 def build(cfg: Config, model_path: Path) -> Parts:
     mc, ec, sc = cfg.model, cfg.engine, cfg.speculative

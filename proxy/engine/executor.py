@@ -56,12 +56,16 @@ class Executor:
         if self.p.exact:  # the rest of the grid's ubatch, whole or not at all
             end = min((job.pos // self.p.grid + 1) * self.p.grid, len(job.prompt))
             return Work(job, end - job.pos, job.pos) if end - job.pos <= budget else None
-        end = min(job.pos + budget, len(job.prompt))
-        if job.publish and job.publish[0][0] < end:
-            end = job.publish[0][0]  # a chunk ends where a checkpoint is published
-        if end <= job.pos:
+        stop = len(job.prompt)
+        if job.publish and job.publish[0][0] < stop:
+            stop = job.publish[0][0]  # a chunk ends where a checkpoint is published
+        # the stretch to there as layout.step_ends lays it: its short step first, but the
+        # last stretch's, which goes last
+        odd = (stop - job.pos) % self.p.chunk if stop < len(job.prompt) else 0
+        n = min(budget, odd or self.p.chunk, stop - job.pos)
+        if n <= 0:
             return None
-        return Work(job, end - job.pos, job.pos)
+        return Work(job, n, job.pos)
 
     def run_step(self, works: list[Work]) -> StepDrafts:
         """One llama_decode for every work; then commit each lane on its own. Returns what

@@ -304,38 +304,6 @@ def publish_points(
     return sorted(points.items())
 
 
-def periodic_points(fixed: Sequence[int], *, reuse: int, limit: int, every: int,
-                    chunk: int) -> list[int]:
-    """Periodic checkpoints of a long prefill (after ``reuse``, at most ``limit``), where
-    its steps end anyway: a step carries ``chunk`` prompt tokens and ends early only at
-    one of the ``fixed`` points, so a point on that grid costs no step of its own (a
-    multiple of ``every`` would, wherever a fixed point has shifted the grid). One goes
-    at the first step's end at least ``every`` tokens past the last checkpoint, fixed or
-    periodic, or the state the prefill starts from. Points asked for more often than
-    steps end (``every`` < ``chunk``) go at the multiples of ``every``, as asked: the
-    grid would give up what they are for."""
-    if every <= 0 or chunk <= 0:
-        return []
-    if every < chunk:
-        return list(range((reuse // every + 1) * every, limit + 1, every))
-    cuts = sorted(f for f in set(fixed) if reuse < f <= limit)
-    out: list[int] = []
-    pos = last = reuse
-    i = 0
-    while True:
-        end = pos + chunk
-        if i < len(cuts) and cuts[i] <= end:
-            pos = last = cuts[i]
-            i += 1
-            continue
-        if end > limit:
-            return out
-        pos = end
-        if pos - last >= every:
-            out.append(pos)
-            last = pos
-
-
 def choose_share_points(cands: Sequence[int], anchors: Sequence[int], *, k: int,
                         page: int) -> list[int]:
     """At most ``k`` of ``cands`` (sorted, each past the first anchor), largest gap first:
@@ -357,37 +325,3 @@ def choose_share_points(cands: Sequence[int], anchors: Sequence[int], *, k: int,
         have.append(best)
         chosen.append(best)
     return chosen
-
-
-def step_ends(cuts: Sequence[int], *, reuse: int, end: int, chunk: int) -> list[int]:
-    """Where a prefill from ``reuse`` to ``end`` ends its steps: ``chunk`` tokens each,
-    and a step cut short at each of ``cuts`` (the checkpoints a hybrid saves as it
-    passes them). Their number is the prefill's steps."""
-    out: list[int] = []
-    pos = reuse
-    for cut in sorted({c for c in cuts if reuse < c < end} | ({end} if end > reuse else set())):
-        while pos + chunk < cut:
-            pos += chunk
-            out.append(pos)
-        pos = cut
-        out.append(pos)
-    return out
-
-
-def onto_grid(points: Sequence[int], kept: Sequence[int], *, reuse: int, chunk: int,
-              within: int) -> dict[int, int]:
-    """Each of ``points`` that lies at most ``within`` tokens past the end of the step
-    it falls in, moved down to that end (a prefill whose steps stop only at ``kept``, the
-    points that stay, and at these once moved); a point that would reach ``reuse`` or a
-    kept point is dropped (0). The others are not in the answer."""
-    out: dict[int, int] = {}
-    stays = sorted({reuse, *kept})
-    for n in sorted(set(points)):
-        base = max(s for s in stays if s <= n)
-        g = base + (n - base) // chunk * chunk
-        if n - g > within:
-            stays.append(n)
-            stays.sort()
-            continue
-        out[n] = g if g > base else 0
-    return out

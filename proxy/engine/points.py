@@ -5,19 +5,14 @@ proxy/engine/publishing.py saves them; the policy by memory kind is written ther
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
 from proxy.engine.build import Parts
 from proxy.engine.job import Job
-from proxy.engine.planner import (
-    choose_share_points,
-    onto_grid,
-    periodic_points,
-    publish_points,
-    step_ends,
-)
+from proxy.engine.layout import free_cuts, last_step_start, onto_grid, periodic_points
+from proxy.engine.planner import choose_share_points, publish_points
 from statecache.pages import PageChain
 from statecache.records import Kind, Role
 
@@ -71,9 +66,9 @@ class PointPicker:
                 marks = {n for n, _ in job.req.breakpoints}
                 movable = [m for m in movable if m <= start or m not in marks]
             self._onto_grid(job, out, movable)
-        self._periodic(job, chain, out, first)
         if kind is Kind.PARTIAL and p.memory.swa_window:
-            self._owe_last_step(job, out)
+            self._owe_last_step(job, out)  # before the periodic points: owed, not cut
+        self._periodic(job, chain, out, first)
         if kind is Kind.FULL:
             # a live lane is cut back with seq_rm (attention; SWA, whose live lane keeps
             # every cell): the prefill stops nowhere (its steps stay whole), and the lane
@@ -98,7 +93,7 @@ class PointPicker:
     def _periodic(self, job: Job, chain: PageChain | None, points: Points,
                   first: int) -> None:
         """Every ``cache.periodic_pages`` pages of a long prefill, on the grid its steps
-        make (``planner.periodic_points``): inside the first turn (an agent's system
+        make (``layout.periodic_points``): inside the first turn (an agent's system
         prompt) FULL, so a prompt edited further on starts there in any lane; beyond it
         in the lane's kind, and none where that kind is FULL (full states grow)."""
         p = self.p
@@ -167,8 +162,7 @@ class PointPicker:
 
     def chunk(self) -> int:
         """Prompt tokens of one lane per step: where a prefill's steps end."""
-        cfg = self.p.cfg
-        return min(cfg.engine.prefill_chunk or self.p.step_tokens, self.p.step_tokens)
+        return self.p.chunk
 
     def _client_breakpoints(self, job: Job, chain: PageChain | None, points: Points) -> None:
         """A client's cache breakpoints: a FULL checkpoint at each one this request
@@ -239,43 +233,3 @@ def full_at(points: Points, n: int) -> None:
             return
     points.append((n, Role.BRANCH, Kind.FULL))
     points.sort(key=lambda p: p[0])
-
-
-def last_step_start(cuts: Sequence[int], *, reuse: int, end: int, chunk: int) -> int:
-    """Where the last step of a prefill from ``reuse`` to ``end`` starts: steps of ``chunk``
-    tokens, each of ``cuts`` ending one short, except a cut inside the last step, which
-    does not move it (``PointPicker`` owes those instead of cutting there)."""
-    pos = reuse
-    for cut in sorted(c for c in set(cuts) if reuse < c < end):
-        start = pos + (end - pos - 1) // chunk * chunk
-        if cut > start:
-            return start
-        pos = cut
-    return pos + max(end - pos - 1, 0) // chunk * chunk
-
-
-def window_steps(cuts: Sequence[int], *, reuse: int, end: int, chunk: int) -> int:
-    """The steps of a prefill from ``reuse`` to ``end`` on a window-sized SWA cache: each
-    of ``cuts`` ends one early, but those inside the last step (owed instead)."""
-    start = last_step_start(cuts, reuse=reuse, end=end, chunk=chunk)
-    return len(step_ends([c for c in cuts if c <= start], reuse=reuse, end=end, chunk=chunk))
-
-
-def free_cuts(points: Sequence[int], kept: Sequence[int], *, reuse: int, end: int,
-              chunk: int) -> list[int]:
-    """Those of ``points`` (in order) that may end a step where they are, beside ``kept``
-    and each other, before the last step (a point inside it would be owed, not saved),
-    and leave the prefill as many steps as without them: a prompt whose
-    last step is short has that many tokens of room, and a step ended early there costs
-    no pass over the weights more. Claude Code's first turn of 19,659 tokens keeps its
-    share point at 18,192 in 39 steps (18,192 tokens in 36, the rest in 3)."""
-    stays = list(kept)
-    steps = window_steps(stays, reuse=reuse, end=end, chunk=chunk)
-    out: list[int] = []
-    for n in sorted(set(points)):
-        cuts = [*stays, n]
-        if n <= last_step_start(cuts, reuse=reuse, end=end, chunk=chunk) and \
-                window_steps(cuts, reuse=reuse, end=end, chunk=chunk) == steps:
-            stays.append(n)
-            out.append(n)
-    return out

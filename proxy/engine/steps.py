@@ -109,8 +109,7 @@ class Stepper:
         self.timer = timer
         self.streams = streams
         self.alone_s = parts.cfg.engine.lone_run_ms / 1000
-        self.prefill_chunk = min(parts.cfg.engine.prefill_chunk or parts.step_tokens,
-                                 parts.step_tokens)
+        self.prefill_chunk = parts.chunk
         self._turn = 0  # cache.exact: whose step is next
 
     def run(self, active: list[Entry]) -> None:

@@ -4,6 +4,7 @@ splicing generated ids, text streaming, sampling, and the pool calls the planner
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import numpy as np
 import pytest
@@ -11,15 +12,15 @@ import pytest
 from proxy.engine.binding import MemoryInfo, MemoryKind
 from proxy.engine.detok import TextStream
 from proxy.engine.lanes import Lane
-from proxy.engine.planner import (
-    can_truncate,
-    choose_share_points,
+from proxy.engine.layout import (
+    free_cuts,
+    last_step_start,
     onto_grid,
     periodic_points,
-    publish_points,
     step_ends,
+    window_steps,
 )
-from proxy.engine.points import free_cuts, last_step_start, window_steps
+from proxy.engine.planner import can_truncate, choose_share_points, publish_points
 from proxy.engine.splice import aligned_replies, tokenize_spliced
 from statecache.records import Kind, Role
 from tests.unit.conftest import PoolFactory, put
@@ -54,11 +55,12 @@ def test_periodic_points_go_where_the_steps_end_anyway() -> None:
     # Steps of 512 from 0: every 2,048 tokens, as multiples would be.
     assert periodic_points([], reuse=0, limit=9999, every=2048, chunk=512) == \
         [2048, 4096, 6144, 8192]
-    # A share point at 3,739 ends a step there, and the steps after it end at
-    # 3,739 + k * 512: the next periodic point is on that grid (5,787), not at 4,096 or
-    # 6,144, each of which would have cut a step of its own
+    # A share point at 3,739 ends a step there: the steps before it go short step first
+    # (155, then 3,739 - k * 512), those after it, to the prompt's end, end at
+    # 3,739 + k * 512: the periodic points are on that grid (2,203 and 5,787), not at
+    # 2,048, 4,096 or 6,144, each of which would have cut a step of its own
     got = periodic_points([3739], reuse=0, limit=9999, every=2048, chunk=512)
-    assert got == [2048, 3739 + 4 * 512, 3739 + 8 * 512, 3739 + 12 * 512]
+    assert got == [155 + 4 * 512, 3739 + 4 * 512, 3739 + 8 * 512, 3739 + 12 * 512]
     # ... and a follow-up that starts from 1,000 tokens counts from there
     assert periodic_points([], reuse=1000, limit=5000, every=2048, chunk=512) == [3048]
     # a cold prompt of 8,881 tokens cut at 3,739 and 4,245 (Codex's share points on
@@ -76,11 +78,14 @@ def test_periodic_points_go_where_the_steps_end_anyway() -> None:
 
 
 def test_share_points_onto_the_step_grid() -> None:
-    # a prefill of 2,060 tokens ends steps every 512 and at its cuts: a share point at
-    # 1,100 ends one early, a step more than without it
+    # a prefill of 2,060 tokens ends a step at each cut; a stretch between two cuts goes
+    # in steps of 512, its short one first (at the shallow end, where its part-filled
+    # tiles cost least: docs/design.md fact 26), the last stretch whole steps first: a
+    # share point at 1,100 ends one early, a step more than without it
     assert step_ends([2048], reuse=0, end=2060, chunk=512) == [512, 1024, 1536, 2048, 2060]
     assert step_ends([1100, 2048], reuse=0, end=2060, chunk=512) == \
-        [512, 1024, 1100, 1612, 2048, 2060]
+        [76, 588, 1100, 1536, 2048, 2060]
+    assert step_ends([1100], reuse=0, end=2060, chunk=512) == [76, 588, 1100, 1612, 2060]
     assert len(step_ends([], reuse=1000, end=1000, chunk=512)) == 0
     for fixed in ([3739, 4245], [100, 7000, 8880]):  # as _steps counts them
         assert len(step_ends(fixed, reuse=0, end=8881, chunk=512)) == _steps(fixed, 8881, 512)
@@ -92,6 +97,20 @@ def test_share_points_onto_the_step_grid() -> None:
     assert onto_grid([700, 1300], [], reuse=0, chunk=512, within=100) == {1300: 1212}
     assert onto_grid([40, 2100], [2080], reuse=0, chunk=512, within=64) == {40: 0, 2100: 0}
     assert onto_grid([1600], [], reuse=1000, chunk=512, within=100) == {1600: 1512}
+    # wherever they go, the points moved are a whole number of steps past the point
+    # before them: as cuts they cost no step, however the stretches lay their steps
+    rnd = random.Random(5)
+    for _ in range(300):
+        end = rnd.randrange(600, 5000)
+        kept = rnd.sample(range(1, end), rnd.randrange(0, 3))
+        pts = rnd.sample(range(1, end), rnd.randrange(1, 5))
+        within = rnd.choice([64, 200, 511])
+        moved = onto_grid(pts, kept, reuse=0, chunk=512, within=within)
+        stay = [*kept, *(n for n in pts if n not in moved)]
+        went = [g for g in moved.values() if g]
+        assert all(n - g <= within for n, g in moved.items() if g)
+        assert len(step_ends(stay + went, reuse=0, end=end, chunk=512)) == \
+            len(step_ends(stay, reuse=0, end=end, chunk=512)), (end, kept, pts, moved)
     # the share points, largest gap first, each an anchor for the rest, none within a page
     assert choose_share_points([100, 200, 900], [0], k=2, page=32) == [900, 200]
     assert choose_share_points([100, 200, 900], [0, 880], k=4, page=32) == [200, 100]
