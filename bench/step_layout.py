@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from bench.cold_prefill import prompt_text
 from bench.paired import median_ci
-from proxy.engine.layout import step_ends
+from proxy.engine.layout import step_ends, stretch_ends
 from proxy.models import gemma_model_path
 
 CHUNK = 512
@@ -30,15 +30,13 @@ CHUNK = 512
 
 def forward_ends(cuts: Sequence[int], *, end: int, chunk: int) -> list[int]:
     """Step ends with a step ending at each cut, each stretch filled from its start (its
-    short step last): the engine's layout before 2026-12-06."""
+    short step last, as the engine lays only the last stretch now): the engine's layout
+    before 2026-12-06."""
     out: list[int] = []
     pos = 0
     for cut in sorted({c for c in cuts if 0 < c < end} | {end}):
-        while pos + chunk < cut:
-            pos += chunk
-            out.append(pos)
+        out += stretch_ends(pos, cut, chunk, last=True)
         pos = cut
-        out.append(pos)
     return out
 
 

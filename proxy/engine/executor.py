@@ -19,6 +19,7 @@ from proxy.engine.build import Parts
 from proxy.engine.emit import Emitter
 from proxy.engine.job import NONE, Job, StepDrafts, Work
 from proxy.engine.lanes import Lane, LaneSet
+from proxy.engine.layout import first_step
 from proxy.engine.publishing import Publisher
 from proxy.engine.speculation import Speculation
 from proxy.engine.types import BATCHED, DRAFTED, OFF_GRID, STEP_LOG_MAX
@@ -59,10 +60,7 @@ class Executor:
         stop = len(job.prompt)
         if job.publish and job.publish[0][0] < stop:
             stop = job.publish[0][0]  # a chunk ends where a checkpoint is published
-        # the stretch to there as layout.step_ends lays it: its short step first, but the
-        # last stretch's, which goes last
-        odd = (stop - job.pos) % self.p.chunk if stop < len(job.prompt) else 0
-        n = min(budget, odd or self.p.chunk, stop - job.pos)
+        n = min(budget, first_step(job.pos, stop, self.p.chunk, last=stop == len(job.prompt)))
         if n <= 0:
             return None
         return Work(job, n, job.pos)

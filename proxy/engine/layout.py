@@ -1,31 +1,36 @@
 """Where a prefill's steps end: a step ends at each cut (a checkpoint saved as the
 prefill passes it) and at the prompt's end, and each stretch between goes in whole steps
-of ``chunk`` tokens and one short step (``stretch_ends``). The engine's executor lays the
-steps so (``Executor.work_for``); the points a prefill publishes are placed where these
-say steps end, so that they cost no step of their own (points.py)."""
+of ``chunk`` tokens and one short step (``first_step``). The engine's executor lays the
+steps so, a step at a time (``Executor.work_for``); the points a prefill publishes are
+placed where these say steps end, so that they cost no step of their own (points.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 
-def stretch_ends(start: int, stop: int, chunk: int, *, last: bool = False) -> list[int]:
-    """Where the steps of a prefill from ``start`` to ``stop`` (the next cut) end: its
-    short step first, then whole steps of ``chunk`` tokens. A step costs by its tiles of
+def first_step(start: int, stop: int, chunk: int, *, last: bool = False) -> int:
+    """Tokens of the first step of a prefill from ``start`` to ``stop`` (the next cut; 0
+    where there is nothing to prefill): the stretch's short step, where its tokens are
+    not whole steps, then whole steps of ``chunk`` tokens. A step costs by its tiles of
     query rows, and a short step's part-filled tiles cost by the depth they run at
     (docs/design.md fact 26): at the shallow end of its stretch the short step costs
     least, and the steps deep in the prompt are whole. The ``last`` stretch (to the
     prompt's end) goes whole steps first, as llama-server lays a prompt: the points
     inside its last step are owed by the lane, not cut (points.py, ``last_step_start``),
     and its short step is deep in the prompt either way."""
+    if stop <= start:
+        return 0
+    odd = (stop - start) % chunk
+    return odd if odd and not last else min(chunk, stop - start)
+
+
+def stretch_ends(start: int, stop: int, chunk: int, *, last: bool = False) -> list[int]:
+    """Where the steps of a prefill from ``start`` to ``stop`` end (``first_step``)."""
     out: list[int] = []
     pos = start
-    odd = (stop - start) % chunk
-    if odd and not last:
-        pos += odd
-        out.append(pos)
     while pos < stop:
-        pos = min(pos + chunk, stop)
+        pos += first_step(pos, stop, chunk, last=last)
         out.append(pos)
     return out
 

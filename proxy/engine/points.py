@@ -62,7 +62,7 @@ class PointPicker:
         if kind is Kind.PARTIAL:
             movable = [m for m, _, _ in out if m not in ours]
             if p.memory.swa_window:  # a breakpoint in the last step is owed (_owe_last_step)
-                start = last_step_start(ours, reuse=job.reuse, end=end, chunk=self.chunk())
+                start = last_step_start(ours, reuse=job.reuse, end=end, chunk=self.p.chunk)
                 marks = {n for n, _ in job.req.breakpoints}
                 movable = [m for m in movable if m <= start or m not in marks]
             self._onto_grid(job, out, movable)
@@ -99,7 +99,7 @@ class PointPicker:
         p = self.p
         kind = self.kind()
         every = p.cfg.cache.periodic_pages * p.page
-        chunk = self.chunk()
+        chunk = self.p.chunk
         taken = {m for m, _, _ in points}
         for n in periodic_points(sorted(taken), reuse=job.reuse, limit=len(job.prompt) - 1,
                                  every=every, chunk=chunk):
@@ -123,7 +123,7 @@ class PointPicker:
         end keeps its PARTIAL checkpoint (no step ends early there)."""
         end = len(job.prompt)
         start = last_step_start([n for n, _, _ in points], reuse=job.reuse, end=end,
-                                chunk=self.chunk())
+                                chunk=self.p.chunk)
         tail = [(n, r) for n, r, _ in points if start < n < end]
         if not tail:
             return
@@ -143,14 +143,14 @@ class PointPicker:
         within = self.p.cfg.cache.share_grid_tokens
         kept = [n for n, _, _ in points if n not in movable]
         if self.p.memory.swa_window:
-            within = max(within, self.chunk())
+            within = max(within, self.p.chunk)
             free = free_cuts(movable, kept, reuse=job.reuse, end=len(job.prompt),
-                             chunk=self.chunk())
+                             chunk=self.p.chunk)
             kept += free
             movable = [n for n in movable if n not in free]
         if not within or not movable:
             return
-        moved = onto_grid(movable, kept, reuse=job.reuse, chunk=self.chunk(), within=within)
+        moved = onto_grid(movable, kept, reuse=job.reuse, chunk=self.p.chunk, within=within)
         points[:] = [pt for pt in points if pt[0] not in moved]
         for n, g in moved.items():
             ttl = job.keep.pop(n, 0.0)  # a breakpoint's: kept where it went
@@ -159,10 +159,6 @@ class PointPicker:
                 if ttl:
                     job.keep[g] = max(job.keep.get(g, 0.0), ttl)
         self.p.meter.share_points_on_grid.inc(by=len(moved))
-
-    def chunk(self) -> int:
-        """Prompt tokens of one lane per step: where a prefill's steps end."""
-        return self.p.chunk
 
     def _client_breakpoints(self, job: Job, chain: PageChain | None, points: Points) -> None:
         """A client's cache breakpoints: a FULL checkpoint at each one this request
