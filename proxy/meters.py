@@ -86,6 +86,14 @@ class EngineMeter:
             "statecache_owed_checkpoints_lost_total",
             "Checkpoints a lane owed and could no longer take: its cells no longer reach "
             "back there (a window-sized SWA lane gone on, a restored SWA state's floor).")
+        self.behind_checkpoints = Counter(
+            "statecache_behind_checkpoints_total",
+            "Checkpoints inside a prefill step of a window-sized SWA cache, saved after the "
+            "step from the saves around it (no step ended there).")
+        self.behind_checkpoints_lost = Counter(
+            "statecache_behind_checkpoints_lost_total",
+            "Checkpoints inside a step that the saves around it could not make: the lane's "
+            "cells did not reach a window back from them.")
         self.share_points_on_grid = Counter(
             "statecache_share_points_on_grid_total",
             "A hybrid's first-turn and share points moved down to a step's end "

@@ -89,6 +89,10 @@ class Executor:
             assert lane is not None
             toks = w.tokens()
             if job.prefilling:
+                if job.behind and job.behind[0][0] < w.pos0 + w.n:  # saved behind it
+                    t0 = time.perf_counter()
+                    job.before = self.publisher.before_step(lane, job.behind[0][0])
+                    job.stats.publish_s += time.perf_counter() - t0
                 # the prompt's last row: its logits give the first token, and they are
                 # kept with the lane (and with a checkpoint saved there); a pre-warm's too
                 last = w.pos0 + w.n == len(job.prompt)
@@ -173,6 +177,10 @@ class Executor:
                 lane.owed.append(job.owed.pop(0))
             if not job.prefilling:  # 1 MiB at Gemma 3's vocabulary: a copy is cheap
                 lane.keep_logits(self.p.ctx.logits_view(w.row).copy())
+            if job.behind and job.behind[0][0] < job.pos and (job.prefilling or job.prewarm):
+                t0 = time.perf_counter()  # (those in the last step: after the first token)
+                self.publisher.save_behind(job)
+                job.stats.publish_s += time.perf_counter() - t0
             if job.publish and job.publish[0][0] == job.pos:
                 t0 = time.perf_counter()
                 while job.publish and job.publish[0][0] == job.pos:
@@ -197,7 +205,10 @@ class Executor:
         todo, job.after_first = job.after_first, []
         if job.lane is None or job.lane.n != len(job.prompt) or job.error is not None \
                 or job.finish_reason in ("error", "cancelled"):
+            job.behind, job.before = [], None
             return
+        if job.behind:  # a share point in the last step, saved behind it
+            self.publisher.save_behind(job)
         for role, kind in todo:
             self.publisher.publish(job, role, kind)
 

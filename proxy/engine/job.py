@@ -106,6 +106,11 @@ class Job:
     # FULL checkpoints its prefill passes without stopping (a lane that can be cut back
     # anywhere): owed by the lane once passed (Lane.owed), sorted
     owed: list[tuple[int, Role, float]] = field(default_factory=list)
+    # checkpoints inside a step of a window-sized SWA cache, saved after the step that
+    # passes them from the saves before and after it (``Publisher.save_behind``), sorted
+    behind: list[tuple[int, Role, Kind]] = field(default_factory=list)
+    # the lane's SWA cache before the step that passed them (``Publisher.before_step``)
+    before: memoryview | None = None
     # checkpoints at the prompt's end saved once its first token is written
     # (``Executor.publish_after_first``): nothing else waits for them
     after_first: list[tuple[Role, Kind]] = field(default_factory=list)

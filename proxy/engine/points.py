@@ -1,7 +1,9 @@
 """Where a prefill publishes its checkpoints: the replay point, the first turn's end and
 its share points, a client's cache breakpoints, periodic points on the grid the steps
-make, and (on a hybrid, ``cache.share_grid_tokens``) share points moved onto that grid.
-proxy/engine/publishing.py saves them; the policy by memory kind is written there."""
+make, and (on a hybrid, ``cache.share_grid_tokens``) share points moved onto that grid;
+on a window-sized SWA cache, the points saved behind a step (``Job.behind``) and those
+its lane owes (``Job.owed``). proxy/engine/publishing.py saves them; the policy by
+memory kind is written there."""
 
 from __future__ import annotations
 
@@ -59,13 +61,18 @@ class PointPicker:
             ours += [n for n, _ in job.req.breakpoints]
         for n in self._share_points(job, chain, out):
             full_at(out, n)
+        behind = p.memory.swa_window and p.chunk <= p.memory.n_swa
         if kind is Kind.PARTIAL:
             movable = [m for m, _, _ in out if m not in ours]
             if p.memory.swa_window:  # a breakpoint in the last step is owed (_owe_last_step)
-                start = last_step_start(ours, reuse=job.reuse, end=end, chunk=self.p.chunk)
+                start = last_step_start([] if behind else ours, reuse=job.reuse, end=end,
+                                        chunk=self.p.chunk)
                 marks = {n for n, _ in job.req.breakpoints}
                 movable = [m for m in movable if m <= start or m not in marks]
-            self._onto_grid(job, out, movable)
+            if behind:
+                self._behind(job, out, movable)
+            else:
+                self._onto_grid(job, out, movable)
         if kind is Kind.PARTIAL and p.memory.swa_window:
             self._owe_last_step(job, out)  # before the periodic points: owed, not cut
         self._periodic(job, chain, out, first)
@@ -130,6 +137,23 @@ class PointPicker:
         points[:] = [pt for pt in points if not start < pt[0] < end]
         job.owed = sorted(job.owed + [(n, r, job.keep.get(n, 0.0)) for n, r in tail],
                           key=lambda o: o[0])
+
+    def _behind(self, job: Job, points: Points, shared: list[int]) -> None:
+        """A window-sized SWA cache whose window is at least a step: the points before
+        the last step that no whole step from ``job.reuse`` ends at are saved behind the
+        step that passes them (``Publisher.save_behind``: its cells reach a window back
+        from each), not cut there and not moved. So the prefill goes in whole steps, as
+        llama-server's ubatches, and gives up no reuse. In the last step, the points
+        for other conversations (``shared``: the first turn's end, share points) are
+        saved behind it once the first token is written; the lane owes the others
+        (``_owe_last_step``). Those on the grid end a step anyway."""
+        chunk, end = self.p.chunk, len(job.prompt)
+        start = last_step_start([], reuse=job.reuse, end=end, chunk=chunk)
+        off = [pt for pt in points if job.reuse < pt[0] <= start and (pt[0] - job.reuse) % chunk
+               or start < pt[0] < end and pt[0] in shared]
+        if off:
+            points[:] = [pt for pt in points if pt not in off]
+            job.behind = sorted(job.behind + off, key=lambda pt: pt[0])
 
     def _onto_grid(self, job: Job, points: Points, movable: list[int]) -> None:
         """``cache.share_grid_tokens``: on a hybrid, each of ``movable`` (the first turn's
@@ -217,6 +241,8 @@ class PointPicker:
         if at <= job.pos or self.p.pool is None or not job.use_cache:
             return 0
         full_at(pts, at)
+        if points is None:  # a step ends there now: not saved behind one as well
+            job.behind = [b for b in job.behind if b[0] != at]
         return at
 
 

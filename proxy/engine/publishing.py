@@ -14,9 +14,10 @@ Checkpoint policy by memory kind (docs/design.md facts 5-9):
   state (a PARTIAL state is the SWA cache alone, docs/design.md fact 25), so the policy
   is the hybrid's; ``seq_rm`` alone only where the lane's cells still reach a window
   back (``planner.can_truncate``). A prefill ends no step early: its share points and
-  breakpoints stay where they cost no step, else go down onto the step grid, and the
-  history's end and breakpoints inside its last step are owed by the lane, as with
-  every cell kept, while its cells reach them (points.py).
+  breakpoints are saved behind the steps that pass them (``save_behind``, where the
+  window is at least a step; else they stay where they cost no step, or go down onto
+  the step grid), and the history's end and breakpoints inside its last step are owed
+  by the lane, as with every cell kept, while its cells reach them (points.py).
 - SWA keeping every cell (``model.swa_full`` true, as exact mode has it): ``seq_rm``
   rolls a live lane back; partial states would be most of the KV anyway (docs/design.md
   fact 4). FULL states at the replay point and on hand-off; a restored one is never
@@ -32,16 +33,21 @@ Checkpoint policy by memory kind (docs/design.md facts 5-9):
 
 from __future__ import annotations
 
+import logging
 import mmap
 import time
 
-from proxy.engine.binding import FLAGS_FULL, FLAGS_PARTIAL
+from proxy.engine.binding import FLAGS_FULL, FLAGS_PARTIAL, StateBuffer
 from proxy.engine.build import Parts
 from proxy.engine.job import Job
 from proxy.engine.lanes import Lane
-from proxy.engine.planner import can_truncate
+from proxy.engine.planner import can_truncate, window_reaches
 from proxy.engine.points import PointPicker
+from statecache.kvpages.cut import state_at
+from statecache.kvpages.layout import Unparsed
 from statecache.records import Kind, Owner, Role
+
+log = logging.getLogger(__name__)
 
 PREVIEW_TOKENS = 24
 
@@ -50,6 +56,7 @@ class Publisher:
     def __init__(self, parts: Parts) -> None:
         self.p = parts
         self.where = PointPicker(parts, self.kind)  # where a prefill publishes
+        self._before: dict[int, StateBuffer] = {}  # each lane's save before a step
 
 
     def ensure_full(self, job: Job) -> None:
@@ -96,21 +103,89 @@ class Publisher:
             p.ctx.save_into(lane.id, data, flags)
         else:
             data = p.ctx.save(lane.id, flags)
-        preview = p.model.detokenize(lane.tokens[-PREVIEW_TOKENS:].tolist())
+        nbytes = self._insert(lane, lane.n, role, kind, data, keep_s, owned)
+        if nbytes and kind is Kind.FULL:
+            lane.saved_full = True
+        if nbytes and p.draft is not None:  # the draft's partial state where it stands
+            p.draft.checkpoint(lane.id, lane.tokens, lane.tenant, role)
+        return nbytes
+
+    def _insert(self, lane: Lane, n: int, role: Role, kind: Kind,
+                data: memoryview | mmap.mmap | bytearray, keep_s: float, owned: bool) -> int:
+        """Hand the pool ``data``, the state after the lane's first ``n`` tokens (with
+        the logits the lane kept there); the bytes it stored (0 if refused)."""
+        p = self.p
+        assert p.pool is not None
+        tokens = lane.tokens[:n]
+        preview = p.model.detokenize(tokens[-PREVIEW_TOKENS:].tolist())
         rec = p.pool.insert(kind=kind, owner=Owner.TARGET,
                             lane=lane.id if kind is Kind.PARTIAL else None,
-                            tokens=lane.tokens, role=role, data=data, tenant=lane.tenant,
-                            preview=preview, keep_s=keep_s, logits=lane.logits_at(lane.n),
+                            tokens=tokens, role=role, data=data, tenant=lane.tenant,
+                            preview=preview, keep_s=keep_s, logits=lane.logits_at(n),
                             owned=owned)
         if rec is None:
             return 0
         p.meter.checkpoints_saved.inc()
         p.meter.checkpoint_bytes_saved.inc(by=rec.nbytes)
-        if kind is Kind.FULL:
-            lane.saved_full = True
-        if p.draft is not None:  # the draft's partial state where it stands the same
-            p.draft.checkpoint(lane.id, lane.tokens, lane.tenant, role)
         return rec.nbytes
+
+    # -- behind a step (a window-sized SWA cache) ----------------------------------------
+
+    def before_step(self, lane: Lane, first: int) -> memoryview | None:
+        """The lane's SWA cache (its PARTIAL state) before a step that passes checkpoints
+        saved behind it, the first at ``first``: ``save_behind`` takes the first cells of
+        their windows from it. None where the lane's cells do not reach a window back
+        from ``first`` (a restored state's floor): those are lost."""
+        p = self.p
+        if not window_reaches(p.memory, lane, first, p.ctx.pos_min):
+            return None
+        buf = self._before.setdefault(lane.id, StateBuffer())
+        return p.ctx.save(lane.id, FLAGS_PARTIAL, buf)
+
+    def save_behind(self, job: Job) -> None:
+        """The checkpoints ``job``'s last step passed (``Job.behind`` below ``job.pos``),
+        each the lane's state at its position as a step ending there would have left
+        it: the cells before it from a save after the step, the first cells of its
+        window from the save before it (``Job.before``; statecache/kvpages/cut.py,
+        ``state_at``). So the prefill ends no step early for them; the saves cost what
+        a checkpoint there costs, and a copy of the state more."""
+        p, lane, before = self.p, job.lane, job.before
+        assert lane is not None
+        due = []
+        while job.behind and job.behind[0][0] < job.pos:
+            due.append(job.behind.pop(0))
+        job.before = None
+        if p.pool is None:
+            return
+        for kind, flags, sections in ((Kind.FULL, FLAGS_FULL, 2), (Kind.PARTIAL, FLAGS_PARTIAL, 1)):
+            mine = [(n, role) for n, role, k in due if k is kind]
+            if not mine:
+                continue
+            after = p.ctx.save(lane.id, flags)  # iSWA: the base cache, then the SWA cache
+            for n, role in mine:
+                try:
+                    if before is None:
+                        raise ValueError("no save before the step")
+                    parts = state_at(after, before, n, sections=sections, n_swa=p.memory.n_swa)
+                except (Unparsed, ValueError) as e:
+                    log.warning("no checkpoint at %d behind the step: %s", n, e)
+                    p.meter.behind_checkpoints_lost.inc()
+                    continue
+                size = sum(memoryview(x).nbytes for x in parts)
+                owned = kind is Kind.FULL and p.pool.keeps_whole
+                data: mmap.mmap | bytearray = p.pool.state_buffer(size) if owned \
+                    else bytearray(size)
+                at = 0
+                for x in parts:
+                    m = memoryview(x).cast("B")
+                    data[at:at + m.nbytes] = m
+                    at += m.nbytes
+                keep = job.keep.get(n, 0.0) if kind is Kind.FULL else 0.0
+                nbytes = self._insert(lane, n, role, kind, data, keep, owned)
+                if nbytes:
+                    job.stats.checkpoints_added += 1
+                    job.stats.checkpoint_bytes += nbytes
+                    p.meter.behind_checkpoints.inc()
 
     def clear(self, lane: Lane) -> None:
         """Forget the lane's state and its partial checkpoints."""

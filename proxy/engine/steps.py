@@ -225,8 +225,8 @@ class Stepper:
         ended = any(job.done for job, _ in active)
         self.write(active, flush=ended)
         for job, _ in active:
-            if job.after_first:  # its first token is written: its prompt end's checkpoint
-                self.exec.publish_after_first(job)
+            if job.after_first or (job.behind and not job.prefilling):
+                self.exec.publish_after_first(job)  # its first token is written
         for job, box in active:
             if job.done:
                 self._end(job, box)

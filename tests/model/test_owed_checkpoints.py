@@ -97,10 +97,11 @@ def test_a_window_sized_swa_cache_owes_its_last_steps_points(gemma_path: Path,
                                                              tmp_path: Path) -> None:
     """Gemma 3 with a window-sized SWA cache (``model.swa_full = false``): the lane cannot
     be cut back anywhere, but it can be cut back less than a step (its cells reach a
-    window back). A cold prompt's share point goes down onto the step grid, and the
-    points inside its last step (a breakpoint, the history's end) are owed: the prefill
-    takes llama-server's steps, no more. Before, each cut a step short (5 steps)."""
-    # (a point that costs no step where it is, as the share point here, stays there)
+    window back). A cold prompt's share point and a breakpoint before its last step are
+    saved behind the steps that pass them, where they are (Publisher.save_behind), and
+    the points inside its last step (a breakpoint, the history's end) are owed: the
+    prefill takes llama-server's steps, no more. Before, each cut a step short (5
+    steps); then the breakpoint went down onto the grid (512), giving up 48 tokens."""
     more: dict[str, object] = {"model.swa_full": False}
     path = gemma_path
     cfg = load_config(None, {"model.path": str(path), "engine.sanity_checks": True,
@@ -116,14 +117,14 @@ def test_a_window_sized_swa_cache_owes_its_last_steps_points(gemma_path: Path,
         a = words(" ".join(f"rule {i}: every session of this agent shares it;"
                            for i in range(300)))[:1200]
         share, mark, history = 700, 1100, 1190
-        early = 560  # a breakpoint further back: down onto the grid too, kept there
+        early = 560  # a breakpoint further back, inside the second step
         req = _req(a, share_points=(share,), breakpoints=((early, 300.0), (mark, 300.0)),
                    history_tokens=history)
         _, _, fin = generate(eng, req)
         assert fin.stats.prefill_steps == math.ceil(len(a) / STEP)
-        # the share point stays where it is: 700 tokens in 2 steps, 500 in 1 (free_cuts);
-        # the early breakpoint would make a step more: it goes down to the step's end
-        assert _fulls(eng) == {STEP, share}
+        # both saved behind the second step, where they are
+        assert _fulls(eng) == {early, share}
+        assert eng.meter.behind_checkpoints.get() == 2
         replay = history // eng.exec.page * eng.exec.page
         lane = eng.parts.lanes.lanes[0]
         assert [n for n, _, _ in lane.owed] == [mark, replay]
@@ -142,8 +143,14 @@ def test_a_window_sized_swa_cache_owes_its_last_steps_points(gemma_path: Path,
         got, _, fin = generate(eng, _req(c))
         assert fin.stats.source == "ram" and fin.usage.cached_tokens == replay
         assert_as_cold(cold, _req(c), got, 0.5)
+        # a new conversation that parts at the early breakpoint: its state, made from
+        # the saves around the step, answers as cold
+        d = a[:early] + words(" ".join(f"another task {i}" for i in range(40)))
+        got, _, fin = generate(eng, _req(d))
+        assert fin.stats.source == "ram" and fin.usage.cached_tokens == early
+        assert_as_cold(cold, _req(d), got, 0.5)
         assert eng.pool is not None
-        for n in (mark, STEP):
+        for n in (mark, early):
             kept = [r for r in eng.pool.describe() if r["n"] == n]
             assert kept and kept[0].get("kept_until"), (n, kept)
     finally:
